@@ -1,0 +1,30 @@
+"""The same task through ddp_accel.fit (Accelerate): compare with overhead_plain.py.
+
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml benchmarks/overhead_accel.py
+Prints one JSON line: {"loop": "ddp_accel", "samples_per_s": ...}.
+"""
+
+import json
+
+import torch
+from torch.utils.data import DataLoader
+
+from ddp_accel import ArgumentParser, TrainConfig, add_training_args, fit, run_main
+from overhead_task import build_task
+
+
+def main() -> None:
+    parser = add_training_args(ArgumentParser())
+    parser.set_defaults(output_dir="outputs/bench_overhead", epochs=2, batch_size=64, max_grad_norm=1.0, log_steps=50)
+    config = TrainConfig.from_args(parser.parse_args())
+    accelerator = config.build_accelerator()
+    model, dataset, loss_fn = build_task()
+    loader = DataLoader(dataset, batch_size=config.batch_size, shuffle=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    metrics = fit(accelerator, config, model, optimizer, loader, loss_fn)
+    accelerator.print(json.dumps({"loop": "ddp_accel", "world_size": accelerator.num_processes,
+                                  "samples_per_s": metrics["train_samples_per_s"]}))
+
+
+if __name__ == "__main__":
+    run_main(main)

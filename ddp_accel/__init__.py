@@ -1,0 +1,18 @@
+"""ddp-accel: classic PyTorch DDP recipes as Hugging Face Accelerate training scripts."""
+
+from ddp_accel.cli import ArgumentParser, add_training_args
+from ddp_accel.errors import UserError
+from ddp_accel.runtime import build_accelerator, print_banner, run_main
+from ddp_accel.training import TrainConfig, evaluate, fit
+
+__all__ = [
+    "ArgumentParser",
+    "TrainConfig",
+    "UserError",
+    "add_training_args",
+    "build_accelerator",
+    "evaluate",
+    "fit",
+    "print_banner",
+    "run_main",
+]

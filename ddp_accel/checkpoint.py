@@ -1,0 +1,131 @@
+"""Crash-safe checkpoints: full `save_state` written aside, then renamed into place."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from ddp_accel.errors import UserError
+
+TRAINING_STATE = "training_state.json"  # written last: a checkpoint without it is incomplete
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """Class name + hash of parameter names and shapes: tells a checkpoint of another model apart."""
+    shapes = [(name, tuple(tensor.shape)) for name, tensor in model.state_dict().items()]
+    digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]
+    return f"{type(model).__name__}:{digest}"
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """`step_N` folders that finished writing, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and (path / TRAINING_STATE).is_file():
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def resolve_resume(value: str | None, root: Path) -> Path | None:
+    """`latest` -> newest complete checkpoint or None (a first start); a path must be a complete checkpoint."""
+    if value is None:
+        return None
+    if value == "latest":
+        found = complete_checkpoints(root)
+        return found[-1] if found else None
+    path = Path(value)
+    if not path.exists():
+        raise UserError(f"--resume-from-checkpoint {value}: no such checkpoint. Use a folder like "
+                        f"{root}/step_N, or 'latest' to resume the newest one (or start fresh if none).")
+    if not (path / TRAINING_STATE).is_file():
+        raise UserError(f"--resume-from-checkpoint {value}: not a complete ddp_accel checkpoint "
+                        f"(no {TRAINING_STATE}); pick another step_N folder.")
+    return path
+
+
+def read_training_state(path: Path) -> dict[str, Any]:
+    return json.loads((path / TRAINING_STATE).read_text())
+
+
+def save_checkpoint(accelerator: Accelerator, root: Path, step: int, training_state: dict[str, Any],
+                    limit: int | None = None) -> Path:
+    """Every process calls this (save_state is collective). Returns the final folder.
+
+    The state goes to `.tmp_step_N` first; the main process renames it to `step_N` only after every
+    rank wrote its part, so a crash mid-save leaves no folder that `latest` would pick up.
+    """
+    final, partial = root / f"step_{step}", root / f".tmp_step_{step}"
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (partial / TRAINING_STATE).write_text(json.dumps(training_state, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        partial.rename(final)
+        if limit:
+            for old in complete_checkpoints(root)[:-limit]:
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator: Accelerator, path: Path, fingerprint: str) -> dict[str, Any]:
+    state = read_training_state(path)
+    if state.get("model_fingerprint") != fingerprint:
+        raise UserError(f"checkpoint {path} was written by another model ({state.get('model_fingerprint')}, "
+                        f"this run builds {fingerprint}); resume with the same model options or use a new --output-dir.")
+    try:
+        accelerator.load_state(str(path))
+    except (RuntimeError, FileNotFoundError, KeyError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"cannot load checkpoint {path}: {first_line}") from None
+    return state
+
+
+def strip_module_prefix(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """DDP saves `module.layer.weight`; the bare model wants `layer.weight`."""
+    prefix = "module."
+    if state_dict and all(key.startswith(prefix) for key in state_dict):
+        return {key[len(prefix):]: value for key, value in state_dict.items()}
+    return state_dict
+
+
+def load_plain_ddp_checkpoint(path: str | Path, model: torch.nn.Module,
+                              optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Load a checkpoint written by a classic DDP script into an unwrapped model.
+
+    Accepts `{'epoch', 'step', 'model_state_dict', 'optimizer_state_dict', ...}` or a bare state dict,
+    with or without the `module.` prefix. Returns the remaining entries (epoch, step, loss...).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such checkpoint file")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # pickles with arbitrary objects are refused by weights_only
+        raise UserError(f"{path}: cannot be loaded safely with weights_only=True ({type(error).__name__})") from None
+    if not isinstance(checkpoint, dict):
+        raise UserError(f"{path}: expected a dict checkpoint, found {type(checkpoint).__name__}")
+    model_state = checkpoint.get("model_state_dict", checkpoint)
+    try:
+        model.load_state_dict(strip_module_prefix(model_state))
+    except RuntimeError as error:
+        raise UserError(f"{path} does not fit this model: {str(error).splitlines()[0]} "
+                        f"{str(error).splitlines()[1].strip() if len(str(error).splitlines()) > 1 else ''}") from None
+    if optimizer is not None and "optimizer_state_dict" in checkpoint:
+        optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
+    return {key: value for key, value in checkpoint.items() if key not in ("model_state_dict", "optimizer_state_dict")}

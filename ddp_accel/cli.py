@@ -1,0 +1,80 @@
+"""Command-line options shared by every script.
+
+Options are spelled with dashes (`--output-dir`, pytorch/examples style) and also
+accepted with underscores (`--output_dir`, Hugging Face examples style).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that accepts `--some_option` wherever `--some-option` is defined."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        import sys
+
+        args = list(sys.argv[1:] if args is None else args)
+        known = {opt for action in self._actions for opt in action.option_strings}
+        return super().parse_known_args([self._dashed(arg, known) for arg in args], namespace)
+
+    @staticmethod
+    def _dashed(arg: str, known: set[str]) -> str:
+        if not arg.startswith("--") or "_" not in arg:
+            return arg
+        name, sep, value = arg.partition("=")
+        dashed = "--" + name[2:].replace("_", "-")
+        return dashed + sep + value if dashed in known and name not in known else arg
+
+
+def checkpointing_steps(value: str) -> int | str:
+    if value == "epoch":
+        return value
+    try:
+        steps = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of steps or 'epoch', got {value!r}") from None
+    if steps <= 0:
+        raise argparse.ArgumentTypeError("must be a positive number of steps")
+    return steps
+
+
+def positive_int(value: str) -> int:
+    number = int(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return number
+
+
+def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options every training script shares. Scripts change defaults with `parser.set_defaults`."""
+    group = parser.add_argument_group("training (shared by every ddp_accel script)")
+    group.add_argument("--output-dir", default="outputs/run", help="where checkpoints, metrics and the model go")
+    group.add_argument("--epochs", type=positive_int, default=1)
+    group.add_argument("--max-steps", type=positive_int, default=None, help="stop after this many optimizer steps")
+    group.add_argument("--batch-size", type=positive_int, default=32, help="per process; global = this x processes")
+    group.add_argument("--lr", type=float, default=1e-3)
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--gradient-accumulation-steps", type=positive_int, default=1)
+    group.add_argument("--max-grad-norm", type=float, default=None, help="clip gradients to this norm")
+    group.add_argument("--checkpointing-steps", type=checkpointing_steps, default=None, help="N or 'epoch'")
+    group.add_argument("--checkpoint-limit", type=positive_int, default=None, help="keep only the newest K")
+    group.add_argument(
+        "--resume-from-checkpoint", default=None, metavar="PATH|latest",
+        help="'latest' resumes the newest complete checkpoint in OUTPUT_DIR/checkpoints, or starts fresh if none",
+    )
+    group.add_argument("--eval-steps", type=positive_int, default=None, help="also evaluate every N steps")
+    group.add_argument("--log-steps", type=positive_int, default=20)
+    group.add_argument("--with-tracking", action="store_true", help="log to TensorBoard in OUTPUT_DIR/tensorboard")
+    group.add_argument(
+        "--mixed-precision", choices=["no", "fp16", "bf16"], default=None,
+        help="default: what the accelerate config says",
+    )
+    group.add_argument("--timeout-s", type=positive_int, default=600,
+                       help="collective timeout: a dead or hung rank ends the job after this long")
+    return parser

@@ -1,0 +1,107 @@
+"""Trainer template: copy this file, replace the four marked methods with your model and data.
+
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml scripts/template.py --epochs 10
+    python scripts/template.py --epochs 3 --no-val
+
+Train every epoch, validate every --eval-interval epochs, test once at the end. The training
+loop itself (DDP, sharding, accumulation, clipping, checkpoint/resume, logging) is ddp_accel.fit;
+validation and test use ddp_accel.evaluate, which counts every sample exactly once on any world size.
+The built-in task: 3-class Gaussian blobs in 16 dimensions, an MLP with BatchNorm.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from ddp_accel import ArgumentParser, TrainConfig, UserError, add_training_args, evaluate, fit, run_main
+
+
+class Trainer:
+    def __init__(self, args):
+        self.args = args
+        self.config = TrainConfig.from_args(args)
+        self.accelerator = self.config.build_accelerator()
+
+    # --- 1. your data: three datasets (train is sharded across processes, val/test too for speed) ---
+    def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
+        generator = torch.Generator().manual_seed(1234)  # the same data on every rank
+        centers = torch.randn(3, 16, generator=generator) * 1.5
+        labels = torch.randint(0, 3, (3000,), generator=generator)
+        inputs = centers[labels] + torch.randn(3000, 16, generator=generator)
+        data = TensorDataset(inputs, labels)
+        return torch.utils.data.random_split(data, [2000, 500, 500], generator=generator)
+
+    # --- 2. your model ---
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 3))
+
+    # --- 3. the training loss of one batch ---
+    def loss(self, model, batch) -> torch.Tensor:
+        inputs, labels = batch
+        return nn.functional.cross_entropy(model(inputs), labels)
+
+    # --- 4. per-sample values for validation/test (gathered across ranks), and the metrics from them ---
+    def eval_outputs(self, model, batch) -> dict[str, torch.Tensor]:
+        inputs, labels = batch
+        logits = model(inputs)
+        return {"loss": nn.functional.cross_entropy(logits, labels, reduction="none"),
+                "correct": (logits.argmax(dim=1) == labels).float()}
+
+    def metrics(self, outputs: dict[str, torch.Tensor]) -> dict[str, float]:
+        return {"loss": outputs["loss"].mean().item(), "accuracy": outputs["correct"].mean().item()}
+
+    # --- the run: usually nothing to change below ---
+    def run(self) -> dict[str, float]:
+        args, accelerator = self.args, self.accelerator
+        train_set, val_set, test_set = self.build_datasets()
+        model = self.build_model()
+        if args.sync_bn:
+            model = convert_sync_batchnorm(model, accelerator)
+        optimizer = torch.optim.SGD(model.parameters(), lr=self.config.lr, momentum=0.9, weight_decay=1e-4)
+
+        def cosine(optimizer, total_steps):
+            return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+
+        loader = lambda data, shuffle: DataLoader(data, batch_size=self.config.batch_size, shuffle=shuffle)
+        metrics = fit(accelerator, self.config, model, optimizer, loader(train_set, True), self.loss,
+                      eval_loader=None if args.no_val else loader(val_set, False), eval_fn=self.eval_outputs,
+                      metrics_fn=self.metrics, make_scheduler=cosine, eval_every_epochs=args.eval_interval,
+                      hparams=vars(args), title="template")
+        test = self.test(model, accelerator.prepare(loader(test_set, False)))
+        metrics.update(test)
+        if accelerator.is_main_process:
+            Path(self.config.output_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))
+        return metrics
+
+    def test(self, model, test_loader) -> dict[str, float]:
+        # fit() handed the model to accelerator.prepare in place; the trained weights are in `model`'s parameters
+        metrics = evaluate(self.accelerator, model, test_loader, self.eval_outputs, self.metrics, prefix="test")
+        self.accelerator.print("test: " + ", ".join(f"{key} {value:.4g}" for key, value in metrics.items()))
+        return metrics
+
+
+def convert_sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
+    """BatchNorm statistics over the global batch instead of each process's share (small per-GPU batches)."""
+    if accelerator.num_processes == 1:
+        return model
+    if accelerator.device.type == "cpu":
+        raise UserError("--sync-bn needs GPU processes: torch's SyncBatchNorm does not run on CPU. Drop --sync-bn here.")
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+def main() -> None:
+    parser = add_training_args(ArgumentParser(description="Trainer template: train / validate / test"))
+    parser.add_argument("--eval-interval", type=int, default=1, help="validate every N epochs")
+    parser.add_argument("--no-val", action="store_true", help="skip validation (test still runs at the end)")
+    parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (GPU)")
+    parser.set_defaults(output_dir="outputs/template", epochs=10, batch_size=256, lr=0.1, log_steps=10)
+    Trainer(parser.parse_args()).run()
+
+
+if __name__ == "__main__":
+    run_main(main)

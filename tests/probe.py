@@ -1,0 +1,69 @@
+"""A training job instrumented for the tests: the real ddp_accel loop, recording what each rank saw.
+
+Each sample is (id, x, y). Every rank writes `seen_rank{R}.json` (the ids of every training batch it
+consumed, in order) to OUTPUT_DIR. Evaluation returns the ids it was given, so the test can check that
+every validation sample was counted exactly once.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ddp_accel import ArgumentParser, TrainConfig, add_training_args, fit, run_main
+
+
+class IdDataset(Dataset):
+    def __init__(self, size: int, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(size, 8, generator=generator)
+        self.y = (self.x.sum(dim=1) > 0).long()
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        return index, self.x[index], self.y[index]
+
+
+def main() -> None:
+    parser = add_training_args(ArgumentParser())
+    parser.add_argument("--train-size", type=int, default=64)
+    parser.add_argument("--val-size", type=int, default=23)
+    parser.add_argument("--hidden", type=int, default=16)
+    parser.add_argument("--dropout", type=float, default=0.2)
+    args = parser.parse_args()
+    config = TrainConfig.from_args(args)
+    accelerator = config.build_accelerator()
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, args.hidden), torch.nn.ReLU(), torch.nn.Dropout(args.dropout),
+                                torch.nn.Linear(args.hidden, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    train = DataLoader(IdDataset(args.train_size, seed=1), batch_size=config.batch_size, shuffle=True)
+    val = DataLoader(IdDataset(args.val_size, seed=2), batch_size=config.batch_size)
+    seen: list[list[int]] = []
+
+    def loss_fn(model, batch):
+        ids, x, y = batch
+        seen.append(ids.tolist())
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    def eval_fn(model, batch):
+        ids, x, y = batch
+        return {"id": ids, "correct": (model(x).argmax(dim=1) == y).float()}
+
+    def metrics_fn(outputs):
+        ids = outputs["id"].tolist()
+        return {"accuracy": outputs["correct"].mean().item(), "id_sum": sum(ids), "unique_ids": len(set(ids))}
+
+    def warmup_then_decay(optimizer, total_steps):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3) * (1 - step / (total_steps + 1)))
+
+    fit(accelerator, config, model, optimizer, train, loss_fn, eval_loader=val, eval_fn=eval_fn,
+        metrics_fn=metrics_fn, make_scheduler=warmup_then_decay, hparams=vars(args))
+    Path(config.output_dir, f"seen_rank{accelerator.process_index}.json").write_text(json.dumps(seen))
+
+
+if __name__ == "__main__":
+    run_main(main)

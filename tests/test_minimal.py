@@ -1,0 +1,27 @@
+"""scripts/minimal.py: the same program under accelerate launch and torchrun is one world-size-2 job."""
+
+import json
+import re
+
+import pytest
+
+from conftest import check_ok, launch
+
+
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_two_processes_form_one_world(tmp_path, launcher):
+    output = check_ok(launch("scripts/minimal.py", "--output-dir", tmp_path, launcher=launcher))
+    ranks = sorted(re.findall(r"^rank (\d) local_rank (\d) world_size (\d)", output, re.M))
+    assert ranks == [("0", "0", "2"), ("1", "1", "2")], output
+    assert re.search(r"distributed_type\s+MULTI_CPU", output) and re.search(r"backend\s+gloo", output), output
+    gathered = re.search(r"all_gather_object: (.*)", output).group(1)
+    assert "'rank': 0" in gathered and "'rank': 1" in gathered
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["eval_samples"] == 20
+    assert {p.name for p in tmp_path.iterdir()} >= {"args.json", "metrics.json", "model.safetensors"}
+
+
+def test_single_process_plain_python(tmp_path):
+    output = check_ok(launch("scripts/minimal.py", "--output-dir", tmp_path, launcher="python"))
+    assert "world_size 1" in output
+    assert json.loads((tmp_path / "metrics.json").read_text())["world_size"] == 1

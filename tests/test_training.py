@@ -1,0 +1,102 @@
+"""The ddp_accel loop, run for real on 1 and 2 CPU processes (gloo) through tests/probe.py."""
+
+import json
+import shutil
+
+import torch
+
+from conftest import check_ok, launch, weights
+
+PROBE = "tests/probe.py"
+
+
+def probe(output_dir, *args, nproc=2, launcher="accelerate"):
+    return check_ok(launch(PROBE, "--output-dir", output_dir, "--dropout", "0", *args, nproc=nproc,
+                           launcher=launcher if nproc > 1 else "python"))
+
+
+def assert_same_weights(dir_a, dir_b, atol=1e-6):
+    a, b = weights(dir_a), weights(dir_b)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=1e-5, msg=f"{key} differs")
+
+
+def test_one_process_2b_equals_two_processes_b(tmp_path):
+    probe(tmp_path / "one", "--batch-size", 8, "--epochs", 2, nproc=1)
+    probe(tmp_path / "two", "--batch-size", 4, "--epochs", 2, nproc=2)
+    one, two = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("one", "two"))
+    assert one["steps"] == two["steps"] == 16
+    assert one["world_size"] == 1 and two["world_size"] == 2
+    assert_same_weights(tmp_path / "one", tmp_path / "two")
+
+
+def test_gradient_accumulation_matches_big_batch(tmp_path):
+    probe(tmp_path / "big", "--batch-size", 8, "--epochs", 2, nproc=1)
+    probe(tmp_path / "accum", "--batch-size", 4, "--gradient-accumulation-steps", 2, "--epochs", 2, nproc=1)
+    assert_same_weights(tmp_path / "big", tmp_path / "accum")
+    # and across processes: 2 ranks x batch 2 x accumulation 2 == 1 rank x batch 8
+    probe(tmp_path / "both", "--batch-size", 2, "--gradient-accumulation-steps", 2, "--epochs", 2, nproc=2)
+    assert_same_weights(tmp_path / "big", tmp_path / "both")
+
+
+def test_ranks_see_disjoint_shards_and_epochs_reshuffle(tmp_path):
+    probe(tmp_path, "--batch-size", 4, "--epochs", 2, "--train-size", 40)
+    seen = [json.loads((tmp_path / f"seen_rank{rank}.json").read_text()) for rank in (0, 1)]
+    per_epoch = 40 // (4 * 2)  # batches per rank per epoch
+    epochs = []
+    for epoch in range(2):
+        shards = [{i for batch in rank_batches[epoch * per_epoch:(epoch + 1) * per_epoch] for i in batch}
+                  for rank_batches in seen]
+        assert not shards[0] & shards[1], "ranks saw the same sample in one epoch"
+        assert shards[0] | shards[1] == set(range(40)), "an epoch did not cover the dataset"
+        epochs.append([i for batch in seen[0][epoch * per_epoch:(epoch + 1) * per_epoch] for i in batch])
+    assert epochs[0] != epochs[1], "epoch 2 repeated epoch 1's order: set_epoch not applied"
+
+
+def test_eval_counts_every_sample_exactly_once(tmp_path):
+    # 23 validation samples, batch 4, 2 ranks: the sharded loader pads the last batch; metrics must not.
+    probe(tmp_path, "--batch-size", 4, "--val-size", 23, "--max-steps", 2)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["eval_samples"] == 23
+    assert metrics["eval_unique_ids"] == 23
+    assert metrics["eval_id_sum"] == sum(range(23))
+
+
+def test_resume_mid_epoch_gives_identical_weights(tmp_path):
+    # dropout on: resume must also restore every rank's RNG state; the LR schedule must continue too
+    common = ["--batch-size", 4, "--epochs", 3, "--dropout", "0.3", "--checkpointing-steps", 5]
+    probe(tmp_path / "full", *common)
+    checkpoints = sorted((tmp_path / "full" / "checkpoints").iterdir())
+    assert [p.name for p in checkpoints] == ["step_10", "step_15", "step_20", "step_5"]
+    # a run that died after step 5 (mid-epoch 0: 8 steps per epoch) left only step_5
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_5", tmp_path / "cut" / "checkpoints" / "step_5")
+    output = probe(tmp_path / "cut", *common, "--resume-from-checkpoint", "latest")
+    assert "resumed from" in output and "step 5, epoch 0" in output
+    assert_same_weights(tmp_path / "full", tmp_path / "cut", atol=0)
+
+
+def test_checkpoint_limit_keeps_newest(tmp_path):
+    probe(tmp_path, "--batch-size", 4, "--epochs", 2, "--checkpointing-steps", 3, "--checkpoint-limit", 2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_12", "step_15"]
+
+
+def test_latest_without_checkpoint_starts_fresh(tmp_path):
+    output = probe(tmp_path, "--batch-size", 4, "--max-steps", 3, "--resume-from-checkpoint", "latest", nproc=1)
+    assert "resumed from" not in output
+    assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 3
+
+
+def test_incomplete_checkpoint_is_ignored_by_latest(tmp_path):
+    probe(tmp_path, "--batch-size", 4, "--max-steps", 4, "--checkpointing-steps", 2, nproc=1)
+    # a save that crashed: its files are in .tmp_step_N, or step_N lacks training_state.json
+    shutil.copytree(tmp_path / "checkpoints" / "step_4", tmp_path / "checkpoints" / ".tmp_step_6")
+    shutil.copytree(tmp_path / "checkpoints" / "step_4", tmp_path / "checkpoints" / "step_8")
+    (tmp_path / "checkpoints" / "step_8" / "training_state.json").unlink()
+    output = probe(tmp_path, "--batch-size", 4, "--max-steps", 6, "--resume-from-checkpoint", "latest", nproc=1)
+    assert "resumed from" in output and "step_4" in output
+
+
+def test_tracking_writes_tensorboard_events(tmp_path):
+    probe(tmp_path, "--batch-size", 4, "--max-steps", 4, "--log-steps", 2, "--with-tracking", nproc=1)
+    assert list((tmp_path / "tensorboard").rglob("events.out.tfevents.*"))
