@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
 import os
 import sys
@@ -15,6 +16,22 @@ from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGr
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
 from ddp_accel.errors import UserError
+
+
+def _cache_per_step_package_probe() -> None:
+    """Accelerate (1.15) asks `is_lomo_available()` (importlib find_spec + metadata, ~0.2 ms) twice in every
+    `optimizer.step()`: 7% of a small model's step on CPU (benchmarks/overhead.py). The answer cannot change
+    while the process runs, so ask once."""
+    import accelerate.accelerator
+    import accelerate.optimizer
+
+    for module in (accelerate.optimizer, accelerate.accelerator):
+        probe = getattr(module, "is_lomo_available", None)
+        if probe is not None and not hasattr(probe, "cache_info"):
+            module.is_lomo_available = functools.cache(probe)
+
+
+_cache_per_step_package_probe()
 
 
 def has_accelerator() -> bool:
