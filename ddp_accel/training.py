@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, fields
@@ -161,8 +162,9 @@ def fit(
         accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
         return metrics
 
+    interactive = sys.stderr.isatty()  # in a log file, a line every 30 s instead of a redraw per step
     progress = tqdm(total=total_steps, initial=step, disable=not accelerator.is_local_main_process,
-                    desc="train", unit="step", dynamic_ncols=True)
+                    desc="train", unit="step", dynamic_ncols=True, mininterval=0.1 if interactive else 30)
     eval_metrics: dict[str, float] = {}
     last_eval_step, last_loss = -1, float("nan")
     window_loss, window_batches = torch.zeros((), device=accelerator.device), 0

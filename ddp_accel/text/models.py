@@ -1,0 +1,91 @@
+"""Text classifiers: the recipe's gated CNN (GCNN) and a fastText-style bag of (hashed) n-grams."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ddp_accel.errors import UserError
+
+
+class GatedBlock(nn.Module):
+    """A(x) * sigmoid(B(x)), A and B two Conv1d of the same shape (Dauphin et al. 2017)."""
+
+    def __init__(self, channels: int, kernel_size: int, stride: int):
+        super().__init__()
+        self.conv_a = nn.Conv1d(channels, channels, kernel_size, stride=stride)
+        self.conv_b = nn.Conv1d(channels, channels, kernel_size, stride=stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv_a(x) * torch.sigmoid(self.conv_b(x))
+
+
+class GCNN(nn.Module):
+    """Embedding -> 2 gated conv blocks -> pooling over time -> Linear -> Linear.
+
+    Recipe: dim 64, kernel 15, stride 7, mean pooling, hidden 128, no dropout. `pool="max"` and
+    `dropout` are our options.
+    """
+
+    def __init__(self, vocab_size: int, pad_id: int = 1, dim: int = 64, kernel_size: int = 15, stride: int = 7,
+                 hidden: int = 128, pool: str = "mean", dropout: float = 0.0, num_classes: int = 2):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, dim, padding_idx=pad_id)
+        nn.init.xavier_uniform_(self.embedding.weight)
+        with torch.no_grad():
+            self.embedding.weight[pad_id].zero_()
+        self.blocks = nn.Sequential(GatedBlock(dim, kernel_size, stride), GatedBlock(dim, kernel_size, stride))
+        self.pool, self.dropout = pool, nn.Dropout(dropout)
+        self.head = nn.Sequential(nn.Linear(dim, hidden), nn.Linear(hidden, num_classes))
+        # shortest input both convolutions accept: pad batches to at least this many tokens
+        self.min_length = kernel_size + (kernel_size - 1) * stride
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(self.dropout(self.embedding(input_ids)).transpose(1, 2))
+        x = x.amax(dim=2) if self.pool == "max" else x.mean(dim=2)
+        return self.head(self.dropout(x))
+
+
+class NgramBag(nn.Module):
+    """fastText: the mean of token (and hashed n-gram) embeddings -> Linear. `ngrams=1` is the recipe's model.
+
+    N-gram ids are hashed on the fly from the padded token ids into `buckets` extra rows, so the data
+    pipeline is the same for every model.
+    """
+
+    def __init__(self, vocab_size: int, pad_id: int = 1, dim: int = 64, ngrams: int = 1, buckets: int = 2_000_000,
+                 dropout: float = 0.0, num_classes: int = 2):
+        super().__init__()
+        self.vocab_size, self.pad_id, self.ngrams = vocab_size, pad_id, ngrams
+        self.buckets = buckets if ngrams > 1 else 0
+        self.embedding = nn.EmbeddingBag(vocab_size + self.buckets, dim, mode="mean", padding_idx=pad_id)
+        self.dropout = nn.Dropout(dropout)
+        self.fc = nn.Linear(dim, num_classes)
+        nn.init.uniform_(self.embedding.weight, -0.5 / dim, 0.5 / dim)  # fastText's init
+        with torch.no_grad():
+            self.embedding.weight[pad_id].zero_()
+
+    def ngram_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids followed by hashed 2..n-gram ids; n-grams touching padding become padding."""
+        columns = [input_ids]
+        for n in range(2, self.ngrams + 1):
+            if input_ids.shape[1] < n:
+                break
+            windows = input_ids.unfold(1, n, 1)  # (batch, positions, n)
+            hashed = torch.zeros_like(windows[..., 0])
+            for k in range(n):
+                hashed = hashed * 1_000_003 + windows[..., k]  # int64 wraps deterministically
+            ids = hashed.remainder(self.buckets) + self.vocab_size
+            columns.append(torch.where((windows == self.pad_id).any(dim=2), self.pad_id, ids))
+        return torch.cat(columns, dim=1)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.dropout(self.embedding(self.ngram_ids(input_ids))))
+
+
+def build_model(name: str, vocab_size: int, pad_id: int, **options) -> nn.Module:
+    if name == "gcnn":
+        return GCNN(vocab_size, pad_id, **{k: v for k, v in options.items() if k in ("dim", "pool", "dropout")})
+    if name == "bag":
+        return NgramBag(vocab_size, pad_id, **{k: v for k, v in options.items() if k in ("dim", "ngrams", "buckets", "dropout")})
+    raise UserError(f"unknown --model {name}; choose gcnn or bag")

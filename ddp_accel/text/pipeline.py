@@ -1,0 +1,156 @@
+"""From raw reviews to padded, length-bucketed batches: preprocess once (cached), not per batch."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+from ddp_accel.errors import UserError
+from ddp_accel.text import data
+from ddp_accel.text.tokenizer import basic_english
+from ddp_accel.text.vocab import Vocab
+
+TOKENIZER_VERSION = "basic_english-1"
+
+
+@dataclass
+class TextData:
+    train: datasets.Dataset
+    val: datasets.Dataset
+    test: datasets.Dataset | None
+    vocab: Vocab
+    source: str
+    synthetic: bool
+    truncated: int  # training reviews longer than max_length
+    preprocess_s: float
+
+
+def load_sources(dataset: str, data_dir: str | None, train_file: str | None, test_file: str | None,
+                 accelerator: Accelerator) -> tuple[datasets.Dataset, datasets.Dataset | None, str, bool]:
+    if train_file:
+        return data.load_file(train_file), data.load_file(test_file) if test_file else None, train_file, False
+    if test_file:
+        raise UserError("--test-file needs --train-file (or use --data-dir)")
+    if data_dir:
+        test_dir = Path(data_dir) / "aclImdb" / "test" if (Path(data_dir) / "aclImdb").is_dir() else Path(data_dir) / "test"
+        test = data.load_aclimdb(data_dir, "test") if test_dir.is_dir() else None
+        return data.load_aclimdb(data_dir, "train"), test, data_dir, False
+    if dataset == "imdb":
+        try:
+            with accelerator.main_process_first():  # one download, the others read the cache
+                train, test = data.load_hub_imdb()
+            return train, test, "hub:stanfordnlp/imdb", False
+        except Exception as error:  # offline, hub down, no cache
+            accelerator.print(f"IMDB cannot be reached on the Hugging Face hub ({type(error).__name__}); "
+                              "pass --data-dir aclImdb/ or --train-file/--test-file for real data. "
+                              "Training on the built-in SYNTHETIC sentiment corpus instead.")
+    return data.synthetic_imdb(4000, seed=0), data.synthetic_imdb(1000, seed=1), "synthetic", True
+
+
+def _source_key(source: str) -> list:
+    path = Path(source)
+    return [source, path.stat().st_size, path.stat().st_mtime_ns] if path.is_file() else [source]
+
+
+def prepare_text_data(accelerator: Accelerator, *, output_dir: str, dataset: str = "imdb", data_dir: str | None = None,
+                      train_file: str | None = None, test_file: str | None = None, val_fraction: float = 0.1,
+                      min_freq: int = 20, max_vocab: int | None = None, max_length: int | None = None,
+                      seed: int = 0, cache_dir: str | None = None) -> TextData:
+    """Load, split, tokenise, build the vocabulary (main process first) and encode, with an on-disk cache.
+
+    The second run with the same inputs reads the encoded arrow files instead of tokenising again.
+    """
+    start = time.perf_counter()
+    train, test, source, synthetic = load_sources(dataset, data_dir, train_file, test_file, accelerator)
+    split = train.train_test_split(test_size=val_fraction, seed=seed, stratify_by_column=None)
+    train, val = split["train"], split["test"]
+    cache = Path(cache_dir or Path(output_dir) / "cache")
+    key = data.fingerprint(_source_key(source), len(train), val_fraction, seed, TOKENIZER_VERSION)
+    num_proc = min(4, os.cpu_count() or 1) if len(train) > 5000 else None
+
+    def tokenize(batch):
+        return {"tokens": [basic_english(text) for text in batch["text"]]}
+
+    vocab_path = Path(output_dir) / "vocab.json"
+    with accelerator.main_process_first():
+        cache.mkdir(parents=True, exist_ok=True)
+        tokens = train.map(tokenize, batched=True, num_proc=num_proc, remove_columns=["text"], desc="tokenize",
+                           cache_file_name=str(cache / f"train-{key}-tokens.arrow"))
+        if accelerator.is_main_process:
+            vocab = Vocab.build((row for batch in _batches(tokens) for row in batch["tokens"]), min_freq, max_vocab)
+            vocab_path.parent.mkdir(parents=True, exist_ok=True)
+            vocab.save(vocab_path)
+    vocab = Vocab.load(vocab_path)
+
+    def encode(batch):
+        ids = [vocab.encode(tokens) for tokens in batch["tokens"]]
+        kept = [x[:max_length] if max_length else x for x in ids]
+        return {"input_ids": kept, "length": [len(x) for x in kept], "full_length": [len(x) for x in ids]}
+
+    def encode_split(split_data: datasets.Dataset, name: str) -> datasets.Dataset:
+        split_key = data.fingerprint(key, name, vocab.itos[:50], len(vocab), max_length)
+        tokenized = tokens if name == "train" else split_data.map(
+            tokenize, batched=True, num_proc=num_proc, remove_columns=["text"], desc=f"tokenize {name}",
+            cache_file_name=str(cache / f"{name}-{split_key}-tokens.arrow"))
+        return tokenized.map(encode, batched=True, num_proc=num_proc, remove_columns=["tokens"], desc=f"encode {name}",
+                             cache_file_name=str(cache / f"{name}-{split_key}-ids.arrow"))
+
+    with accelerator.main_process_first():
+        train_ids, val_ids = encode_split(train, "train"), encode_split(val, "val")
+        test_ids = encode_split(test, "test") if test is not None else None
+    truncated = sum(1 for length in train_ids["full_length"] if max_length and length > max_length)
+    return TextData(train_ids, val_ids, test_ids, vocab, source, synthetic, truncated, time.perf_counter() - start)
+
+
+def _batches(dataset: datasets.Dataset, size: int = 2000):
+    for start in range(0, len(dataset), size):
+        yield dataset[start:start + size]
+
+
+class EncodedReviews(torch.utils.data.Dataset):
+    """Arrow-backed (memory-mapped, shared by DataLoader workers: no per-worker copy of the corpus)."""
+
+    def __init__(self, encoded: datasets.Dataset):
+        self.encoded = encoded.with_format(None, columns=["input_ids", "label"])
+        self.lengths = encoded["length"]
+
+    def __len__(self) -> int:
+        return len(self.encoded)
+
+    def __getitem__(self, index: int):
+        row = self.encoded[index]
+        return row["input_ids"], row["label"]
+
+    def __getitems__(self, indices: list[int]):
+        rows = self.encoded[indices]  # one arrow read for the whole batch
+        return list(zip(rows["input_ids"], rows["label"]))
+
+
+class PadCollate:
+    """Pad to the longest review of the batch (at least `min_length`); ids as int64, labels as int64."""
+
+    def __init__(self, pad_id: int, min_length: int = 1):
+        self.pad_id, self.min_length = pad_id, min_length
+
+    def __call__(self, samples):
+        width = max(self.min_length, max(len(ids) for ids, _ in samples))
+        input_ids = torch.full((len(samples), width), self.pad_id, dtype=torch.long)
+        for row, (ids, _) in enumerate(samples):
+            input_ids[row, :len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+        labels = torch.tensor([label for _, label in samples], dtype=torch.long)
+        return input_ids, labels
+
+
+def make_loader(encoded: datasets.Dataset, batch_size: int, pad_id: int, *, shuffle: bool, seed: int,
+                min_length: int = 1, workers: int = 0) -> DataLoader:
+    reviews = EncodedReviews(encoded)
+    batches = data.BucketBatchSampler(reviews.lengths, batch_size, shuffle=shuffle, seed=seed)
+    return DataLoader(reviews, batch_sampler=batches, collate_fn=PadCollate(pad_id, min_length),
+                      num_workers=workers, persistent_workers=workers > 0)

@@ -1,0 +1,168 @@
+"""IMDB sentiment: the classic multi-GPU text-classification recipe on Accelerate.
+
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml scripts/imdb.py
+    python scripts/imdb.py --model gcnn --train-file train.jsonl --test-file test.jsonl
+    python scripts/imdb.py --predict "A wonderful, moving film." --output-dir outputs/imdb
+
+Models: `bag` (fastText: mean of token + hashed n-gram embeddings; --ngrams 1 is the recipe's EmbeddingBag)
+and `gcnn` (the recipe's gated CNN). `--recipe` restores the classic hyper-parameters (BCE on sigmoid,
+Adam 1e-3, clip 0.1, batch 128, vocabulary min frequency 20, dim 64). Labels: 1 = positive, 0 = negative.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from ddp_accel import ArgumentParser, TrainConfig, UserError, add_training_args, evaluate, fit, run_main
+from ddp_accel.text.models import build_model
+from ddp_accel.text.pipeline import make_loader, prepare_text_data
+from ddp_accel.text.tokenizer import basic_english
+from ddp_accel.text.vocab import Vocab
+
+RECIPE = dict(loss="bce", optimizer="adam", lr=1e-3, weight_decay=0.0, max_grad_norm=0.1, batch_size=128,
+              min_freq=20, dim=64, ngrams=1, pool="mean", dropout=0.0, warmup=0.0, schedule="constant")
+
+
+def parse_args(argv=None):
+    parser = add_training_args(ArgumentParser(description=__doc__.splitlines()[0]))
+    data = parser.add_argument_group("data")
+    data.add_argument("--dataset", choices=["imdb", "synthetic"], default="imdb",
+                      help="'imdb' from the Hugging Face hub (falls back to synthetic offline)")
+    data.add_argument("--data-dir", help="the aclImdb folder of the Stanford tarball (train/, test/)")
+    data.add_argument("--train-file", help="jsonl/csv/parquet with text and label columns")
+    data.add_argument("--test-file", help="jsonl/csv/parquet evaluated at the end")
+    data.add_argument("--val-fraction", type=float, default=0.1, help="held out from the training data")
+    data.add_argument("--min-freq", type=int, default=2, help="vocabulary: minimum token count")
+    data.add_argument("--max-vocab", type=int, default=None)
+    data.add_argument("--max-length", type=int, default=None, help="truncate reviews to this many tokens")
+    data.add_argument("--cache-dir", default=None, help="encoded-data cache (default OUTPUT_DIR/cache)")
+    data.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", choices=["bag", "gcnn"], default="bag")
+    model.add_argument("--dim", type=int, default=64)
+    model.add_argument("--ngrams", type=int, default=2, help="bag: 2 adds hashed bigrams (fastText)")
+    model.add_argument("--buckets", type=int, default=100_000, help="bag: hash buckets for n-grams")
+    model.add_argument("--pool", choices=["mean", "max"], default="max", help="gcnn: pooling over time")
+    model.add_argument("--dropout", type=float, default=0.0)
+    optim = parser.add_argument_group("optimisation")
+    optim.add_argument("--loss", choices=["ce", "bce"], default="ce", help="bce: the recipe's BCE on sigmoid(logits)")
+    optim.add_argument("--optimizer", choices=["adamw", "adam"], default="adamw")
+    optim.add_argument("--weight-decay", type=float, default=0.0)
+    optim.add_argument("--schedule", choices=["linear", "constant"], default="linear",
+                       help="linear: warmup then linear decay to 0")
+    optim.add_argument("--warmup", type=float, default=0.05, help="share of steps spent warming up")
+    optim.add_argument("--recipe", action="store_true", help="the classic recipe's hyper-parameters")
+    parser.add_argument("--predict", nargs="+", metavar="TEXT|FILE",
+                        help="classify texts (or the lines of a file) with the model in --output-dir")
+    parser.set_defaults(output_dir="outputs/imdb", epochs=5, batch_size=64, lr=5e-3, log_steps=20)
+    args = parser.parse_args(argv)
+    if args.recipe:
+        for key, value in RECIPE.items():
+            setattr(args, key, value)
+    return args
+
+
+def loss_function(kind: str):
+    def loss_fn(model, batch):
+        input_ids, labels = batch
+        logits = model(input_ids)
+        if kind == "bce":  # the recipe: sigmoid + BCE against one-hot labels
+            return torch.nn.functional.binary_cross_entropy_with_logits(
+                logits, torch.nn.functional.one_hot(labels, 2).to(logits.dtype))
+        return torch.nn.functional.cross_entropy(logits, labels)
+    return loss_fn
+
+
+def eval_fn(model, batch):
+    input_ids, labels = batch
+    logits = model(input_ids).float()
+    return {"correct": (logits.argmax(dim=1) == labels).float(),
+            "loss": torch.nn.functional.cross_entropy(logits, labels, reduction="none")}
+
+
+def model_options(args) -> dict:
+    return dict(dim=args.dim, ngrams=args.ngrams, buckets=args.buckets, pool=args.pool, dropout=args.dropout)
+
+
+def train(args) -> None:
+    config = TrainConfig.from_args(args)
+    accelerator = config.build_accelerator()
+    text = prepare_text_data(accelerator, output_dir=config.output_dir, dataset=args.dataset, data_dir=args.data_dir,
+                             train_file=args.train_file, test_file=args.test_file, val_fraction=args.val_fraction,
+                             min_freq=args.min_freq, max_vocab=args.max_vocab, max_length=args.max_length,
+                             seed=config.seed, cache_dir=args.cache_dir)
+    model = build_model(args.model, len(text.vocab), text.vocab.pad_id, **model_options(args))
+    min_length = getattr(model, "min_length", 1)
+    loader = lambda split, shuffle: make_loader(split, config.batch_size, text.vocab.pad_id, shuffle=shuffle,
+                                                seed=config.seed, min_length=min_length, workers=args.workers)
+    optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
+    optimizer = optimizer_class(model.parameters(), lr=config.lr, weight_decay=args.weight_decay)
+
+    def schedule(optimizer, total_steps):
+        warmup = max(1, int(args.warmup * total_steps))
+        if args.schedule == "constant":
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min((step + 1) / warmup, max(0.0, (total_steps - step) / max(1, total_steps - warmup))))
+
+    banner = {"data": ("SYNTHETIC corpus (offline fallback)" if text.synthetic else text.source),
+              "train/val/test reviews": f"{len(text.train)}/{len(text.val)}/{len(text.test) if text.test else 0}",
+              "vocabulary": len(text.vocab), "truncated_reviews": text.truncated,
+              "preprocess_s": round(text.preprocess_s, 1), "model": args.model,
+              "parameters": sum(p.numel() for p in model.parameters())}
+    metrics = fit(accelerator, config, model, optimizer, loader(text.train, True), loss_function(args.loss),
+                  eval_loader=loader(text.val, False), eval_fn=eval_fn, metrics_fn=None, make_scheduler=schedule,
+                  hparams=vars(args), title="imdb", banner=banner)
+    metrics.update({"data": banner["data"], "synthetic_data": text.synthetic, "preprocess_s": text.preprocess_s,
+                    "vocabulary": len(text.vocab)})
+    if text.test is not None:
+        metrics.update(evaluate(accelerator, model, accelerator.prepare(loader(text.test, False)), eval_fn, prefix="test"))
+        accelerator.print(f"test accuracy {metrics['test_correct']:.4f} on {metrics['test_samples']} reviews")
+    if accelerator.is_main_process:
+        Path(config.output_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))
+
+
+def predict(args) -> None:
+    """Classify texts with a trained output dir: its vocab.json, args.json and model.safetensors."""
+    output_dir = Path(args.output_dir)
+    needed = [output_dir / name for name in ("vocab.json", "args.json", "model.safetensors")]
+    missing = [path.name for path in needed if not path.is_file()]
+    if missing:
+        raise UserError(f"--predict needs a trained --output-dir; {output_dir} lacks {', '.join(missing)}. "
+                        f"Train first: python scripts/imdb.py --output-dir {output_dir}")
+    trained = json.loads((output_dir / "args.json").read_text())
+    vocab = Vocab.load(output_dir / "vocab.json")
+    model = build_model(trained["model"], len(vocab), vocab.pad_id, **model_options(argparse_namespace(trained)))
+    model.load_state_dict(load_file(str(output_dir / "model.safetensors")))
+    model.eval()
+    texts = []
+    for item in args.predict:
+        path = Path(item)
+        texts += [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else [item]
+    min_length = getattr(model, "min_length", 1)
+    with torch.no_grad():
+        for text in texts:
+            ids = vocab.encode(basic_english(text))[: trained.get("max_length") or None] or [vocab.unk_id]
+            ids += [vocab.pad_id] * (min_length - len(ids))
+            probability = torch.softmax(model(torch.tensor([ids])).float(), dim=1)[0, 1].item()
+            label = "positive" if probability >= 0.5 else "negative"
+            print(f"{label}\t{max(probability, 1 - probability):.3f}\t{text[:80]}")
+
+
+def argparse_namespace(values: dict):
+    import argparse
+    return argparse.Namespace(**values)
+
+
+def main() -> None:
+    args = parse_args()
+    predict(args) if args.predict else train(args)
+
+
+if __name__ == "__main__":
+    run_main(main)

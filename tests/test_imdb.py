@@ -1,0 +1,163 @@
+"""scripts/imdb.py and the text pipeline: tokenizer, vocabulary, sources, bucketing, 2-process training."""
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import check_ok, launch
+from ddp_accel.errors import UserError
+from ddp_accel.text import data
+from ddp_accel.text.models import NgramBag, GCNN
+from ddp_accel.text.tokenizer import basic_english
+from ddp_accel.text.vocab import Vocab
+
+SHARED_IMDB = Path(__file__).resolve().parents[2] / "shared" / "data" / "imdb_train.jsonl.gz"
+
+
+def test_tokenizer_matches_basic_english():
+    assert basic_english("Great movie!<br /><br />I LOVED it, (really).") == \
+        ["great", "movie", "!", "i", "loved", "it", ",", "(", "really", ")", "."]
+    assert basic_english("Don't \"quote\" me; ok: fine?") == ["don", "'", "t", "quote", "me", "ok", "fine", "?"]
+    assert basic_english("Amélie était très BELLE") == ["amélie", "était", "très", "belle"]
+
+
+def test_vocab_min_freq_max_size_and_round_trip(tmp_path):
+    vocab = Vocab.build([["a", "b", "a"], ["a", "c", "b"], ["d"]], min_freq=2)
+    assert vocab.itos == ["<unk>", "<pad>", "a", "b"]
+    assert vocab.encode(["a", "zzz", "b"]) == [2, 0, 3]
+    assert Vocab.build([["a", "b", "a"], ["c"]], max_size=3).itos == ["<unk>", "<pad>", "a"]
+    vocab.save(tmp_path / "vocab.json")
+    assert Vocab.load(tmp_path / "vocab.json").itos == vocab.itos
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_bucketing_keeps_every_sample_once_and_groups_lengths(epoch):
+    lengths = [(i * 37) % 101 + 1 for i in range(1000)]
+    sampler = data.BucketBatchSampler(lengths, batch_size=16, seed=3)
+    sampler.set_epoch(epoch)
+    batches = list(sampler)
+    flat = [i for batch in batches for i in batch]
+    assert sorted(flat) == list(range(1000))
+    assert len(batches) == len(sampler)
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    assert padded / sum(lengths) < 1.1  # random batches would pad ~1.9x here
+    other = data.BucketBatchSampler(lengths, batch_size=16, seed=3)
+    other.set_epoch(epoch + 1)
+    assert list(other) != batches
+
+
+def write_sources(root: Path) -> dict:
+    rows = [{"text": f"{'great wonderful' if i % 2 else 'awful boring'} film number {i}", "label": i % 2} for i in range(40)]
+    paths = {}
+    with open(root / "reviews.jsonl", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    paths["jsonl"] = root / "reviews.jsonl"
+    with gzip.open(root / "reviews.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    paths["jsonl.gz"] = root / "reviews.jsonl.gz"
+    import datasets
+    table = datasets.Dataset.from_list([{**row, "label": "pos" if row["label"] else "neg"} for row in rows])
+    table.to_csv(root / "reviews.csv")
+    paths["csv"] = root / "reviews.csv"
+    table.to_parquet(root / "reviews.parquet")
+    paths["parquet"] = root / "reviews.parquet"
+    return paths
+
+
+def test_every_file_format_loads_with_normalised_labels(tmp_path):
+    for fmt, path in write_sources(tmp_path).items():
+        loaded = data.load_file(path)
+        assert loaded.column_names == ["text", "label"], fmt
+        assert len(loaded) == 40 and sorted(set(loaded["label"])) == [0, 1], fmt
+        assert loaded[1]["label"] == 1 and "great" in loaded[1]["text"], fmt
+
+
+def test_aclimdb_folder_layout(tmp_path):
+    for split in ("train", "test"):
+        for label in ("pos", "neg"):
+            folder = tmp_path / "aclImdb" / split / label
+            folder.mkdir(parents=True)
+            for i in range(3):
+                (folder / f"{i}_7.txt").write_text(f"{label} review {i}<br />")
+    (tmp_path / "aclImdb" / "train" / "unsup").mkdir()
+    (tmp_path / "aclImdb" / "train" / "unsup" / "0_0.txt").write_text("ignored")
+    train = data.load_aclimdb(tmp_path, "train")
+    assert len(train) == 6 and sum(train["label"]) == 3
+    assert all(text.startswith("pos") for text, label in zip(train["text"], train["label"]) if label == 1)
+    with pytest.raises(UserError, match="pos and"):
+        data.load_aclimdb(tmp_path / "aclImdb" / "train", "train")
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"review": "x", "label": 1}\n', "needs columns 'text' and 'label'"),
+    ('{"text": "x", "label": 3}\n', "labels must be 0/1 or pos/neg"),
+    ('', "empty file"),
+])
+def test_bad_files_are_clear_errors(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(UserError, match=message):
+        data.load_file(path)
+
+
+def test_bad_input_from_the_command_line(tmp_path):
+    result = launch("scripts/imdb.py", "--output-dir", tmp_path, "--data-dir", tmp_path / "nope", launcher="python")
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in output and "error: --data-dir" in output
+    result = launch("scripts/imdb.py", "--output-dir", tmp_path / "untrained", "--predict", "hello", launcher="python")
+    assert result.returncode == 2 and "Train first" in result.stderr
+
+
+def test_ngram_hashing_ignores_padding():
+    bag = NgramBag(vocab_size=10, pad_id=1, dim=4, ngrams=2, buckets=7)
+    ids = bag.ngram_ids(torch.tensor([[2, 3, 1, 1]]))
+    assert ids[0, :4].tolist() == [2, 3, 1, 1]
+    bigrams = ids[0, 4:].tolist()
+    assert bigrams[0] >= 10 and bigrams[1:] == [1, 1]  # (2,3) hashed; (3,pad), (pad,pad) are padding
+    assert GCNN(vocab_size=10)(torch.ones(2, GCNN(10).min_length, dtype=torch.long)).shape == (2, 2)
+
+
+@pytest.mark.parametrize("model", ["bag", "gcnn"])
+def test_two_processes_learn_synthetic_sentiment_and_count_each_review_once(tmp_path, model):
+    output = check_ok(launch("scripts/imdb.py", "--dataset", "synthetic", "--model", model, "--output-dir", tmp_path,
+                             "--epochs", 3 if model == "bag" else 4, "--batch-size", 32, "--buckets", 20_000,
+                             env={"HF_HUB_OFFLINE": "1"}))
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["synthetic_data"] is True
+    assert metrics["eval_samples"] == 400 and metrics["test_samples"] == 1000
+    assert metrics["test_correct"] > 0.8, metrics
+    assert "SYNTHETIC" in output
+    assert (tmp_path / "vocab.json").is_file()
+    predicted = launch("scripts/imdb.py", "--output-dir", tmp_path, "--predict", "a wonderful superb film",
+                       "an awful boring mess", launcher="python")
+    lines = check_ok(predicted).strip().splitlines()[-2:]
+    assert lines[0].startswith("positive") and lines[1].startswith("negative"), lines
+
+
+def test_offline_imdb_falls_back_to_synthetic_with_one_line(tmp_path):
+    output = check_ok(launch("scripts/imdb.py", "--output-dir", tmp_path, "--max-steps", 3, "--buckets", 1000,
+                             launcher="python", env={"HF_HUB_OFFLINE": "1"}))
+    assert sum("IMDB cannot be reached" in line for line in output.splitlines()) == 1
+
+
+def test_second_run_reuses_the_encoded_cache(tmp_path):
+    common = ["--dataset", "synthetic", "--output-dir", tmp_path, "--max-steps", 2, "--buckets", 1000]
+    check_ok(launch("scripts/imdb.py", *common, launcher="python"))
+    files = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert any(name.endswith("-ids.arrow") for name in files)
+    mtimes = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").iterdir()}
+    check_ok(launch("scripts/imdb.py", *common, launcher="python"))
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").iterdir()} == mtimes
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SHARED_IMDB.is_file(), reason="../shared/data/imdb_train.jsonl.gz not present")
+def test_bag_on_real_imdb_reaches_85_percent_held_out(tmp_path):
+    check_ok(launch("scripts/imdb.py", "--train-file", SHARED_IMDB, "--output-dir", tmp_path, "--epochs", 2,
+                    launcher="python", timeout=900))
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["eval_samples"] == 2500
+    assert metrics["eval_correct"] > 0.85, metrics
