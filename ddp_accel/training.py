@@ -177,8 +177,11 @@ def fit(
         train_loader.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         batches = accelerator.skip_first_batches(train_loader, skip_batches) if skip_batches else train_loader
         batches_in_epoch, skip_batches = skip_batches, 0
-        tick = time.perf_counter()
+        tick, ended_mid_epoch = time.perf_counter(), False
         for batch in batches:
+            if step >= total_steps:  # --max-steps reached before the epoch's end
+                ended_mid_epoch = True
+                break
             data_wait += time.perf_counter() - tick
             with accelerator.accumulate(model):
                 loss = loss_fn(model, batch)
@@ -211,11 +214,9 @@ def fit(
                     eval_metrics, last_eval_step = run_eval(), step
                 if isinstance(config.checkpointing_steps, int) and step % config.checkpointing_steps == 0:
                     checkpoint(epoch, batches_in_epoch)
-                if step >= total_steps:
-                    break
             tick = time.perf_counter()
-        if batches_in_epoch < len(train_loader):
-            break  # --max-steps ended training mid-epoch
+        if ended_mid_epoch:
+            break
         if config.checkpointing_steps == "epoch":
             checkpoint(epoch + 1, 0)
         last_epoch = (epoch + 1) == config.epochs

@@ -138,11 +138,18 @@ class BucketBatchSampler(Sampler[list[int]]):
         rng = random.Random(self.seed * 100_003 + self.epoch)
         if self.shuffle:
             rng.shuffle(indices)
-        pool_size = self.batch_size * self.pool_batches
-        batches = []
+        pool_size, size = self.batch_size * self.pool_batches, self.batch_size
+        batches, leftovers = [], []
         for start in range(0, len(indices), pool_size):
             pool = sorted(indices[start:start + pool_size], key=self.lengths.__getitem__)
-            batches += [pool[i:i + self.batch_size] for i in range(0, len(pool), self.batch_size)]
+            full = len(pool) - len(pool) % size
+            batches += [pool[i:i + size] for i in range(0, full, size)]
+            leftovers += pool[full:]
+        leftovers.sort(key=self.lengths.__getitem__)
+        batches += [leftovers[i:i + size] for i in range(0, len(leftovers) - len(leftovers) % size, size)]
         if self.shuffle:
             rng.shuffle(batches)
-        return iter(batches)
+        # The one short batch goes last: Accelerate's batch sharding assumes only the last batch is short
+        # (a short batch mid-epoch makes it drop a whole round of batches).
+        short = leftovers[len(leftovers) - len(leftovers) % size:]
+        return iter(batches + ([short] if short else []))

@@ -43,14 +43,19 @@ def load_sources(dataset: str, data_dir: str | None, train_file: str | None, tes
         test = data.load_aclimdb(data_dir, "test") if test_dir.is_dir() else None
         return data.load_aclimdb(data_dir, "train"), test, data_dir, False
     if dataset == "imdb":
-        try:
-            with accelerator.main_process_first():  # one download, the others read the cache
+        # The main process downloads first, the others then read its cache. The exception is caught
+        # inside the block: raising through main_process_first would skip its barrier on one rank only.
+        with accelerator.main_process_first():
+            try:
                 train, test = data.load_hub_imdb()
+                error = None
+            except Exception as caught:  # offline, hub down, no cache
+                error = caught
+        if error is None:
             return train, test, "hub:stanfordnlp/imdb", False
-        except Exception as error:  # offline, hub down, no cache
-            accelerator.print(f"IMDB cannot be reached on the Hugging Face hub ({type(error).__name__}); "
-                              "pass --data-dir aclImdb/ or --train-file/--test-file for real data. "
-                              "Training on the built-in SYNTHETIC sentiment corpus instead.")
+        accelerator.print(f"IMDB cannot be reached on the Hugging Face hub ({type(error).__name__}); "
+                          "pass --data-dir aclImdb/ or --train-file/--test-file for real data. "
+                          "Training on the built-in SYNTHETIC sentiment corpus instead.")
     return data.synthetic_imdb(4000, seed=0), data.synthetic_imdb(1000, seed=1), "synthetic", True
 
 
