@@ -11,8 +11,8 @@ Adam 1e-3, clip 0.1, batch 128, vocabulary min frequency 20, dim 64). Labels: 1 
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -137,7 +137,7 @@ def predict(args) -> None:
                         f"Train first: python scripts/imdb.py --output-dir {output_dir}")
     trained = json.loads((output_dir / "args.json").read_text())
     vocab = Vocab.load(output_dir / "vocab.json")
-    model = build_model(trained["model"], len(vocab), vocab.pad_id, **model_options(argparse_namespace(trained)))
+    model = build_model(trained["model"], len(vocab), vocab.pad_id, **model_options(argparse.Namespace(**trained)))
     model.load_state_dict(load_file(str(output_dir / "model.safetensors")))
     model.eval()
     texts = []
@@ -152,11 +152,6 @@ def predict(args) -> None:
             probability = torch.softmax(model(torch.tensor([ids])).float(), dim=1)[0, 1].item()
             label = "positive" if probability >= 0.5 else "negative"
             print(f"{label}\t{max(probability, 1 - probability):.3f}\t{text[:80]}")
-
-
-def argparse_namespace(values: dict):
-    import argparse
-    return argparse.Namespace(**values)
 
 
 def main() -> None:
