@@ -235,7 +235,7 @@ def fit(
         "train_samples_per_s": samples_seen / max(train_time, 1e-9),
         "data_wait_share": data_wait / max(train_time, 1e-9),
         "wall_time_s": wall_time,
-        **{key: value for key, value in topology(accelerator, config.batch_size, accumulation).items()},
+        **topology(accelerator, config.batch_size, accumulation),
         "resumed_from": str(resume_path) if resume_path else None,
     }
     accelerator.wait_for_everyone()
