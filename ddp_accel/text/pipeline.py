@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import numpy as np
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
@@ -110,7 +111,8 @@ def prepare_text_data(accelerator: Accelerator, *, output_dir: str, dataset: str
     with accelerator.main_process_first():
         train_ids, val_ids = encode_split(train, "train"), encode_split(val, "val")
         test_ids = encode_split(test, "test") if test is not None else None
-    truncated = sum(1 for length in train_ids["full_length"] if max_length and length > max_length)
+    full_lengths = train_ids.data.table.column("full_length").to_numpy()
+    truncated = int((full_lengths > max_length).sum()) if max_length else 0
     return TextData(train_ids, val_ids, test_ids, vocab, source, synthetic, truncated, time.perf_counter() - start)
 
 
@@ -120,22 +122,30 @@ def _batches(dataset: datasets.Dataset, size: int = 2000):
 
 
 class EncodedReviews(torch.utils.data.Dataset):
-    """Arrow-backed (memory-mapped, shared by DataLoader workers: no per-worker copy of the corpus)."""
+    """Reads token ids straight from the arrow files' buffers (memory-mapped): no Python lists per
+    sample, and DataLoader workers share the pages instead of each holding a copy of the corpus."""
 
     def __init__(self, encoded: datasets.Dataset):
-        self.encoded = encoded.with_format(None, columns=["input_ids", "label"])
-        self.lengths = encoded["length"]
+        if encoded._indices is not None:  # a select()/shuffle() view: write it out once
+            encoded = encoded.flatten_indices()
+        table = encoded.data.table
+        chunks = table.column("input_ids").chunks
+        self.offsets = [chunk.offsets.to_numpy() for chunk in chunks]
+        self.values = [chunk.values.to_numpy() for chunk in chunks]
+        self.chunk_starts = np.cumsum([0] + [len(chunk) for chunk in chunks])
+        self.labels = table.column("label").to_numpy()
+        self.lengths = table.column("length").to_pylist()
 
     def __len__(self) -> int:
-        return len(self.encoded)
+        return len(self.labels)
 
     def __getitem__(self, index: int):
-        row = self.encoded[index]
-        return row["input_ids"], row["label"]
+        chunk = int(np.searchsorted(self.chunk_starts, index, side="right")) - 1
+        offsets, row = self.offsets[chunk], index - self.chunk_starts[chunk]
+        return self.values[chunk][offsets[row]:offsets[row + 1]], int(self.labels[index])
 
     def __getitems__(self, indices: list[int]):
-        rows = self.encoded[indices]  # one arrow read for the whole batch
-        return list(zip(rows["input_ids"], rows["label"]))
+        return [self[index] for index in indices]
 
 
 class PadCollate:
@@ -146,11 +156,11 @@ class PadCollate:
 
     def __call__(self, samples):
         width = max(self.min_length, max(len(ids) for ids, _ in samples))
-        input_ids = torch.full((len(samples), width), self.pad_id, dtype=torch.long)
+        input_ids = np.full((len(samples), width), self.pad_id, dtype=np.int64)
         for row, (ids, _) in enumerate(samples):
-            input_ids[row, :len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+            input_ids[row, :len(ids)] = ids
         labels = torch.tensor([label for _, label in samples], dtype=torch.long)
-        return input_ids, labels
+        return torch.from_numpy(input_ids), labels
 
 
 def make_loader(encoded: datasets.Dataset, batch_size: int, pad_id: int, *, shuffle: bool, seed: int,
