@@ -25,7 +25,8 @@ from ddp_accel.text.tokenizer import basic_english
 from ddp_accel.text.vocab import Vocab
 
 RECIPE = dict(loss="bce", optimizer="adam", lr=1e-3, weight_decay=0.0, max_grad_norm=0.1, batch_size=128,
-              min_freq=20, dim=64, ngrams=1, pool="mean", dropout=0.0, warmup=0.0, schedule="constant")
+              min_freq=20, dim=64, ngrams=1, pool="mean", dropout=0.0, warmup=0.0, schedule="constant",
+              kernel_size=15, stride=7)
 
 
 def parse_args(argv=None):
@@ -48,6 +49,8 @@ def parse_args(argv=None):
     model.add_argument("--ngrams", type=int, default=2, help="bag: 2 adds hashed bigrams (fastText)")
     model.add_argument("--buckets", type=int, default=100_000, help="bag: hash buckets for n-grams")
     model.add_argument("--pool", choices=["mean", "max"], default="max", help="gcnn: pooling over time")
+    model.add_argument("--kernel-size", type=int, default=15, help="gcnn: convolution width (recipe 15)")
+    model.add_argument("--stride", type=int, default=7, help="gcnn: convolution stride (recipe 7)")
     model.add_argument("--dropout", type=float, default=0.0)
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--loss", choices=["ce", "bce"], default="ce", help="bce: the recipe's BCE on sigmoid(logits)")
@@ -86,7 +89,8 @@ def eval_fn(model, batch):
 
 
 def model_options(args) -> dict:
-    return dict(dim=args.dim, ngrams=args.ngrams, buckets=args.buckets, pool=args.pool, dropout=args.dropout)
+    return dict(dim=args.dim, ngrams=args.ngrams, buckets=args.buckets, pool=args.pool, dropout=args.dropout,
+                kernel_size=getattr(args, "kernel_size", 15), stride=getattr(args, "stride", 7))
 
 
 def train(args) -> None:

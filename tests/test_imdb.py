@@ -121,6 +121,34 @@ def test_ngram_hashing_ignores_padding():
     assert GCNN(vocab_size=10)(torch.ones(2, GCNN(10).min_length, dtype=torch.long)).shape == (2, 2)
 
 
+
+def test_ngram_hash_spreads_bigrams_over_the_buckets():
+    # 200k distinct bigrams of a 50k vocabulary into 1M buckets: a uniform hash fills ~18% of them;
+    # the old multiplier (1,000,003, i.e. 3 mod 10**6) squeezed them into 3a+b < 200k and collided far more
+    bag = NgramBag(vocab_size=50_000, pad_id=1, dim=2, ngrams=2, buckets=1_000_000)
+    pairs = torch.unique(torch.randint(2, 50_000, (200_000, 2), generator=torch.Generator().manual_seed(0)), dim=0)
+    buckets = bag.ngram_ids(pairs)[:, 2]
+    assert buckets.min() >= 50_000 and buckets.max() < 1_050_000
+    assert len(torch.unique(buckets)) > 0.98 * len(pairs) * (1 - len(pairs) / 2e6)
+
+
+def test_encoded_reviews_read_the_arrow_buffers_of_every_chunk(tmp_path):
+    import datasets
+    from ddp_accel.text.pipeline import EncodedReviews, PadCollate
+    rows = [list(range(2, 2 + n)) for n in range(1, 30)]
+    parts = [datasets.Dataset.from_dict({"input_ids": rows[i::3], "label": [i % 2] * len(rows[i::3]),
+                                         "length": [len(r) for r in rows[i::3]]}) for i in range(3)]
+    combined = datasets.concatenate_datasets(parts)  # several arrow chunks
+    for dataset in (combined, combined.select([5, 0, 17, 3])):  # also an index view
+        reviews = EncodedReviews(dataset)
+        assert len(reviews) == len(dataset) and reviews.lengths == dataset["length"][:]
+        for i in range(len(dataset)):
+            ids, label = reviews[i]
+            assert ids.tolist() == dataset[i]["input_ids"] and label == dataset[i]["label"]
+        input_ids, labels = PadCollate(pad_id=1, min_length=3)(reviews.__getitems__([0, 1]))
+        assert input_ids.shape == (2, max(3, *(len(dataset[i]["input_ids"]) for i in (0, 1))))
+        assert input_ids[0, len(dataset[0]["input_ids"]):].eq(1).all() and labels.tolist() == dataset["label"][:2]
+
 @pytest.mark.parametrize("model", ["bag", "gcnn"])
 def test_two_processes_learn_synthetic_sentiment_and_count_each_review_once(tmp_path, model):
     epochs = 3 if model == "bag" else 4
