@@ -55,18 +55,22 @@ def parse_args(argv=None):
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--loss", choices=["ce", "bce"], default="ce", help="bce: the recipe's BCE on sigmoid(logits)")
     optim.add_argument("--optimizer", choices=["adamw", "adam"], default="adamw")
-    optim.add_argument("--weight-decay", type=float, default=0.0)
+    optim.add_argument("--weight-decay", type=float, default=None,
+                       help="AdamW weight decay; default 0.5 for bag (regularises the n-gram table: +0.5 points "
+                            "held out), 0 for gcnn (where 0.5 costs 1 point)")
     optim.add_argument("--schedule", choices=["linear", "constant"], default="linear",
                        help="linear: warmup then linear decay to 0")
     optim.add_argument("--warmup", type=float, default=0.05, help="share of steps spent warming up")
     optim.add_argument("--recipe", action="store_true", help="the classic recipe's hyper-parameters")
     parser.add_argument("--predict", nargs="+", metavar="TEXT|FILE",
                         help="classify texts (or the lines of a file) with the model in --output-dir")
-    parser.set_defaults(output_dir="outputs/imdb", epochs=5, batch_size=64, lr=5e-3, log_steps=20)
+    parser.set_defaults(output_dir="outputs/imdb", epochs=3, batch_size=64, lr=5e-3, log_steps=20)
     args = parser.parse_args(argv)
     if args.recipe:
         for key, value in RECIPE.items():
             setattr(args, key, value)
+    if args.weight_decay is None:
+        args.weight_decay = 0.5 if args.model == "bag" else 0.0
     return args
 
 

@@ -132,6 +132,25 @@ def test_ngram_hash_spreads_bigrams_over_the_buckets():
     assert len(torch.unique(buckets)) > 0.98 * len(pairs) * (1 - len(pairs) / 2e6)
 
 
+@pytest.mark.parametrize("max_length", [None, 4])
+def test_arrow_encoding_matches_the_python_tokenizer_and_vocab(tmp_path, max_length):
+    from accelerate import Accelerator
+    from ddp_accel.text.pipeline import prepare_text_data
+    texts = ["Great movie!<br />I LOVED it.", "Awful, awful film; zzz-unknown words", "Don't \"quote\" me", "a b c d e f g"]
+    rows = [{"text": f"{texts[i % 4]} {i}", "label": i % 2} for i in range(20)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    text = prepare_text_data(Accelerator(cpu=True), output_dir=str(tmp_path / "out"), val_fraction=0.2, min_freq=2,
+                             train_file=str(tmp_path / "train.jsonl"), max_length=max_length)
+    split = data.load_file(str(tmp_path / "train.jsonl")).train_test_split(test_size=0.2, seed=0)
+    vocab = Vocab.build([basic_english(t) for t in split["train"]["text"]], min_freq=2)
+    assert text.vocab.itos == vocab.itos
+    for raw, encoded in ((split["train"], text.train), (split["val" if "val" in split else "test"], text.val)):
+        expected = [vocab.encode(basic_english(t)) for t in raw["text"]]
+        assert encoded["input_ids"][:] == [ids[:max_length] for ids in expected]
+        assert encoded["full_length"][:] == [len(ids) for ids in expected]
+        assert encoded["label"][:] == raw["label"][:]
+    assert text.truncated == (sum(len(basic_english(t)) > 4 for t in split["train"]["text"]) if max_length else 0)
+
 def test_encoded_reviews_read_the_arrow_buffers_of_every_chunk(tmp_path):
     import datasets
     from ddp_accel.text.pipeline import EncodedReviews, PadCollate

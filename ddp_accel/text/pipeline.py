@@ -9,6 +9,8 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
@@ -18,7 +20,7 @@ from ddp_accel.text import data
 from ddp_accel.text.tokenizer import basic_english
 from ddp_accel.text.vocab import Vocab
 
-TOKENIZER_VERSION = "basic_english-1"
+PIPELINE_VERSION = "basic_english-1/int32-ids"
 
 
 @dataclass
@@ -78,7 +80,7 @@ def prepare_text_data(accelerator: Accelerator, *, output_dir: str, dataset: str
     split = train.train_test_split(test_size=val_fraction, seed=seed, stratify_by_column=None)
     train, val = split["train"], split["test"]
     cache = Path(cache_dir or Path(output_dir) / "cache")
-    key = data.fingerprint(_source_key(source), len(train), val_fraction, seed, TOKENIZER_VERSION)
+    key = data.fingerprint(_source_key(source), len(train), val_fraction, seed, PIPELINE_VERSION)
     num_proc = min(4, os.cpu_count() or 1) if len(train) > 5000 else None
 
     def tokenize(batch):
@@ -90,23 +92,32 @@ def prepare_text_data(accelerator: Accelerator, *, output_dir: str, dataset: str
         tokens = train.map(tokenize, batched=True, num_proc=num_proc, remove_columns=["text"], desc="tokenize",
                            cache_file_name=str(cache / f"train-{key}-tokens.arrow"))
         if accelerator.is_main_process:
-            vocab = Vocab.build((row for batch in _batches(tokens) for row in batch["tokens"]), min_freq, max_vocab)
+            vocab = Vocab.from_counts(_token_counts(tokens), min_freq, max_vocab)
             vocab_path.parent.mkdir(parents=True, exist_ok=True)
             vocab.save(vocab_path)
     vocab = Vocab.load(vocab_path)
+    vocab_tokens = pa.array(vocab.itos)
 
-    def encode(batch):
-        ids = [vocab.encode(tokens) for tokens in batch["tokens"]]
-        kept = [x[:max_length] if max_length else x for x in ids]
-        return {"input_ids": kept, "length": [len(x) for x in kept], "full_length": [len(x) for x in ids]}
+    def encode(batch: pa.Table) -> pa.Table:
+        """Token lists -> id lists in Arrow's C++ kernels (index_in), not a Python dict lookup per token."""
+        tokens = batch.column("tokens").combine_chunks()
+        ids = pc.fill_null(pc.index_in(pc.list_flatten(tokens), value_set=vocab_tokens), Vocab.unk_id)
+        full_length = pc.list_value_length(tokens)
+        offsets = pa.array(np.concatenate([[0], np.cumsum(full_length.to_numpy())]), pa.int32())
+        input_ids = pa.ListArray.from_arrays(offsets, ids)
+        if max_length:
+            input_ids = pc.list_slice(input_ids, 0, max_length)
+        return pa.table({"input_ids": input_ids, "label": batch.column("label"),  # an arrow result replaces the row
+                         "length": pc.list_value_length(input_ids), "full_length": full_length})
 
     def encode_split(split_data: datasets.Dataset, name: str) -> datasets.Dataset:
         split_key = data.fingerprint(key, name, vocab.itos[:50], len(vocab), max_length)
         tokenized = tokens if name == "train" else split_data.map(
             tokenize, batched=True, num_proc=num_proc, remove_columns=["text"], desc=f"tokenize {name}",
             cache_file_name=str(cache / f"{name}-{split_key}-tokens.arrow"))
-        return tokenized.map(encode, batched=True, num_proc=num_proc, remove_columns=["tokens"], desc=f"encode {name}",
-                             cache_file_name=str(cache / f"{name}-{split_key}-ids.arrow"))
+        return tokenized.with_format("arrow").map(
+            encode, batched=True, batch_size=5000, remove_columns=["tokens"], desc=f"encode {name}",
+            cache_file_name=str(cache / f"{name}-{split_key}-ids.arrow")).with_format(None)
 
     with accelerator.main_process_first():
         train_ids, val_ids = encode_split(train, "train"), encode_split(val, "val")
@@ -116,9 +127,10 @@ def prepare_text_data(accelerator: Accelerator, *, output_dir: str, dataset: str
     return TextData(train_ids, val_ids, test_ids, vocab, source, synthetic, truncated, time.perf_counter() - start)
 
 
-def _batches(dataset: datasets.Dataset, size: int = 2000):
-    for start in range(0, len(dataset), size):
-        yield dataset[start:start + size]
+def _token_counts(tokenized: datasets.Dataset) -> dict[str, int]:
+    """How often each token occurs, counted by Arrow (value_counts) instead of a Python Counter."""
+    counts = pc.value_counts(pc.list_flatten(tokenized.data.table.column("tokens")))
+    return dict(zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist()))
 
 
 class EncodedReviews(torch.utils.data.Dataset):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 UNK, PAD = "<unk>", "<pad>"
 
@@ -26,6 +26,10 @@ class Vocab:
         counts = Counter()
         for tokens in token_lists:
             counts.update(tokens)
+        return cls.from_counts(counts, min_freq, max_size)
+
+    @classmethod
+    def from_counts(cls, counts: Mapping[str, int], min_freq: int = 1, max_size: int | None = None) -> "Vocab":
         # most frequent first, ties alphabetical: the same vocabulary on every machine and run
         kept = sorted((token for token, count in counts.items() if count >= min_freq), key=lambda t: (-counts[t], t))
         kept = [token for token in kept if token not in (UNK, PAD)]
