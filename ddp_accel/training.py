@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from ddp_accel.checkpoint import load_checkpoint, model_fingerprint, resolve_resume, save_checkpoint
 from ddp_accel.errors import UserError
+from ddp_accel.plots import plot_history
 from ddp_accel.runtime import build_accelerator, print_banner, topology
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]  # (model, batch) -> mean loss of the batch
@@ -103,10 +104,13 @@ def fit(
     hparams: dict[str, Any] | None = None,
     title: str = "ddp_accel",
     banner: dict[str, Any] | None = None,
+    on_eval: Callable[[torch.nn.Module, dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Train `model`; checkpoint, resume, evaluate, log; write model.safetensors, metrics.json, args.json.
+    """Train `model`; checkpoint, resume, evaluate, log; write model.safetensors, metrics.json, args.json,
+    history.json and training_curves.png.
 
-    Every process calls fit(). Returns the final metrics (the same on every rank).
+    Every process calls fit(). Returns the final metrics (the same on every rank). `on_eval(model, metrics)`
+    runs on every rank after each evaluation (e.g. to keep the best model).
     """
     output_dir = Path(config.output_dir)
     checkpoints = output_dir / "checkpoints"
@@ -159,13 +163,24 @@ def fit(
     def run_eval() -> dict[str, float]:
         metrics = evaluate(accelerator, model, eval_loader, eval_fn, metrics_fn)
         accelerator.log(metrics, step=step)
-        accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()
+                                                        if isinstance(v, (int, float))))
+        history.append({"step": step, "epoch": step / steps_per_epoch, "train_loss": last_loss,
+                        **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
+        if accelerator.is_main_process:
+            (output_dir / "history.json").write_text(json.dumps(history, indent=1))
+        if on_eval is not None:
+            on_eval(model, metrics)
         return metrics
 
     interactive = sys.stderr.isatty()  # in a log file, a line every 30 s instead of a redraw per step
     progress = tqdm(total=total_steps, initial=step, disable=not accelerator.is_local_main_process,
                     desc="train", unit="step", dynamic_ncols=True, mininterval=0.1 if interactive else 30)
     eval_metrics: dict[str, float] = {}
+    history_path = output_dir / "history.json"
+    # evaluations so far; a resumed run continues the file
+    history: list[dict] = json.loads(history_path.read_text()) if resume_path and history_path.is_file() else []
+    history = [record for record in history if record["step"] <= step]
     last_eval_step, last_loss = -1, float("nan")
     window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
     samples_seen, train_time, data_wait = 0, 0.0, 0.0
@@ -204,9 +219,11 @@ def fit(
                     last_loss = accelerator.reduce(window_loss / window_batches, "mean").item()
                     window_loss.zero_()
                     window_batches = 0
-                    speed = samples_seen / max(train_time, 1e-9)
-                    progress.set_postfix(loss=f"{last_loss:.4f}", samples_s=f"{speed:.0f}", epoch=epoch)
-                    logs = {"train_loss": last_loss, "samples_per_s": speed, "epoch": epoch}
+                    speed = samples_seen / max(train_time, 1e-9)  # global: all processes' samples
+                    wait = data_wait / max(train_time, 1e-9)
+                    progress.set_postfix(loss=f"{last_loss:.4f}", samples_s=f"{speed:.0f}", data_wait=f"{wait:.0%}",
+                                         epoch=epoch)
+                    logs = {"train_loss": last_loss, "samples_per_s": speed, "data_wait_share": wait, "epoch": epoch}
                     if scheduler is not None:
                         logs["lr"] = scheduler.get_last_lr()[0]
                     accelerator.log(logs, step=step)
@@ -242,6 +259,8 @@ def fit(
     accelerator.save_model(model, str(output_dir))  # model.safetensors, unwrapped: no `module.` prefix
     if accelerator.is_main_process:
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        if history:
+            plot_history(history, output_dir / "training_curves.png", title)
     for tracker in accelerator.trackers:
         tracker.finish()
     return metrics

@@ -1,0 +1,34 @@
+"""Training curves as a PNG next to metrics.json, for people who would rather look than read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_history(history: list[dict], path: str | Path, title: str = "") -> None:
+    """Left: training and evaluation loss; right: every other evaluation metric in [0, 1] (accuracies)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training machines
+    import matplotlib.pyplot as plt
+
+    epochs = [record["epoch"] for record in history]
+    losses = [key for key in ("train_loss", "eval_loss") if any(key in record for record in history)]
+    scores = sorted({key for record in history for key, value in record.items()
+                     if key.startswith("eval_") and key != "eval_loss" and key != "eval_samples"
+                     and isinstance(value, float) and 0.0 <= value <= 1.0})
+    figure, (loss_axis, score_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    for key in losses:
+        loss_axis.plot(epochs, [record.get(key, float("nan")) for record in history], marker="o", label=key)
+    for key in scores:
+        score_axis.plot(epochs, [record.get(key, float("nan")) for record in history], marker="o", label=key)
+    for axis, name in ((loss_axis, "loss"), (score_axis, "evaluation")):
+        axis.set_xlabel("epoch")
+        axis.set_title(name)
+        axis.grid(alpha=0.3)
+        if axis.lines:
+            axis.legend()
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

@@ -1,0 +1,1 @@
+"""Image classification: ImageFolder data, torchvision and CIFAR models, top-k metrics."""

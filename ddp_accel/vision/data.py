@@ -1,0 +1,100 @@
+"""ImageFolder data (checked up front, clear errors), the standard transforms, and synthetic images."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+from torchvision import datasets, transforms
+from torchvision.datasets.folder import IMG_EXTENSIONS
+
+from ddp_accel.errors import UserError
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def check_image_folder(data_dir: str | Path) -> tuple[Path, Path]:
+    """DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*: every class folder holds images, val's classes are train's."""
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise UserError(f"data directory {root} does not exist (expected {root}/train/<class>/*.jpg and {root}/val/...)")
+    classes = {}
+    for split in ("train", "val"):
+        folder = root / split
+        if not folder.is_dir():
+            raise UserError(f"{root} has no {split}/ folder: expected {root}/train/<class>/*.jpg and {root}/val/<class>/*.jpg")
+        classes[split] = sorted(entry.name for entry in folder.iterdir() if entry.is_dir())
+        if not classes[split]:
+            raise UserError(f"{folder} has no class folders (one sub-folder of images per class)")
+        for name in classes[split]:
+            if not any(path.suffix.lower() in IMG_EXTENSIONS for path in (folder / name).iterdir()):
+                raise UserError(f"class folder {folder / name} has no images ({', '.join(IMG_EXTENSIONS)}); "
+                                "add images or remove the folder")
+    unknown = sorted(set(classes["val"]) - set(classes["train"]))
+    if unknown:
+        raise UserError(f"{root}/val has classes that train/ lacks: {', '.join(unknown[:5])}")
+    return root / "train", root / "val"
+
+
+class CheckedImageFolder(datasets.ImageFolder):
+    """ImageFolder whose unreadable images stop training with the file's name instead of a PIL traceback.
+
+    We chose a clear error over skipping: a skipped image would silently change the dataset (and the
+    exact-once evaluation count). Delete or replace the file and run again.
+    """
+
+    def __init__(self, root: Path, transform, class_to_idx: dict[str, int] | None = None):
+        self._fixed_classes = class_to_idx
+        super().__init__(str(root), transform=transform)
+
+    def find_classes(self, directory: str):
+        if self._fixed_classes is not None:  # val uses train's class indices even if it lacks a class
+            names = sorted(entry.name for entry in Path(directory).iterdir() if entry.is_dir())
+            return names, {name: self._fixed_classes[name] for name in names}
+        return super().find_classes(directory)
+
+    def __getitem__(self, index: int):
+        path, target = self.samples[index]
+        try:
+            image = self.loader(path)
+        except (OSError, ValueError) as error:  # PIL's UnidentifiedImageError is an OSError
+            raise UserError(f"cannot read image {path} ({type(error).__name__}); delete or replace it") from None
+        return self.transform(image), target
+
+
+def image_transforms(image_size: int, mean, std, augment: str) -> tuple[transforms.Compose, transforms.Compose]:
+    """imagenet: RandomResizedCrop + flip / Resize(size/0.875) + CenterCrop (pytorch/examples).
+    cifar: pad-4 RandomCrop + flip / the image as is (for 32x32 images, where a 0.08-scale crop destroys them)."""
+    normalize = [transforms.ToTensor(), transforms.Normalize(mean, std)]
+    if augment == "cifar":
+        train = [transforms.Resize(image_size), transforms.RandomCrop(image_size, padding=image_size // 8),
+                 transforms.RandomHorizontalFlip()]
+        val = [transforms.Resize(image_size), transforms.CenterCrop(image_size)]
+    else:
+        train = [transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip()]
+        val = [transforms.Resize(round(image_size / 0.875)), transforms.CenterCrop(image_size)]
+    return transforms.Compose(train + normalize), transforms.Compose(val + normalize)
+
+
+def image_folders(data_dir: str, image_size: int, mean, std, augment: str) -> tuple[Dataset, Dataset, list[str]]:
+    train_dir, val_dir = check_image_folder(data_dir)
+    train_transform, val_transform = image_transforms(image_size, mean, std, augment)
+    train = CheckedImageFolder(train_dir, train_transform)
+    val = CheckedImageFolder(val_dir, val_transform, class_to_idx=train.class_to_idx)
+    return train, val, train.classes
+
+
+class SyntheticImages(Dataset):
+    """`--dummy`: the same random image for every index (no decoding cost), labels cycling over the classes."""
+
+    def __init__(self, size: int, image_size: int, num_classes: int):
+        self.size, self.num_classes = size, num_classes
+        self.image = torch.randn(3, image_size, image_size, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int):
+        return self.image, index % self.num_classes

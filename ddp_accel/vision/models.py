@@ -1,0 +1,123 @@
+"""Image classifiers: every torchvision classification model, plus small CIFAR ResNets, and their weights."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+
+from ddp_accel.errors import UserError
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, in_channels: int, channels: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, channels, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_channels != channels:
+            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, channels, 1, stride, bias=False), nn.BatchNorm2d(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class CifarResNet(nn.Module):
+    """He et al. 2016's CIFAR ResNet (3 stages of 3x3 convolutions, no stem downsampling): depth = 6n + 2.
+
+    ImageNet ResNets downsample 4x in their stem, which leaves a 32x32 image 8x8 before the first block.
+    """
+
+    def __init__(self, depth: int = 20, width: int = 16, num_classes: int = 10):
+        super().__init__()
+        if (depth - 2) % 6:
+            raise ValueError("CIFAR ResNet depth is 6n + 2 (20, 32, 44, 56, 110)")
+        blocks = (depth - 2) // 6
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True))
+        layers, in_channels = [], width
+        for stage, channels in enumerate((width, width * 2, width * 4)):
+            for block in range(blocks):
+                layers.append(BasicBlock(in_channels, channels, 2 if stage > 0 and block == 0 else 1))
+                in_channels = channels
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(in_channels, num_classes)
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
+
+
+CIFAR_ARCHS = {"cifar_resnet20": dict(depth=20), "cifar_resnet32": dict(depth=32), "cifar_resnet56": dict(depth=56),
+               "cifar_resnet20_w32": dict(depth=20, width=32)}
+
+
+def list_archs() -> list[str]:
+    return sorted(torchvision.models.list_models(module=torchvision.models)) + sorted(CIFAR_ARCHS)
+
+
+def build_model(arch: str, num_classes: int, pretrained: str | None = None) -> nn.Module:
+    """`pretrained`: None, "default" (torchvision's weights, from its cache or downloaded) or a file path."""
+    if arch not in list_archs():
+        close = difflib.get_close_matches(arch, list_archs(), n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise UserError(f"unknown --arch {arch!r}{hint} (python scripts/imagenet.py --list-archs lists all)")
+    if arch in CIFAR_ARCHS:
+        model = CifarResNet(num_classes=num_classes, **CIFAR_ARCHS[arch])
+        if pretrained:
+            model.load_state_dict(_load_state_dict_file(pretrained, arch))
+        return model
+    if not pretrained:
+        return torchvision.models.get_model(arch, num_classes=num_classes)
+    model = torchvision.models.get_model(arch)
+    if pretrained == "default":
+        model.load_state_dict(_torchvision_weights(arch))
+    else:
+        model.load_state_dict(_load_state_dict_file(pretrained, arch))
+    if num_classes != _output_features(model):
+        _replace_head(model, num_classes)
+    return model
+
+
+def _torchvision_weights(arch: str) -> dict:
+    weights = torchvision.models.get_model_weights(arch).DEFAULT
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
+    try:
+        return weights.get_state_dict(progress=False, check_hash=False)
+    except Exception as error:  # offline, proxy, partial download
+        raise UserError(f"cannot get the pretrained weights of {arch} ({type(error).__name__}: {error}). On a machine "
+                        f"with internet: curl -L -o {cached} {weights.url} (or pass --pretrained PATH)") from None
+
+
+def _load_state_dict_file(path: str, arch: str) -> dict:
+    if not Path(path).is_file():
+        raise UserError(f"--pretrained {path}: no such file (a state dict of {arch}, .pth or .safetensors)")
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+        return load_file(path)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _last_linear(model: nn.Module) -> tuple[nn.Module, str, nn.Linear]:
+    """The classifier head: the last Linear layer registered, as (its parent, its name, the layer)."""
+    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, nn.Linear)]
+    if not found:
+        raise UserError("this architecture has no Linear head to replace; train it without --pretrained")
+    return found[-1]
+
+
+def _output_features(model: nn.Module) -> int:
+    return _last_linear(model)[2].out_features
+
+
+def _replace_head(model: nn.Module, num_classes: int) -> None:
+    parent, name, head = _last_linear(model)
+    setattr(parent, name, nn.Linear(head.in_features, num_classes))

@@ -1,0 +1,199 @@
+"""ImageFolder / ImageNet classification: pytorch/examples imagenet/main.py on Accelerate.
+
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml scripts/imagenet.py /data/imagenet -a resnet50
+    python scripts/imagenet.py cifar10_mini -a cifar_resnet20 --image-size 32 --augment cifar --epochs 30
+    python scripts/imagenet.py /data/imagenet -e --resume outputs/imagenet/model_best.safetensors
+    python scripts/imagenet.py --dummy -a resnet50 --channels-last --mixed-precision bf16 --max-steps 100
+
+DATA_DIR holds train/<class>/*.jpg and val/<class>/*.jpg. `-b/--batch-size` is per process (main.py's 256
+for a whole 8-GPU node is `-b 32`). Unreadable images stop the run with the file's name (see data.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch.utils.data import DataLoader
+
+from ddp_accel import ArgumentParser, TrainConfig, UserError, add_training_args, evaluate, fit, run_main
+from ddp_accel.vision.data import IMAGENET_MEAN, IMAGENET_STD, SyntheticImages, image_folders
+from ddp_accel.vision.models import build_model, list_archs
+
+
+def parse_args(argv=None):
+    parser = add_training_args(ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("data", nargs="?", help="DATA_DIR with train/ and val/ ImageFolder trees")
+    parser.add_argument("-a", "--arch", default="resnet18", help="any torchvision classification model, or cifar_resnet20/32/56")
+    parser.add_argument("--list-archs", action="store_true", help="print the architectures and exit")
+    parser.add_argument("-j", "--workers", type=int, default=4, help="DataLoader workers per process")
+    parser.add_argument("-b", dest="batch_size", type=int, default=argparse.SUPPRESS, help="= --batch-size (per process)")
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--wd", "--weight-decay", dest="weight_decay", type=float, default=1e-4)
+    parser.add_argument("-p", "--print-freq", dest="log_steps", type=int, default=argparse.SUPPRESS, help="= --log-steps")
+    parser.add_argument("--resume", help="= --resume-from-checkpoint (a checkpoint, 'latest'), or a .safetensors file")
+    parser.add_argument("-e", "--evaluate", action="store_true", help="validate the --resume model and exit")
+    parser.add_argument("--pretrained", nargs="?", const="default", metavar="PATH",
+                        help="torchvision's weights (cached or downloaded), or a local state-dict file")
+    parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (GPU)")
+    parser.add_argument("--lr-schedule", choices=["step", "cosine"], default="step",
+                        help="step: x0.1 every --lr-step-epochs (main.py); cosine: to 0 at the end")
+    parser.add_argument("--lr-step-epochs", type=int, default=30)
+    parser.add_argument("--warmup-epochs", type=float, default=0.0, help="linear warmup from 0")
+    parser.add_argument("--label-smoothing", type=float, default=0.0)
+    parser.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster convs on GPUs)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--augment", choices=["imagenet", "cifar"], default="imagenet",
+                        help="imagenet: RandomResizedCrop; cifar: pad-4 random crop (small images)")
+    parser.add_argument("--mean", type=float, nargs=3, default=list(IMAGENET_MEAN), help="per-channel normalisation")
+    parser.add_argument("--std", type=float, nargs=3, default=list(IMAGENET_STD))
+    parser.add_argument("--dummy", action="store_true", help="synthetic images (throughput runs, no data needed)")
+    parser.add_argument("--dummy-classes", type=int, default=1000)
+    parser.set_defaults(output_dir="outputs/imagenet", epochs=90, batch_size=32, lr=0.1, log_steps=10)
+    args = parser.parse_args(argv)
+    if args.resume and not args.resume.endswith(".safetensors"):
+        args.resume_from_checkpoint = args.resume
+    if not (args.list_archs or args.dummy or args.data):
+        parser.error("give DATA_DIR (with train/ and val/), or --dummy for synthetic images")
+    return args
+
+
+def datasets_for(args):
+    if args.dummy:
+        return (SyntheticImages(100 * args.batch_size, args.image_size, args.dummy_classes),
+                SyntheticImages(10 * args.batch_size, args.image_size, args.dummy_classes),
+                [str(i) for i in range(args.dummy_classes)])
+    return image_folders(args.data, args.image_size, args.mean, args.std, args.augment)
+
+
+def loader(dataset, args, shuffle: bool) -> DataLoader:
+    return DataLoader(dataset, batch_size=args.batch_size, shuffle=shuffle, num_workers=args.workers,
+                      pin_memory=torch.cuda.is_available(), persistent_workers=args.workers > 0)
+
+
+def make_eval_fn(channels_last: bool, num_classes: int):
+    k = min(5, num_classes)
+
+    def eval_fn(model, batch):
+        images, targets = batch
+        if channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        logits = model(images).float()
+        top = logits.topk(k, dim=1).indices
+        values = {"loss": torch.nn.functional.cross_entropy(logits, targets, reduction="none"),
+                  "top1": (top[:, 0] == targets).float(), "target": targets}
+        if num_classes >= 5:  # top-5 means nothing with fewer classes
+            values["top5"] = (top == targets[:, None]).any(dim=1).float()
+        return values
+    return eval_fn
+
+
+def make_metrics_fn(classes: list[str]):
+    def metrics_fn(values: dict[str, torch.Tensor]) -> dict:
+        metrics = {key: values[key].mean().item() for key in ("loss", "top1", "top5") if key in values}
+        per_class = {}
+        for index, name in enumerate(classes):
+            mask = values["target"] == index
+            if mask.any():
+                per_class[name] = values["top1"][mask].mean().item()
+        metrics["per_class_top1"] = per_class
+        return metrics
+    return metrics_fn
+
+
+def lr_lambda(args, steps_per_epoch: int, total_steps: int):
+    warmup = args.warmup_epochs * steps_per_epoch
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if args.lr_schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
+        return 0.1 ** (step // (args.lr_step_epochs * steps_per_epoch))
+    return factor
+
+
+def main() -> None:
+    args = parse_args()
+    if args.list_archs:
+        print("\n".join(list_archs()))
+        return
+    config = TrainConfig.from_args(args)
+    accelerator = config.build_accelerator()
+    train_set, val_set, classes = datasets_for(args)
+    model = build_model(args.arch, len(classes), args.pretrained)
+    if args.sync_bn:
+        if accelerator.device.type == "cpu":
+            raise UserError("--sync-bn needs GPUs: torch's SyncBatchNorm does not run on CPU (gloo)")
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if args.resume and args.resume.endswith(".safetensors"):
+        if not Path(args.resume).is_file():
+            raise UserError(f"--resume {args.resume}: no such file")
+        model.load_state_dict(load_file(args.resume))
+    eval_fn, metrics_fn = make_eval_fn(args.channels_last, len(classes)), make_metrics_fn(classes)
+    output_dir = Path(config.output_dir)
+
+    if args.evaluate:
+        if not args.resume:
+            raise UserError("--evaluate needs --resume (a checkpoint folder, 'latest', or model_best.safetensors)")
+        if args.resume_from_checkpoint:
+            from ddp_accel.checkpoint import load_checkpoint, model_fingerprint, resolve_resume
+            model = accelerator.prepare(model)
+            path = resolve_resume(args.resume_from_checkpoint, output_dir / "checkpoints")
+            load_checkpoint(accelerator, path, model_fingerprint(accelerator.unwrap_model(model)))
+        else:
+            model = accelerator.prepare(model)
+        metrics = evaluate(accelerator, model, accelerator.prepare(loader(val_set, args, False)), eval_fn, metrics_fn)
+        accelerator.print(f"top1 {metrics['eval_top1']:.4f}" + (f" top5 {metrics['eval_top5']:.4f}" if "eval_top5" in metrics else "")
+                          + f" on {metrics['eval_samples']} images")
+        if accelerator.is_main_process:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            (output_dir / "evaluate.json").write_text(json.dumps(metrics, indent=2))
+        return
+
+    if args.compile:
+        model = torch.compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+
+    def loss_fn(model, batch):
+        images, targets = batch
+        if args.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return torch.nn.functional.cross_entropy(model(images), targets, label_smoothing=args.label_smoothing)
+
+    def schedule(optimizer, total_steps):
+        # batches are sharded across processes, and a step is `gradient_accumulation_steps` batches
+        batches = math.ceil(math.ceil(len(train_set) / config.batch_size) / accelerator.num_processes)
+        steps_per_epoch = math.ceil(batches / config.gradient_accumulation_steps)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, steps_per_epoch, total_steps))
+
+    best = {"top1": -1.0}
+
+    def keep_best(model, metrics):
+        if metrics["eval_top1"] > best["top1"]:
+            best.update(top1=metrics["eval_top1"], step=metrics.get("step"))
+            state = accelerator.get_state_dict(model)
+            if accelerator.is_main_process:
+                save_file({k: v.contiguous() for k, v in state.items()}, str(output_dir / "model_best.safetensors"))
+
+    banner = {"arch": args.arch, "classes": len(classes), "train/val images": f"{len(train_set)}/{len(val_set)}",
+              "data": "SYNTHETIC (--dummy)" if args.dummy else args.data, "image_size": args.image_size,
+              "channels_last": args.channels_last, "parameters": sum(p.numel() for p in model.parameters())}
+    metrics = fit(accelerator, config, model, optimizer, loader(train_set, args, True), loss_fn,
+                  eval_loader=loader(val_set, args, False), eval_fn=eval_fn, metrics_fn=metrics_fn,
+                  make_scheduler=schedule, hparams=vars(args), title="imagenet", banner=banner, on_eval=keep_best)
+    metrics["best_top1"] = best["top1"]
+    if accelerator.is_main_process:
+        (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    accelerator.print(f"best top1 {best['top1']:.4f}; model_best.safetensors and training_curves.png in {output_dir}")
+
+
+if __name__ == "__main__":
+    run_main(main)
