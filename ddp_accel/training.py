@@ -185,61 +185,63 @@ def fit(
     window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
     samples_seen, train_time, data_wait = 0, 0.0, 0.0
     wall_start = time.perf_counter()
-    model.train()
-    for epoch in range(start_epoch, config.epochs):
-        if step >= total_steps:
-            break
-        train_loader.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        batches = accelerator.skip_first_batches(train_loader, skip_batches) if skip_batches else train_loader
-        batches_in_epoch, skip_batches = skip_batches, 0
-        tick, ended_mid_epoch = time.perf_counter(), False
-        for batch in batches:
-            if step >= total_steps:  # --max-steps reached before the epoch's end
-                ended_mid_epoch = True
+    try:  # an error mid-epoch must not leave the bar's line unfinished before the error message
+        model.train()
+        for epoch in range(start_epoch, config.epochs):
+            if step >= total_steps:
                 break
-            data_wait += time.perf_counter() - tick
-            with accelerator.accumulate(model):
-                loss = loss_fn(model, batch)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and config.max_grad_norm:
-                    accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            window_loss += loss.detach()
-            window_batches += 1
-            batches_in_epoch += 1
-            samples_seen += find_batch_size(batch) * accelerator.num_processes
-            train_time += time.perf_counter() - tick
-            if accelerator.sync_gradients:
-                if scheduler is not None:
-                    scheduler.step()
-                step += 1
-                progress.update(1)
-                if step % config.log_steps == 0 or step == total_steps:
-                    last_loss = accelerator.reduce(window_loss / window_batches, "mean").item()
-                    window_loss.zero_()
-                    window_batches = 0
-                    speed = samples_seen / max(train_time, 1e-9)  # global: all processes' samples
-                    wait = data_wait / max(train_time, 1e-9)
-                    progress.set_postfix(loss=f"{last_loss:.4f}", samples_s=f"{speed:.0f}", data_wait=f"{wait:.0%}",
-                                         epoch=epoch)
-                    logs = {"train_loss": last_loss, "samples_per_s": speed, "data_wait_share": wait, "epoch": epoch}
+            train_loader.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+            batches = accelerator.skip_first_batches(train_loader, skip_batches) if skip_batches else train_loader
+            batches_in_epoch, skip_batches = skip_batches, 0
+            tick, ended_mid_epoch = time.perf_counter(), False
+            for batch in batches:
+                if step >= total_steps:  # --max-steps reached before the epoch's end
+                    ended_mid_epoch = True
+                    break
+                data_wait += time.perf_counter() - tick
+                with accelerator.accumulate(model):
+                    loss = loss_fn(model, batch)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients and config.max_grad_norm:
+                        accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                window_loss += loss.detach()
+                window_batches += 1
+                batches_in_epoch += 1
+                samples_seen += find_batch_size(batch) * accelerator.num_processes
+                train_time += time.perf_counter() - tick
+                if accelerator.sync_gradients:
                     if scheduler is not None:
-                        logs["lr"] = scheduler.get_last_lr()[0]
-                    accelerator.log(logs, step=step)
-                if eval_loader is not None and config.eval_steps and step % config.eval_steps == 0:
-                    eval_metrics, last_eval_step = run_eval(), step
-                if isinstance(config.checkpointing_steps, int) and step % config.checkpointing_steps == 0:
-                    checkpoint(epoch, batches_in_epoch)
-            tick = time.perf_counter()
-        if ended_mid_epoch:
-            break
-        if config.checkpointing_steps == "epoch":
-            checkpoint(epoch + 1, 0)
-        last_epoch = (epoch + 1) == config.epochs
-        if eval_loader is not None and step != last_eval_step and (last_epoch or (epoch + 1) % eval_every_epochs == 0):
-            eval_metrics, last_eval_step = run_eval(), step
-    progress.close()
+                        scheduler.step()
+                    step += 1
+                    progress.update(1)
+                    if step % config.log_steps == 0 or step == total_steps:
+                        last_loss = accelerator.reduce(window_loss / window_batches, "mean").item()
+                        window_loss.zero_()
+                        window_batches = 0
+                        speed = samples_seen / max(train_time, 1e-9)  # global: all processes' samples
+                        wait = data_wait / max(train_time, 1e-9)
+                        progress.set_postfix(loss=f"{last_loss:.4f}", samples_s=f"{speed:.0f}", data_wait=f"{wait:.0%}",
+                                             epoch=epoch)
+                        logs = {"train_loss": last_loss, "samples_per_s": speed, "data_wait_share": wait, "epoch": epoch}
+                        if scheduler is not None:
+                            logs["lr"] = scheduler.get_last_lr()[0]
+                        accelerator.log(logs, step=step)
+                    if eval_loader is not None and config.eval_steps and step % config.eval_steps == 0:
+                        eval_metrics, last_eval_step = run_eval(), step
+                    if isinstance(config.checkpointing_steps, int) and step % config.checkpointing_steps == 0:
+                        checkpoint(epoch, batches_in_epoch)
+                tick = time.perf_counter()
+            if ended_mid_epoch:
+                break
+            if config.checkpointing_steps == "epoch":
+                checkpoint(epoch + 1, 0)
+            last_epoch = (epoch + 1) == config.epochs
+            if eval_loader is not None and step != last_eval_step and (last_epoch or (epoch + 1) % eval_every_epochs == 0):
+                eval_metrics, last_eval_step = run_eval(), step
+    finally:
+        progress.close()
     if eval_loader is not None and step != last_eval_step:
         eval_metrics = run_eval()
 

@@ -20,11 +20,12 @@ def check_image_folder(data_dir: str | Path) -> tuple[Path, Path]:
     root = Path(data_dir)
     if not root.is_dir():
         raise UserError(f"data directory {root} does not exist (expected {root}/train/<class>/*.jpg and {root}/val/...)")
+    for split in ("train", "val"):
+        if not (root / split).is_dir():
+            raise UserError(f"{root} has no {split}/ folder: expected {root}/train/<class>/*.jpg and {root}/val/<class>/*.jpg")
     classes = {}
     for split in ("train", "val"):
         folder = root / split
-        if not folder.is_dir():
-            raise UserError(f"{root} has no {split}/ folder: expected {root}/train/<class>/*.jpg and {root}/val/<class>/*.jpg")
         classes[split] = sorted(entry.name for entry in folder.iterdir() if entry.is_dir())
         if not classes[split]:
             raise UserError(f"{folder} has no class folders (one sub-folder of images per class)")

@@ -1,0 +1,108 @@
+"""scripts/imagenet.py: 2-process training on a generated ImageFolder, exact eval, top-k, best model, bad input."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import check_ok, launch
+from ddp_accel.vision.models import build_model
+
+SMALL = ["-a", "cifar_resnet20", "--image-size", "16", "--augment", "cifar", "-j", "0", "-b", "4", "--lr", "0.05"]
+
+
+def make_image_folder(root: Path, classes: int = 6, train: int = 8, val: int = 3) -> Path:
+    """Class c's images are noise around a brightness of its own: learnable in a few steps."""
+    rng = np.random.default_rng(0)
+    for split, count in (("train", train), ("val", val)):
+        for c in range(classes):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                Image.fromarray((rng.random((16, 16, 3)) * 60 + c * 35).astype("uint8")).save(folder / f"{i}.jpg")
+    return root
+
+
+def test_two_processes_train_count_every_val_image_once_and_evaluate_reproduces_the_best(tmp_path):
+    data = make_image_folder(tmp_path / "images", val=3)  # 18 val images: 2 ranks x batch 4 do not divide them
+    out = tmp_path / "out"
+    check_ok(launch("scripts/imagenet.py", data, *SMALL, "--epochs", "2", "--checkpointing-steps", "epoch",
+                    "--lr-schedule", "cosine", "--warmup-epochs", "0.5", "--label-smoothing", "0.1", "--output-dir", out))
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["eval_samples"] == 18
+    assert set(metrics["eval_per_class_top1"]) == {f"class{c}" for c in range(6)}
+    assert 0 <= metrics["eval_top1"] <= metrics["eval_top5"] <= 1
+    history = json.loads((out / "history.json").read_text())
+    assert [round(record["epoch"]) for record in history] == [1, 2]
+    assert metrics["best_top1"] == max(record["eval_top1"] for record in history)
+    for name in ("model_best.safetensors", "model.safetensors", "training_curves.png"):
+        assert (out / name).is_file(), name
+
+    best = check_ok(launch("scripts/imagenet.py", data, *SMALL, "-e", "--resume", out / "model_best.safetensors",
+                           "--output-dir", out))
+    assert json.loads((out / "evaluate.json").read_text())["eval_top1"] == pytest.approx(metrics["best_top1"], abs=1e-6)
+    assert "on 18 images" in best
+    check_ok(launch("scripts/imagenet.py", data, *SMALL, "-e", "--resume", "latest", "--output-dir", out, launcher="python"))
+    assert json.loads((out / "evaluate.json").read_text())["eval_top1"] == pytest.approx(metrics["eval_top1"], abs=1e-6)
+
+
+def test_top1_top5_match_a_hand_computed_case():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("imagenet", Path(__file__).parents[1] / "scripts" / "imagenet.py")
+    imagenet = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(imagenet)
+    logits = torch.tensor([[0.0, 1, 2, 3, 4, 5],    # target 5: top-1 hit
+                           [5.0, 4, 3, 2, 1, 0],    # target 4: 5th best -> top-5 hit only
+                           [5.0, 4, 3, 2, 1, 0]])   # target 5: worst -> neither
+    targets = torch.tensor([5, 4, 5])
+    values = imagenet.make_eval_fn(False, 6)(lambda images: logits, (torch.zeros(3), targets))
+    assert values["top1"].tolist() == [1, 0, 0] and values["top5"].tolist() == [1, 1, 0]
+    metrics = imagenet.make_metrics_fn([f"c{i}" for i in range(6)])(values)
+    assert metrics["top1"] == pytest.approx(1 / 3) and metrics["top5"] == pytest.approx(2 / 3)
+    assert metrics["per_class_top1"] == {"c4": 0.0, "c5": 0.5}
+    assert "top5" not in imagenet.make_eval_fn(False, 3)(lambda images: logits[:, :3], (None, torch.tensor([0, 1, 2])))
+
+
+def test_dummy_data_and_torchvision_arch_run(tmp_path):
+    out = check_ok(launch("scripts/imagenet.py", "--dummy", "-a", "resnet18", "--image-size", "32", "--dummy-classes", "10",
+                          "-b", "4", "-j", "0", "--max-steps", "3", "--channels-last", "--output-dir", tmp_path, launcher="python"))
+    assert "SYNTHETIC" in out
+    assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 3
+
+
+def user_error(result) -> str:
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    return next(line for line in output.splitlines() if line.startswith("error:"))
+
+
+def test_bad_input_gives_one_clear_line(tmp_path):
+    data = make_image_folder(tmp_path / "images", classes=3, train=2, val=1)
+    run = lambda *args: launch("scripts/imagenet.py", *args, "-j", "0", "--output-dir", tmp_path / "out", launcher="python")
+    assert "did you mean resnet18" in user_error(run(data, "-a", "resnet19"))
+    (tmp_path / "no_val" / "train" / "a").mkdir(parents=True)
+    assert "no val/ folder" in user_error(run(tmp_path / "no_val"))
+    (data / "train" / "empty").mkdir()
+    assert "train/empty has no images" in user_error(run(data))
+    (data / "train" / "empty").rmdir()
+    (data / "train" / "class0" / "0.jpg").write_bytes(b"not a jpeg")
+    assert "cannot read image" in user_error(run(data, *SMALL, "--epochs", "1")) and "0.jpg" in user_error(run(data, *SMALL))
+    assert "SyncBatchNorm" in user_error(run(data, *SMALL, "--sync-bn"))
+
+
+def test_pretrained_offline_says_how_to_get_the_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # an empty cache
+    import torchvision
+    def offline(*args, **kwargs):
+        raise OSError("network unreachable")
+    monkeypatch.setattr(torchvision.models.WeightsEnum, "get_state_dict", offline)
+    from ddp_accel.errors import UserError
+    with pytest.raises(UserError, match="curl -L -o .*resnet18"):
+        build_model("resnet18", 10, pretrained="default")
+    torch.save(build_model("resnet18", 1000).state_dict(), tmp_path / "r18.pth")
+    model = build_model("resnet18", 7, pretrained=str(tmp_path / "r18.pth"))  # fine-tuning head replaced
+    assert model.fc.out_features == 7
