@@ -26,14 +26,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_one(loop: str, nproc: int, epochs: int, hidden: int, output_dir: str) -> float:
+def run_one(loop: str, nproc: int, epochs: int, task: str, output_dir: str) -> float:
+    name, _, hidden = task.partition("-")
+    task_args = ["--task", name] + (["--hidden", hidden] if hidden else [])
     if loop == "plain":
-        script = [str(HERE / "overhead_plain.py"), "--epochs", str(epochs), "--hidden", str(hidden)]
+        script = [str(HERE / "overhead_plain.py"), "--epochs", str(epochs), *task_args]
         command = ([str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
                    if nproc > 1 else [sys.executable]) + script
     else:
-        script = [str(HERE / "overhead_accel.py"), "--epochs", str(epochs), "--hidden", str(hidden),
-                  "--output-dir", output_dir]
+        script = [str(HERE / "overhead_accel.py"), "--epochs", str(epochs), *task_args, "--output-dir", output_dir]
         command = ([str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs/multi_gpu.yaml"),
                     "--num_processes", str(nproc), "--main_process_port", str(free_port())]
                    if nproc > 1 else [sys.executable]) + script
@@ -51,22 +52,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--hidden", type=int, nargs="+", default=[512, 2048],
-                        help="MLP widths: 512 is a ~2 ms step on 2 cores (worst case for per-step overhead)")
+    parser.add_argument("--tasks", nargs="+", default=["mlp-512", "mlp-2048", "resnet20"],
+                        help="mlp-WIDTH (mlp-512: a ~2 ms step on 2 cores, the worst case for per-step overhead) "
+                             "or resnet20 (CIFAR ResNet-20, 32x32 images)")
     args = parser.parse_args()
-    rows = ["| MLP width | processes | plain DDP samples/s | ddp_accel samples/s | ratio |", "|---|---|---|---|---|"]
-    for hidden, nproc in ((hidden, nproc) for hidden in args.hidden for nproc in args.processes):
+    rows = ["| task | processes | plain DDP samples/s | ddp_accel samples/s | ratio |", "|---|---|---|---|---|"]
+    for task, nproc in ((task, nproc) for task in args.tasks for nproc in args.processes):
         speeds = {"plain": [], "ddp_accel": []}
         for repeat in range(args.repeats):
             for loop in ("plain", "ddp_accel") if repeat % 2 == 0 else ("ddp_accel", "plain"):
-                speeds[loop].append(run_one(loop, nproc, args.epochs, hidden, f"/tmp/ddp_accel_bench_{nproc}"))
-                print(f"  width {hidden} x{nproc} {loop}: {speeds[loop][-1]:.0f} samples/s", file=sys.stderr, flush=True)
+                speeds[loop].append(run_one(loop, nproc, args.epochs, task, f"/tmp/ddp_accel_bench_{nproc}"))
+                print(f"  {task} x{nproc} {loop}: {speeds[loop][-1]:.0f} samples/s", file=sys.stderr, flush=True)
         plain, ours = statistics.median(speeds["plain"]), statistics.median(speeds["ddp_accel"])
-        rows.append(f"| {hidden} | {nproc} | {plain:,.0f} | {ours:,.0f} | {ours / plain:.3f} |")
+        rows.append(f"| {task} | {nproc} | {plain:,.0f} | {ours:,.0f} | {ours / plain:.3f} |")
     table = "\n".join(rows)
     print(table)
     (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "overhead.md").write_text(table + "\n")
+    name = "overhead.md" if args.tasks == parser.get_default("tasks") else f"overhead_{'_'.join(args.tasks)}.md"
+    (HERE / "results" / name).write_text(f"`python benchmarks/overhead.py --repeats {args.repeats} --tasks {' '.join(args.tasks)}`\n\n{table}\n")
 
 
 if __name__ == "__main__":

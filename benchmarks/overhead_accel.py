@@ -16,11 +16,12 @@ from overhead_task import build_task
 def main() -> None:
     parser = add_training_args(ArgumentParser())
     parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--task", choices=["mlp", "resnet20"], default="mlp")
     parser.set_defaults(output_dir="outputs/bench_overhead", epochs=2, batch_size=64, max_grad_norm=1.0, log_steps=50)
     args = parser.parse_args()
     config = TrainConfig.from_args(args)
     accelerator = config.build_accelerator()
-    model, dataset, loss_fn = build_task(hidden=args.hidden)
+    model, dataset, loss_fn = build_task(args.task, hidden=args.hidden)
     loader = DataLoader(dataset, batch_size=config.batch_size, shuffle=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     metrics = fit(accelerator, config, model, optimizer, loader, loss_fn)

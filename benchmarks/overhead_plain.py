@@ -22,13 +22,14 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--task", choices=["mlp", "resnet20"], default="mlp")
     args = parser.parse_args()
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
         dist.init_process_group("gloo")
     world = dist.get_world_size() if distributed else 1
     torch.manual_seed(0)
-    model, dataset, loss_fn = build_task(hidden=args.hidden)
+    model, dataset, loss_fn = build_task(args.task, hidden=args.hidden)
     sampler = DistributedSampler(dataset, shuffle=True, seed=0) if distributed else None
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, shuffle=sampler is None)
     model = DDP(model) if distributed else model

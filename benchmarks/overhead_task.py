@@ -1,15 +1,23 @@
-"""The benchmark task both loops train: an MLP classifier on fixed random data (compute-bound, no I/O)."""
+"""The benchmark tasks both loops train, on fixed random data (compute-bound, no I/O).
+
+mlp: an MLP classifier (`hidden` wide); resnet20: the CIFAR ResNet-20 of scripts/imagenet.py on 32x32 images.
+"""
 
 import torch
 from torch.utils.data import TensorDataset
 
 
-def build_task(samples: int = 16384, features: int = 256, hidden: int = 512, classes: int = 10):
+def build_task(task: str = "mlp", hidden: int = 512, classes: int = 10):
     generator = torch.Generator().manual_seed(0)
-    inputs = torch.randn(samples, features, generator=generator)
-    labels = torch.randint(0, classes, (samples,), generator=generator)
-    model = torch.nn.Sequential(torch.nn.Linear(features, hidden), torch.nn.ReLU(),
-                                torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, classes))
+    if task == "resnet20":
+        from ddp_accel.vision.models import CifarResNet
+        inputs = torch.randn(4096, 3, 32, 32, generator=generator)
+        model = CifarResNet(depth=20, num_classes=classes)
+    else:
+        inputs = torch.randn(16384, 256, generator=generator)
+        model = torch.nn.Sequential(torch.nn.Linear(256, hidden), torch.nn.ReLU(),
+                                    torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, classes))
+    labels = torch.randint(0, classes, (len(inputs),), generator=generator)
 
     def loss_fn(model, batch):
         x, y = batch

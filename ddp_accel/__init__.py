@@ -2,7 +2,7 @@
 
 from ddp_accel.cli import ArgumentParser, add_training_args
 from ddp_accel.errors import UserError
-from ddp_accel.runtime import build_accelerator, print_banner, run_main
+from ddp_accel.runtime import build_accelerator, launched, print_banner, run_main
 from ddp_accel.training import TrainConfig, evaluate, fit
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "build_accelerator",
     "evaluate",
     "fit",
+    "launched",
     "print_banner",
     "run_main",
 ]

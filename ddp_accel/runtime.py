@@ -64,6 +64,7 @@ def build_accelerator(
     cpu = not has_accelerator()
     if cpu and mixed_precision == "fp16":
         raise UserError("--mixed-precision fp16 needs a GPU; on CPU use bf16 or no")
+    init_elastic_process_group(cpu, timeout_s)
     accelerator = Accelerator(
         cpu=cpu,
         mixed_precision=mixed_precision,
@@ -82,6 +83,23 @@ def build_accelerator(
     check_topology(accelerator)
     set_seed(seed)
     return accelerator
+
+
+def init_elastic_process_group(cpu: bool, timeout_s: int) -> None:
+    """Under a torchelastic agent (torchrun, accelerate launch), give every restart its own store keys.
+
+    The workers of every restart share the agent's TCPStore, and the process group's keys (each rank's
+    gloo address) do not depend on the attempt. A restarted rank can then read the address of a rank
+    that was killed and fail with "Gloo connectFullMesh failed ... Connection refused" (seen here on
+    every other restart after SIGKILLing both workers). Accelerate uses a process group that exists.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    dist.init_process_group("gloo" if cpu else "nccl", store=dist.PrefixStore(f"ddp_accel/restart_{restart}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
 def check_topology(accelerator: Accelerator) -> None:
@@ -141,6 +159,21 @@ def shutdown(clean: bool) -> None:
         if clean:
             dist.barrier()  # nobody destroys the group while a peer still uses it
         dist.destroy_process_group()
+
+
+def launched(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a training function for `notebook_launcher`/`debug_launcher`: it runs, its locals are released,
+    then the distributed shutdown `run_main` does for scripts (no gloo teardown abort in the workers)."""
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        try:
+            result = function(*args, **kwargs)
+        except BaseException:
+            shutdown(clean=False)
+            raise
+        shutdown(clean=True)
+        return result
+    return run
 
 
 def run_main(main: Callable[[], Any]) -> None:

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
 from ddp_accel import ArgumentParser, TrainConfig, UserError, add_training_args, evaluate, fit, run_main
+from ddp_accel.sync_bn import convert_sync_batchnorm
 from ddp_accel.vision.data import IMAGENET_MEAN, IMAGENET_STD, SyntheticImages, image_folders
 from ddp_accel.vision.models import build_model, list_archs
 
@@ -39,7 +40,7 @@ def parse_args(argv=None):
     parser.add_argument("-e", "--evaluate", action="store_true", help="validate the --resume model and exit")
     parser.add_argument("--pretrained", nargs="?", const="default", metavar="PATH",
                         help="torchvision's weights (cached or downloaded), or a local state-dict file")
-    parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (GPU)")
+    parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (GPUs, and CPU processes over gloo)")
     parser.add_argument("--lr-schedule", choices=["step", "cosine"], default="step",
                         help="step: x0.1 every --lr-step-epochs (main.py); cosine: to 0 at the end")
     parser.add_argument("--lr-step-epochs", type=int, default=30)
@@ -127,10 +128,9 @@ def main() -> None:
     accelerator = config.build_accelerator()
     train_set, val_set, classes = datasets_for(args)
     model = build_model(args.arch, len(classes), args.pretrained)
-    if args.sync_bn:
-        if accelerator.device.type == "cpu":
-            raise UserError("--sync-bn needs GPUs: torch's SyncBatchNorm does not run on CPU (gloo)")
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    sync_bn_layers = 0
+    if args.sync_bn and accelerator.num_processes > 1:
+        model, sync_bn_layers = convert_sync_batchnorm(model, accelerator.device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if args.resume and args.resume.endswith(".safetensors"):
@@ -185,7 +185,7 @@ def main() -> None:
 
     banner = {"arch": args.arch, "classes": len(classes), "train/val images": f"{len(train_set)}/{len(val_set)}",
               "data": "SYNTHETIC (--dummy)" if args.dummy else args.data, "image_size": args.image_size,
-              "channels_last": args.channels_last, "parameters": sum(p.numel() for p in model.parameters())}
+              "channels_last": args.channels_last, "sync_bn_layers": sync_bn_layers, "parameters": sum(p.numel() for p in model.parameters())}
     metrics = fit(accelerator, config, model, optimizer, loader(train_set, args, True), loss_fn,
                   eval_loader=loader(val_set, args, False), eval_fn=eval_fn, metrics_fn=metrics_fn,
                   make_scheduler=schedule, hparams=vars(args), title="imagenet", banner=banner, on_eval=keep_best)

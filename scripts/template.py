@@ -18,7 +18,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from ddp_accel import ArgumentParser, TrainConfig, UserError, add_training_args, evaluate, fit, run_main
+from ddp_accel import ArgumentParser, TrainConfig, add_training_args, evaluate, fit, run_main
+from ddp_accel.sync_bn import convert_sync_batchnorm
 
 
 class Trainer:
@@ -60,8 +61,10 @@ class Trainer:
         args, accelerator = self.args, self.accelerator
         train_set, val_set, test_set = self.build_datasets()
         model = self.build_model()
-        if args.sync_bn:
-            model = convert_sync_batchnorm(model, accelerator)
+        if args.sync_bn and accelerator.num_processes > 1:
+            # BatchNorm statistics over the global batch instead of each process's share (small per-GPU batches)
+            model, layers = convert_sync_batchnorm(model, accelerator.device)
+            accelerator.print(f"SyncBatchNorm: {layers} layers converted")
         optimizer = torch.optim.SGD(model.parameters(), lr=self.config.lr, momentum=0.9, weight_decay=1e-4)
 
         def cosine(optimizer, total_steps):
@@ -85,20 +88,11 @@ class Trainer:
         return metrics
 
 
-def convert_sync_batchnorm(model: nn.Module, accelerator) -> nn.Module:
-    """BatchNorm statistics over the global batch instead of each process's share (small per-GPU batches)."""
-    if accelerator.num_processes == 1:
-        return model
-    if accelerator.device.type == "cpu":
-        raise UserError("--sync-bn needs GPU processes: torch's SyncBatchNorm does not run on CPU. Drop --sync-bn here.")
-    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-
-
 def main() -> None:
     parser = add_training_args(ArgumentParser(description="Trainer template: train / validate / test"))
     parser.add_argument("--eval-interval", type=int, default=1, help="validate every N epochs")
     parser.add_argument("--no-val", action="store_true", help="skip validation (test still runs at the end)")
-    parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (GPU)")
+    parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (GPUs, and CPU processes over gloo)")
     parser.set_defaults(output_dir="outputs/template", epochs=10, batch_size=256, lr=0.1, log_steps=10)
     Trainer(parser.parse_args()).run()
 

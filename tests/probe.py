@@ -6,6 +6,7 @@ every validation sample was counted exactly once.
 """
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--val-size", type=int, default=23)
     parser.add_argument("--hidden", type=int, default=16)
     parser.add_argument("--dropout", type=float, default=0.2)
+    parser.add_argument("--step-ms", type=float, default=0, help="stand-in for a real step's compute time")
     args = parser.parse_args()
     config = TrainConfig.from_args(args)
     accelerator = config.build_accelerator()
@@ -47,6 +49,7 @@ def main() -> None:
     def loss_fn(model, batch):
         ids, x, y = batch
         seen.append(ids.tolist())
+        time.sleep(args.step_ms / 1000)
         return torch.nn.functional.cross_entropy(model(x), y)
 
     def eval_fn(model, batch):

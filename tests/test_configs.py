@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file

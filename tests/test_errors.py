@@ -1,6 +1,5 @@
 """Mistakes a user can make end in one clear line and a non-zero exit, never a traceback."""
 
-import shutil
 import subprocess
 import sys
 

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Iterator
 
 import datasets
-import torch
 from torch.utils.data import Sampler
 
 from ddp_accel.errors import UserError

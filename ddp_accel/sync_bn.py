@@ -1,0 +1,82 @@
+"""SyncBatchNorm that also runs on CPU processes (gloo), so `--sync-bn` means the same on a laptop and on GPUs.
+
+torch's SyncBatchNorm refuses CPU tensors. On GPUs we use it as is; on CPU the layers become
+`CPUSyncBatchNorm`, whose training forward all-reduces the per-channel sum, sum of squares and count, and
+whose backward all-reduces the two per-channel gradient sums: the batch statistics of the global batch,
+exactly as torch's CUDA kernels compute them (up to float rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class _SyncBatchNormCPU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group):
+        channels = x.shape[1]
+        dims = [d for d in range(x.dim()) if d != 1]
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        stats = torch.cat([x.sum(dims), (x * x).sum(dims), x.new_tensor([x.numel() / channels])])
+        dist.all_reduce(stats, group=group)
+        total, squares, count = stats[:channels], stats[channels:2 * channels], stats[-1]
+        mean = total / count
+        var = (squares / count - mean * mean).clamp_min(0)
+        if running_mean is not None:
+            running_mean.mul_(1 - momentum).add_(momentum * mean)
+            running_var.mul_(1 - momentum).add_(momentum * var * count / max(count.item() - 1, 1))
+        invstd = torch.rsqrt(var + eps)
+        normalized = (x - mean.view(shape)) * invstd.view(shape)
+        ctx.save_for_backward(normalized, weight, invstd)
+        ctx.group, ctx.count = group, count
+        return normalized * weight.view(shape) + bias.view(shape)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        normalized, weight, invstd = ctx.saved_tensors
+        channels = grad_output.shape[1]
+        dims = [d for d in range(grad_output.dim()) if d != 1]
+        shape = [1, channels] + [1] * (grad_output.dim() - 2)
+        sum_dy, sum_dy_xhat = grad_output.sum(dims), (grad_output * normalized).sum(dims)
+        # local weight/bias gradients: DDP averages them across ranks like any other parameter's
+        grad_weight, grad_bias = sum_dy_xhat.clone(), sum_dy.clone()
+        sums = torch.cat([sum_dy, sum_dy_xhat])
+        dist.all_reduce(sums, group=ctx.group)
+        mean_dy, mean_dy_xhat = (sums[:channels] / ctx.count).view(shape), (sums[channels:] / ctx.count).view(shape)
+        grad_input = (weight * invstd).view(shape) * (grad_output - mean_dy - normalized * mean_dy_xhat)
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm over the global batch for CPU processes (gloo). Not an nn.SyncBatchNorm subclass: DDP
+    refuses any of those on CPU. Same parameters and buffers as BatchNorm, so checkpoints load either way."""
+
+    process_group = None
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {x.dim()}D input)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        world = dist.get_world_size(self.process_group) if dist.is_available() and dist.is_initialized() else 1
+        if not self.training or world == 1 or not self.affine:
+            return super().forward(x)
+        if self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        # momentum None: a cumulative average, as in nn.BatchNorm
+        momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        return _SyncBatchNormCPU.apply(x, self.weight, self.bias, self.running_mean if self.track_running_stats else None,
+                                       self.running_var if self.track_running_stats else None, self.eps, momentum,
+                                       self.process_group or dist.group.WORLD)
+
+
+def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> tuple[nn.Module, int]:
+    """BatchNorm*d -> SyncBatchNorm (CPUSyncBatchNorm on CPU). Returns the model and how many layers changed."""
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    layers = [module for module in model.modules() if isinstance(module, nn.SyncBatchNorm)]
+    if device.type == "cpu":
+        for module in layers:
+            module.__class__ = CPUSyncBatchNorm
+    return model, len(layers)

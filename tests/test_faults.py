@@ -1,0 +1,140 @@
+"""Faults from outside the training code: SIGKILL a worker (torchrun restarts the group, training resumes from
+the last complete checkpoint and ends with bitwise the same weights), kill one mid-checkpoint, hang one."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import BIN, ROOT, weights
+
+PROBE = str(ROOT / "tests" / "probe.py")
+# 256 samples, 2 ranks x batch 4: 32 steps an epoch, 3 epochs; a checkpoint every 5 steps; dropout on, so
+# an exact resume also needs every rank's RNG state
+COMMON = ["--batch-size", "4", "--epochs", "3", "--train-size", "256", "--dropout", "0.3", "--checkpointing-steps", "5"]
+
+
+def torchrun(output_dir: Path, *args, max_restarts: int = 0) -> subprocess.Popen:
+    log = open(output_dir.with_suffix(".log"), "w")
+    # --standalone: the classic single-machine elastic recipe (a c10d rendezvous on localhost)
+    command = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "--max_restarts", str(max_restarts),
+               "--monitor_interval", "0.2", PROBE, "--output-dir", str(output_dir), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+
+
+def workers(agent: subprocess.Popen) -> list[int]:
+    """PIDs of the probe processes the torchrun agent started (its children)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if ppid == agent.pid and "probe.py" in (entry / "cmdline").read_text():
+                    found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return sorted(found)
+
+
+def wait_for(condition, timeout: float = 120, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("timed out waiting")
+
+
+def finish(agent: subprocess.Popen, output_dir: Path, timeout: float = 300) -> tuple[int, str]:
+    try:
+        code = agent.wait(timeout=timeout)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+    return code, output_dir.with_suffix(".log").read_text()
+
+
+def checkpoint_steps(output_dir: Path) -> list[int]:
+    root = output_dir / "checkpoints"
+    return sorted(int(p.name[5:]) for p in root.glob("step_*")) if root.is_dir() else []
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    output_dir = tmp_path_factory.mktemp("faults") / "uninterrupted"
+    code, log = finish(torchrun(output_dir, *COMMON, "--step-ms", "20"), output_dir)
+    assert code == 0, log[-3000:]
+    return output_dir
+
+
+def assert_bitwise_equal(dir_a: Path, dir_b: Path) -> None:
+    a, b = weights(dir_a), weights(dir_b)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+def test_sigkill_a_worker_mid_epoch_restart_resumes_to_identical_weights(uninterrupted, tmp_path):
+    output_dir = tmp_path / "faulty"
+    agent = torchrun(output_dir, *COMMON, "--step-ms", "20", "--resume-from-checkpoint", "latest", max_restarts=2)
+    wait_for(lambda: 10 in checkpoint_steps(output_dir))  # in epoch 0, after step 10's checkpoint
+    victim = wait_for(lambda: workers(agent))[-1]
+    os.kill(victim, signal.SIGKILL)
+    killed_at, latest_at_kill = time.monotonic(), max(checkpoint_steps(output_dir))
+    resumed = wait_for(lambda: "resumed from" in output_dir.with_suffix(".log").read_text())
+    resume_delay = time.monotonic() - killed_at
+    code, log = finish(agent, output_dir)
+    assert code == 0, log[-3000:]
+    line = next(line for line in log.splitlines() if "resumed from" in line)
+    resumed_step = int(line.split("step ")[1].split(",")[0])
+    assert resumed and resumed_step >= latest_at_kill  # nothing older than the newest complete checkpoint
+    assert_bitwise_equal(uninterrupted, output_dir)
+    print(f"\nkill -> resumed training: {resume_delay:.1f} s; resumed from step {resumed_step} "
+          f"(at most {5 - 1} steps redone with --checkpointing-steps 5)", file=sys.stderr)
+
+
+def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(uninterrupted, tmp_path):
+    output_dir = tmp_path / "mid_save"
+    agent = torchrun(output_dir, *COMMON, "--step-ms", "20", "--resume-from-checkpoint", "latest", max_restarts=2)
+    checkpoints = output_dir / "checkpoints"
+    wait_for(lambda: 5 in checkpoint_steps(output_dir))  # one complete checkpoint to fall back on
+    # the moment the next one is being written (its files go to .tmp_step_N until complete)
+    partial = wait_for(lambda: next(iter(checkpoints.glob(".tmp_step_*")), None), interval=0.001)
+    for pid in workers(agent):
+        os.kill(pid, signal.SIGKILL)
+    code, log = finish(agent, output_dir)
+    assert code == 0, log[-3000:]
+    assert "resumed from" in log, "the restart did not resume"
+    line = next(line for line in log.splitlines() if "resumed from" in line)
+    resumed_step = int(line.split("step ")[1].split(",")[0])
+    partial_step = int(partial.name.rsplit("_", 1)[1])
+    # resumed from the newest *complete* checkpoint: the one being written counts only if it finished
+    # before the kill landed
+    assert resumed_step < partial_step or resumed_step == partial_step and "step_" + str(partial_step) in line
+    print(f"\nkilled while writing {partial.name}; resumed from step {resumed_step}", file=sys.stderr)
+    assert_bitwise_equal(uninterrupted, output_dir)
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_a_dead_or_hung_rank_ends_the_job_with_an_error(tmp_path, fault):
+    """Without restarts: a killed rank is seen by the torchrun agent; a hung one (SIGSTOP) by the others'
+    collective timeout (--timeout-s), after which they fail and the agent stops the job."""
+    output_dir = tmp_path / fault
+    agent = torchrun(output_dir, *COMMON, "--step-ms", "20", "--timeout-s", "15")
+    wait_for(lambda: 5 in checkpoint_steps(output_dir))
+    victim = workers(agent)[-1]
+    started = time.monotonic()
+    os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    code, log = finish(agent, output_dir, timeout=120)
+    elapsed = time.monotonic() - started
+    assert code != 0, log[-3000:]
+    assert elapsed < 15 + 60, f"the job took {elapsed:.0f} s to end"
+    print(f"\n{fault}: job ended with exit {code} {elapsed:.1f} s after the fault", file=sys.stderr)
