@@ -55,6 +55,8 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     """The options every training script shares. Scripts change defaults with `parser.set_defaults`."""
     group = parser.add_argument_group("training (shared by every ddp_accel script)")
     group.add_argument("--output-dir", default="outputs/run", help="where checkpoints, metrics and the model go")
+    # the legacy `python -m torch.distributed.launch` passes --local-rank=N; Accelerate reads LOCAL_RANK itself
+    group.add_argument("--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     group.add_argument("--epochs", type=positive_int, default=1)
     group.add_argument("--max-steps", type=positive_int, default=None, help="stop after this many optimizer steps")
     group.add_argument("--batch-size", type=positive_int, default=32, help="per process; global = this x processes")

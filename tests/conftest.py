@@ -36,6 +36,27 @@ def launch(script, *args, nproc: int = 2, launcher: str = "accelerate", timeout:
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full_env)
 
 
+def start_node(command: list[str]) -> subprocess.Popen:
+    """One launcher process of a multi-node job (each "machine" is a process on this host)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+
+
+def wait_nodes(nodes: list[subprocess.Popen], timeout: int = 240) -> list[str]:
+    """Outputs of every node; each must exit 0 (a node still running after `timeout` is killed)."""
+    outputs = []
+    for node in nodes:
+        try:
+            out, _ = node.communicate(timeout=timeout)
+        finally:
+            if node.poll() is None:
+                node.kill()
+        assert node.returncode == 0, out[-3000:]
+        assert "terminate called" not in out, out[-3000:]
+        outputs.append(out)
+    return outputs
+
+
 def check_ok(result) -> str:
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"exit {result.returncode}\n{output[-4000:]}"

@@ -2,7 +2,6 @@
 through `torchrun --rdzv_backend etcd-v2`. Skips when the etcd binary or python-etcd is missing (.ci/run
 installs Debian's etcd-server and PyPI's python-etcd)."""
 
-import os
 import re
 import shutil
 import subprocess
@@ -11,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from conftest import BIN, ROOT, free_port
+from conftest import BIN, free_port, start_node, wait_nodes
 
 ETCD = shutil.which("etcd")
 
@@ -45,20 +44,9 @@ def etcd_endpoint(tmp_path):
 
 
 def test_two_nodes_rendezvous_through_etcd(tmp_path, etcd_endpoint):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     command = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "etcd-v2",
                "--rdzv_endpoint", etcd_endpoint, "--rdzv_id", "ddp-accel-test", "scripts/minimal.py",
                "--output-dir", str(tmp_path / "out")]
-    nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
-             for _ in range(2)]
-    outputs = []
-    for node in nodes:
-        try:
-            out, _ = node.communicate(timeout=240)
-        finally:
-            if node.poll() is None:
-                node.kill()
-        assert node.returncode == 0, out[-3000:]
-        outputs.append(out)
+    outputs = wait_nodes([start_node(command) for _ in range(2)])
     ranks = sorted(int(rank) for out in outputs for rank in re.findall(r"^rank (\d+) local_rank 0 world_size 2", out, re.M))
     assert ranks == [0, 1], outputs

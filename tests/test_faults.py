@@ -1,7 +1,6 @@
 """Faults from outside the training code: SIGKILL a worker (torchrun restarts the group, training resumes from
 the last complete checkpoint and ends with bitwise the same weights), kill one mid-checkpoint, hang one."""
 
-import json
 import os
 import signal
 import subprocess

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import BIN, ROOT, check_ok, free_port, launch, weights
+from conftest import ROOT, check_ok, free_port, launch, weights
 
 ARGS = ["--batch-size", "4", "--epochs", "2", "--dropout", "0.3", "--train-size", "48"]
 
@@ -20,8 +20,8 @@ def run_with(launcher: str, output_dir) -> str:
     env = {"OMP_NUM_THREADS": "1"}
     if launcher in ("accelerate", "torchrun"):
         return check_ok(launch("tests/probe.py", *args, launcher=launcher))
-    if launcher == "torch.distributed.run":
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+    if launcher in ("torch.distributed.run", "torch.distributed.launch"):  # launch: legacy, passes --local-rank
+        command = [sys.executable, "-m", launcher, "--nproc_per_node", "2",
                    "--master_port", str(free_port()), "tests/probe.py", *args]
     else:  # notebook / debug
         command = [sys.executable, "tests/launcher_driver.py", launcher, *args]
@@ -30,7 +30,7 @@ def run_with(launcher: str, output_dir) -> str:
 
 
 def test_all_launchers_give_bitwise_identical_weights(tmp_path):
-    launchers = ["accelerate", "torchrun", "torch.distributed.run", "notebook", "debug"]
+    launchers = ["accelerate", "torchrun", "torch.distributed.run", "torch.distributed.launch", "notebook", "debug"]
     for launcher in launchers:
         run_with(launcher, tmp_path / launcher)
         metrics = json.loads((tmp_path / launcher / "metrics.json").read_text())

@@ -1,12 +1,10 @@
 """accelerate_configs/multi_node.yaml as 2 machines on one host: two `accelerate launch --machine_rank 0|1`."""
 
-import os
 import re
-import subprocess
 
 import pytest
 
-from conftest import BIN, ROOT, free_port
+from conftest import BIN, ROOT, free_port, start_node, wait_nodes
 
 MULTI_NODE_YAML = ROOT / "accelerate_configs" / "multi_node.yaml"
 
@@ -14,27 +12,16 @@ MULTI_NODE_YAML = ROOT / "accelerate_configs" / "multi_node.yaml"
 @pytest.mark.parametrize("rdzv_backend,per_machine", [("static", 1), ("c10d", 2)])
 def test_two_machines_on_one_host(tmp_path, rdzv_backend, per_machine):
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     machines = []
     for machine_rank in (0, 1):
         command = [str(BIN / "accelerate"), "launch", "--config_file", str(MULTI_NODE_YAML),
                    "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1",
                    "--main_process_port", str(port), "--num_processes", str(2 * per_machine),
                    "--rdzv_backend", rdzv_backend, "scripts/minimal.py", "--output-dir", str(tmp_path / "out")]
-        machines.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                         cwd=ROOT, env=env))
-    outputs = []
-    for machine in machines:
-        try:
-            out, _ = machine.communicate(timeout=240)
-        finally:
-            if machine.poll() is None:
-                machine.kill()
-        outputs.append(out)
-        assert machine.returncode == 0, out[-3000:]
+        machines.append(start_node(command))
+    outputs = wait_nodes(machines)
     reports = [re.findall(r"^rank (\d+) local_rank (\d+) world_size (\d+)", out, re.M) for out in outputs]
     ranks = sorted(int(rank) for report in reports for rank, _, _ in report)
     assert ranks == list(range(2 * per_machine)), reports  # every global rank once, across both machines
     assert all(int(world) == 2 * per_machine for report in reports for _, _, world in report)
     assert all(len(report) == per_machine for report in reports)
-    assert all("terminate called" not in out for out in outputs)
