@@ -1,12 +1,24 @@
 """accelerate_configs/multi_node.yaml as 2 machines on one host: two `accelerate launch --machine_rank 0|1`."""
 
 import re
+import socket
+import time
 
 import pytest
 
 from conftest import BIN, ROOT, free_port, start_node, wait_nodes
 
 MULTI_NODE_YAML = ROOT / "accelerate_configs" / "multi_node.yaml"
+
+
+def wait_listening(port: int, process, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"machine 0 never listened on port {port}")
 
 
 @pytest.mark.parametrize("rdzv_backend,per_machine", [("static", 1), ("c10d", 2)])
@@ -19,6 +31,11 @@ def test_two_machines_on_one_host(tmp_path, rdzv_backend, per_machine):
                    "--main_process_port", str(port), "--num_processes", str(2 * per_machine),
                    "--rdzv_backend", rdzv_backend, "scripts/minimal.py", "--output-dir", str(tmp_path / "out")]
         machines.append(start_node(command))
+        if machine_rank == 0:
+            # machine 0's `accelerate launch` checks that the port is free; with c10d the other machine could
+            # otherwise take it first (its agent hosts the store when it arrives first), so it joins once
+            # machine 0 is listening, as a second real machine would
+            wait_listening(port, machines[0])
     outputs = wait_nodes(machines)
     reports = [re.findall(r"^rank (\d+) local_rank (\d+) world_size (\d+)", out, re.M) for out in outputs]
     ranks = sorted(int(rank) for report in reports for rank, _, _ in report)
