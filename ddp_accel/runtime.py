@@ -90,8 +90,8 @@ def init_elastic_process_group(cpu: bool, timeout_s: int) -> None:
 
     The workers of every restart share the agent's TCPStore, and the process group's keys (each rank's
     gloo address) do not depend on the attempt. A restarted rank can then read the address of a rank
-    that was killed and fail with "Gloo connectFullMesh failed ... Connection refused" (seen here on
-    every other restart after SIGKILLing both workers). Accelerate uses a process group that exists.
+    that was killed and fail with "Gloo connectFullMesh failed ... Connection refused" (seen here in all
+    5 runs that SIGKILLed both workers, before this). Accelerate uses a process group that exists.
     """
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():

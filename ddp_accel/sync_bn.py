@@ -13,12 +13,16 @@ import torch.distributed as dist
 from torch import nn
 
 
+def _per_channel(x: torch.Tensor) -> tuple[int, list[int], list[int]]:
+    """Channels, the dimensions a per-channel sum reduces, and the shape that broadcasts a per-channel value."""
+    channels = x.shape[1]
+    return channels, [d for d in range(x.dim()) if d != 1], [1, channels] + [1] * (x.dim() - 2)
+
+
 class _SyncBatchNormCPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group):
-        channels = x.shape[1]
-        dims = [d for d in range(x.dim()) if d != 1]
-        shape = [1, channels] + [1] * (x.dim() - 2)
+        channels, dims, shape = _per_channel(x)
         stats = torch.cat([x.sum(dims), (x * x).sum(dims), x.new_tensor([x.numel() / channels])])
         dist.all_reduce(stats, group=group)
         total, squares, count = stats[:channels], stats[channels:2 * channels], stats[-1]
@@ -36,9 +40,7 @@ class _SyncBatchNormCPU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         normalized, weight, invstd = ctx.saved_tensors
-        channels = grad_output.shape[1]
-        dims = [d for d in range(grad_output.dim()) if d != 1]
-        shape = [1, channels] + [1] * (grad_output.dim() - 2)
+        channels, dims, shape = _per_channel(grad_output)
         sum_dy, sum_dy_xhat = grad_output.sum(dims), (grad_output * normalized).sum(dims)
         # local weight/bias gradients: DDP averages them across ranks like any other parameter's
         grad_weight, grad_bias = sum_dy_xhat.clone(), sum_dy.clone()

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
 from ddp_accel import ArgumentParser, TrainConfig, UserError, add_training_args, evaluate, fit, run_main
+from ddp_accel.checkpoint import load_checkpoint, model_fingerprint, resolve_resume
 from ddp_accel.sync_bn import convert_sync_batchnorm
 from ddp_accel.vision.data import IMAGENET_MEAN, IMAGENET_STD, SyntheticImages, image_folders
 from ddp_accel.vision.models import build_model, list_archs
@@ -77,14 +78,16 @@ def loader(dataset, args, shuffle: bool) -> DataLoader:
                       pin_memory=torch.cuda.is_available(), persistent_workers=args.workers > 0)
 
 
+def model_input(images: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    return images.contiguous(memory_format=torch.channels_last) if channels_last else images
+
+
 def make_eval_fn(channels_last: bool, num_classes: int):
     k = min(5, num_classes)
 
     def eval_fn(model, batch):
         images, targets = batch
-        if channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
-        logits = model(images).float()
+        logits = model(model_input(images, channels_last)).float()
         top = logits.topk(k, dim=1).indices
         values = {"loss": torch.nn.functional.cross_entropy(logits, targets, reduction="none"),
                   "top1": (top[:, 0] == targets).float(), "target": targets}
@@ -143,13 +146,10 @@ def main() -> None:
     if args.evaluate:
         if not args.resume:
             raise UserError("--evaluate needs --resume (a checkpoint folder, 'latest', or model_best.safetensors)")
-        if args.resume_from_checkpoint:
-            from ddp_accel.checkpoint import load_checkpoint, model_fingerprint, resolve_resume
-            model = accelerator.prepare(model)
+        model = accelerator.prepare(model)
+        if args.resume_from_checkpoint:  # a .safetensors file was loaded above
             path = resolve_resume(args.resume_from_checkpoint, output_dir / "checkpoints")
             load_checkpoint(accelerator, path, model_fingerprint(accelerator.unwrap_model(model)))
-        else:
-            model = accelerator.prepare(model)
         metrics = evaluate(accelerator, model, accelerator.prepare(loader(val_set, args, False)), eval_fn, metrics_fn)
         accelerator.print(f"top1 {metrics['eval_top1']:.4f}" + (f" top5 {metrics['eval_top5']:.4f}" if "eval_top5" in metrics else "")
                           + f" on {metrics['eval_samples']} images")
@@ -164,9 +164,8 @@ def main() -> None:
 
     def loss_fn(model, batch):
         images, targets = batch
-        if args.channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
-        return torch.nn.functional.cross_entropy(model(images), targets, label_smoothing=args.label_smoothing)
+        return torch.nn.functional.cross_entropy(model(model_input(images, args.channels_last)), targets,
+                                                 label_smoothing=args.label_smoothing)
 
     def schedule(optimizer, total_steps):
         # batches are sharded across processes, and a step is `gradient_accumulation_steps` batches
