@@ -73,7 +73,8 @@ def build_accelerator(
         project_config=ProjectConfiguration(
             project_dir=output_dir, logging_dir=os.path.join(output_dir, "tensorboard") if output_dir else None
         ),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
+        # non_blocking: host-to-GPU copies of pinned batches overlap the previous step's compute
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed, non_blocking=True),
         step_scheduler_with_optimizer=False,
         kwargs_handlers=[
             InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s)),

@@ -184,6 +184,8 @@ def fit(
     last_eval_step, last_loss = -1, float("nan")
     window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
     samples_seen, train_time, data_wait = 0, 0.0, 0.0
+    window_start = (0, 0.0, 0.0)  # (samples_seen, train_time, data_wait) when the current log window began
+    steady_start = None  # the same at the end of the first window: warm-up (cudnn autotune, compile) excluded
     wall_start = time.perf_counter()
     try:  # an error mid-epoch must not leave the bar's line unfinished before the error message
         model.train()
@@ -220,8 +222,12 @@ def fit(
                         last_loss = accelerator.reduce(window_loss / window_batches, "mean").item()
                         window_loss.zero_()
                         window_batches = 0
-                        speed = samples_seen / max(train_time, 1e-9)  # global: all processes' samples
-                        wait = data_wait / max(train_time, 1e-9)
+                        # over this log window, global (all processes' samples): what the run does now
+                        window_time = max(train_time - window_start[1], 1e-9)
+                        speed = (samples_seen - window_start[0]) / window_time
+                        wait = (data_wait - window_start[2]) / window_time
+                        window_start = (samples_seen, train_time, data_wait)
+                        steady_start = steady_start or window_start
                         progress.set_postfix(loss=f"{last_loss:.4f}", samples_s=f"{speed:.0f}", data_wait=f"{wait:.0%}",
                                              epoch=epoch)
                         logs = {"train_loss": last_loss, "samples_per_s": speed, "data_wait_share": wait, "epoch": epoch}
@@ -253,6 +259,9 @@ def fit(
         "train_samples": samples_seen,
         "train_samples_per_s": samples_seen / max(train_time, 1e-9),
         "data_wait_share": data_wait / max(train_time, 1e-9),
+        # after the first log window; null when the run had a single window
+        "steady_samples_per_s": ((samples_seen - steady_start[0]) / (train_time - steady_start[1])
+                                 if steady_start and samples_seen > steady_start[0] else None),
         "wall_time_s": wall_time,
         **topology(accelerator, config.batch_size, accumulation),
         "resumed_from": str(resume_path) if resume_path else None,

@@ -128,6 +128,7 @@ def main() -> None:
         print("\n".join(list_archs()))
         return
     config = TrainConfig.from_args(args)
+    torch.backends.cudnn.benchmark = True  # fixed image size: let cuDNN time its conv algorithms once
     accelerator = config.build_accelerator()
     train_set, val_set, classes = datasets_for(args)
     model = build_model(args.arch, len(classes), args.pretrained)
@@ -149,6 +150,8 @@ def main() -> None:
         model = accelerator.prepare(model)
         if args.resume_from_checkpoint:  # a .safetensors file was loaded above
             path = resolve_resume(args.resume_from_checkpoint, output_dir / "checkpoints")
+            if path is None:
+                raise UserError(f"--evaluate --resume latest: no complete checkpoint in {output_dir / 'checkpoints'}")
             load_checkpoint(accelerator, path, model_fingerprint(accelerator.unwrap_model(model)))
         metrics = evaluate(accelerator, model, accelerator.prepare(loader(val_set, args, False)), eval_fn, metrics_fn)
         accelerator.print(f"top1 {metrics['eval_top1']:.4f}" + (f" top5 {metrics['eval_top5']:.4f}" if "eval_top5" in metrics else "")

@@ -71,9 +71,12 @@ def test_top1_top5_match_a_hand_computed_case():
 
 def test_dummy_data_and_torchvision_arch_run(tmp_path):
     out = check_ok(launch("scripts/imagenet.py", "--dummy", "-a", "resnet18", "--image-size", "32", "--dummy-classes", "10",
-                          "-b", "4", "-j", "0", "--max-steps", "3", "--channels-last", "--output-dir", tmp_path, launcher="python"))
+                          "-b", "4", "-j", "0", "--max-steps", "6", "-p", "2", "--channels-last", "--output-dir", tmp_path,
+                          launcher="python"))
     assert "SYNTHETIC" in out
-    assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 3
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["steps"] == 6 and metrics["train_samples"] == 24
+    assert metrics["steady_samples_per_s"] > 0 and metrics["train_samples_per_s"] > 0  # steady: steps 3-6 only
 
 
 def user_error(result) -> str:
@@ -87,6 +90,7 @@ def test_bad_input_gives_one_clear_line(tmp_path):
     data = make_image_folder(tmp_path / "images", classes=3, train=2, val=1)
     run = lambda *args: launch("scripts/imagenet.py", *args, "-j", "0", "--output-dir", tmp_path / "out", launcher="python")
     assert "did you mean resnet18" in user_error(run(data, "-a", "resnet19"))
+    assert "no complete checkpoint" in user_error(run(data, "-e", "--resume", "latest"))
     (tmp_path / "no_val" / "train" / "a").mkdir(parents=True)
     assert "no val/ folder" in user_error(run(tmp_path / "no_val"))
     (data / "train" / "empty").mkdir()
