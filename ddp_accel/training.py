@@ -229,7 +229,7 @@ def fit(
                         window_start = (samples_seen, train_time, data_wait)
                         steady_start = steady_start or window_start
                         progress.set_postfix(loss=f"{last_loss:.4f}", samples_s=f"{speed:.0f}", data_wait=f"{wait:.0%}",
-                                             epoch=epoch)
+                                             epoch=epoch, refresh=interactive)  # a log file: a line per 30 s
                         logs = {"train_loss": last_loss, "samples_per_s": speed, "data_wait_share": wait, "epoch": epoch}
                         if scheduler is not None:
                             logs["lr"] = scheduler.get_last_lr()[0]

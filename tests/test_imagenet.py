@@ -112,3 +112,21 @@ def test_pretrained_offline_says_how_to_get_the_weights(tmp_path, monkeypatch):
     torch.save(build_model("resnet18", 1000).state_dict(), tmp_path / "r18.pth")
     model = build_model("resnet18", 7, pretrained=str(tmp_path / "r18.pth"))  # fine-tuning head replaced
     assert model.fc.out_features == 7
+
+
+@pytest.mark.parametrize("arch", ["cifar_resnet20", "cifar_resnet9_w16"])
+def test_cifar_archs_classify_32x32_images_and_learn(arch):
+    torch.manual_seed(0)
+    model = build_model(arch, 7)
+    images, targets = torch.randn(8, 3, 32, 32), torch.arange(8) % 7
+    assert model(images).shape == (8, 7)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for _ in range(15):  # one fixed batch: the loss must fall if gradients reach every layer
+        loss = torch.nn.functional.cross_entropy(model(images), targets)
+        losses.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert losses[-1] < 0.5 * losses[0]
+    assert all(parameter.grad is not None for parameter in model.parameters())
