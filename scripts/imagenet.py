@@ -1,7 +1,7 @@
 """ImageFolder / ImageNet classification: pytorch/examples imagenet/main.py on Accelerate.
 
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml scripts/imagenet.py /data/imagenet -a resnet50
-    python scripts/imagenet.py cifar10_mini -a cifar_resnet20 --image-size 32 --augment cifar --epochs 30
+    python scripts/imagenet.py cifar10_mini -a cifar_resnet9_w24 --image-size 32 --augment cifar --epochs 40
     python scripts/imagenet.py /data/imagenet -e --resume outputs/imagenet/model_best.safetensors
     python scripts/imagenet.py --dummy -a resnet50 --channels-last --mixed-precision bf16 --max-steps 100
 
@@ -30,7 +30,8 @@ from ddp_accel.vision.models import build_model, list_archs
 def parse_args(argv=None):
     parser = add_training_args(ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("data", nargs="?", help="DATA_DIR with train/ and val/ ImageFolder trees")
-    parser.add_argument("-a", "--arch", default="resnet18", help="any torchvision classification model, or cifar_resnet20/32/56")
+    parser.add_argument("-a", "--arch", default="resnet18",
+                        help="any torchvision classification model, or cifar_resnet9[_w16/24/32], cifar_resnet20/32/56")
     parser.add_argument("--list-archs", action="store_true", help="print the architectures and exit")
     parser.add_argument("-j", "--workers", type=int, default=4, help="DataLoader workers per process")
     parser.add_argument("-b", dest="batch_size", type=int, default=argparse.SUPPRESS, help="= --batch-size (per process)")
