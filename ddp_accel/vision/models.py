@@ -12,6 +12,10 @@ from torch import nn
 from ddp_accel.errors import UserError
 
 
+def _conv_bn_relu(in_channels: int, channels: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(in_channels, channels, 3, 1, 1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(inplace=True))
+
+
 class BasicBlock(nn.Module):
     def __init__(self, in_channels: int, channels: int, stride: int):
         super().__init__()
@@ -39,7 +43,7 @@ class CifarResNet(nn.Module):
         if (depth - 2) % 6:
             raise ValueError("CIFAR ResNet depth is 6n + 2 (20, 32, 44, 56, 110)")
         blocks = (depth - 2) // 6
-        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True))
+        self.stem = _conv_bn_relu(3, width)
         layers, in_channels = [], width
         for stage, channels in enumerate((width, width * 2, width * 4)):
             for block in range(blocks):
@@ -55,10 +59,6 @@ class CifarResNet(nn.Module):
         return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
 
 
-def _conv_bn_relu(in_channels: int, channels: int) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(in_channels, channels, 3, 1, 1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(inplace=True))
-
-
 class _Residual(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
@@ -66,6 +66,17 @@ class _Residual(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.body(x)
+
+
+class _Scale(nn.Module):
+    """Page's 0.125 on the logits: max-pooled features are large, and unscaled logits saturate the softmax early."""
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
 
 
 class CifarResNet9(nn.Sequential):
@@ -84,17 +95,6 @@ class CifarResNet9(nn.Sequential):
             _conv_bn_relu(4 * w, 8 * w), nn.MaxPool2d(2), _Residual(8 * w),
             nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(8 * w, num_classes), _Scale(0.125),
         )
-
-
-class _Scale(nn.Module):
-    """Page's 0.125 on the logits: max-pooled features are large, and unscaled logits saturate the softmax early."""
-
-    def __init__(self, factor: float):
-        super().__init__()
-        self.factor = factor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.factor
 
 
 CIFAR_ARCHS = {"cifar_resnet20": (CifarResNet, dict(depth=20)), "cifar_resnet32": (CifarResNet, dict(depth=32)),
