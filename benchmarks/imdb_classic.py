@@ -1,6 +1,6 @@
 """The classic IMDB recipe's data pipeline and loop, for benchmarks/imdb_pipeline.py to compare against.
 
-What the recipe does (DESIGN.md): build the vocabulary from the tokenised training texts, then tokenise
+What the classic recipe does: build the vocabulary from the tokenised training texts, then tokenise
 again *inside collate_fn* for every batch, batches drawn at random and padded to their longest review,
 Adam 1e-3, clip 0.1, BCE on sigmoid. Same model classes and the same train/held-out split as ours.
 Prints one JSON line: preprocess_s (load + vocabulary), epoch_s, samples_per_s, data_wait_share, and the
@@ -15,7 +15,7 @@ from collections import Counter
 import torch
 from torch.utils.data import DataLoader
 
-from ddp_accel.text import data
+from ddp_accel.text import sources
 from ddp_accel.text.models import build_model
 from ddp_accel.text.tokenizer import basic_english
 
@@ -32,7 +32,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
 
     start = time.perf_counter()
-    split = data.load_file(args.train_file).train_test_split(test_size=0.1, seed=args.seed)
+    split = sources.load_file(args.train_file).train_test_split(test_size=0.1, seed=args.seed)
     texts, labels = split["train"]["text"], split["train"]["label"]
     counts = Counter(token for text in texts for token in basic_english(text))
     # the recipe: <unk> = 0 is also the padding id
@@ -73,7 +73,7 @@ def main() -> None:
     print(json.dumps({"pipeline": "classic", "preprocess_s": preprocess_s, "epoch_s": epoch_s,
                       "samples_per_s": samples / epoch_s, "data_wait_share": data_wait / epoch_s,
                       "vocabulary": len(itos), "final_loss": loss.item(),
-                      "eval_correct": correct / len(split["test"])}))
+                      "eval_accuracy": correct / len(split["test"])}))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def classic(train_file: str, model: str) -> dict:
     result = json.loads(next(line for line in text.splitlines() if line.startswith('{"pipeline"')))
     return {"total_s": result["preprocess_s"] + result["epoch_s"], "preprocess_s": result["preprocess_s"],
             "samples_per_s": result["samples_per_s"], "data_wait_share": result["data_wait_share"], "rss_mib": rss,
-            "eval_correct": result["eval_correct"]}
+            "eval_accuracy": result["eval_accuracy"]}
 
 
 def ours(train_file: str, model: str, output_dir: str) -> dict:
@@ -52,7 +52,7 @@ def ours(train_file: str, model: str, output_dir: str) -> dict:
     epoch_s = metrics["train_samples"] / metrics["train_samples_per_s"]
     return {"total_s": metrics["preprocess_s"] + epoch_s, "preprocess_s": metrics["preprocess_s"],
             "samples_per_s": metrics["train_samples_per_s"], "data_wait_share": metrics["data_wait_share"],
-            "rss_mib": rss, "eval_correct": metrics["eval_correct"]}
+            "rss_mib": rss, "eval_accuracy": metrics["eval_accuracy"]}
 
 
 def main() -> None:
@@ -81,10 +81,10 @@ def main() -> None:
         baseline = statistics.median(r["total_s"] for r in runs["classic"])
         for pipeline, results in runs.items():
             median = {key: statistics.median(r[key] for r in results)
-                      for key in ("total_s", "preprocess_s", "samples_per_s", "data_wait_share", "rss_mib", "eval_correct")}
+                      for key in ("total_s", "preprocess_s", "samples_per_s", "data_wait_share", "rss_mib", "eval_accuracy")}
             rows.append(f"| {model} | {pipeline} | {median['total_s']:.1f} | {median['preprocess_s']:.1f} "
                         f"| {median['samples_per_s']:,.0f} | {median['data_wait_share']:.1%} "
-                        f"| {median['rss_mib']:,.0f} | {median['eval_correct']:.1%} | {baseline / median['total_s']:.2f}x |")
+                        f"| {median['rss_mib']:,.0f} | {median['eval_accuracy']:.1%} | {baseline / median['total_s']:.2f}x |")
     table = "\n".join(rows)
     print(table)
     (HERE / "results").mkdir(exist_ok=True)

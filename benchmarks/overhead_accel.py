@@ -20,7 +20,7 @@ def main() -> None:
     parser.set_defaults(output_dir="outputs/bench_overhead", epochs=2, batch_size=64, max_grad_norm=1.0, log_steps=50)
     args = parser.parse_args()
     config = TrainConfig.from_args(args)
-    accelerator = config.build_accelerator()
+    accelerator = config.make_accelerator()
     model, dataset, loss_fn = build_task(args.task, hidden=args.hidden)
     loader = DataLoader(dataset, batch_size=config.batch_size, shuffle=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

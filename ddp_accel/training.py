@@ -1,4 +1,4 @@
-"""The one training loop every script uses: fit() and evaluate()."""
+"""The one training loop every script uses: fit() and evaluate(), and the small pieces fit() is made of."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,10 +20,14 @@ from ddp_accel.checkpoint import load_checkpoint, model_fingerprint, resolve_res
 from ddp_accel.errors import UserError
 from ddp_accel.plots import plot_history
 from ddp_accel.runtime import build_accelerator, print_banner, topology
+from ddp_accel.stopping import PREEMPTED_MARKER, Preempted, PreemptionSignals, StepAgreement, Verdict
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]  # (model, batch) -> mean loss of the batch
 EvalFn = Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]]  # (model, batch) -> per-sample values
 MetricsFn = Callable[[dict[str, torch.Tensor]], dict[str, float]]  # all samples' values -> metrics
+# (optimizer, total optimizer steps, optimizer steps per epoch) -> LR scheduler stepped once per optimizer step
+SchedulerFn = Callable[[torch.optim.Optimizer, int, int], Any]
+OnEvalFn = Callable[[torch.nn.Module, dict[str, Any]], None]  # (model, eval metrics), on every rank
 
 
 @dataclass
@@ -40,16 +44,20 @@ class TrainConfig:
     checkpoint_limit: int | None = None
     resume_from_checkpoint: str | None = None
     eval_steps: int | None = None
+    eval_every_epochs: int = 1
     log_steps: int = 20
     with_tracking: bool = False
     mixed_precision: str | None = None
     timeout_s: int = 600
+    hparams: dict[str, Any] | None = field(default=None, repr=False)  # what args.json records; default: this
 
     @classmethod
-    def from_args(cls, args) -> "TrainConfig":
-        return cls(**{field.name: getattr(args, field.name) for field in fields(cls) if hasattr(args, field.name)})
+    def from_args(cls, args, **overrides) -> "TrainConfig":
+        """The shared options of a parsed command line; every argument is kept for args.json and trackers."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**{**values, "hparams": dict(vars(args)), **overrides})
 
-    def build_accelerator(self, **kwargs) -> Accelerator:
+    def make_accelerator(self, **kwargs) -> Accelerator:
         output_dir = Path(self.output_dir)
         if output_dir.exists() and not output_dir.is_dir():
             raise UserError(f"--output-dir {output_dir} is a file; pass a folder (it is created if missing)")
@@ -58,6 +66,11 @@ class TrainConfig:
             gradient_accumulation_steps=self.gradient_accumulation_steps, with_tracking=self.with_tracking,
             timeout_s=self.timeout_s, **kwargs,
         )
+
+    def hyperparameters(self) -> dict[str, Any]:
+        if self.hparams is not None:
+            return self.hparams
+        return {key: value for key, value in asdict(self).items() if key != "hparams"}
 
 
 def mean_metrics(outputs: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -84,194 +97,301 @@ def evaluate(accelerator: Accelerator, model, loader, eval_fn: EvalFn, metrics_f
     return {f"{prefix}_{key}": value for key, value in metrics.items()}
 
 
-def _scalars(values: dict[str, Any]) -> dict[str, Any]:
+def numbers(values: dict[str, Any]) -> dict[str, float]:
+    """The plain numbers of a metrics dict (per-class dicts and strings left out)."""
+    return {key: value for key, value in values.items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def scalars(values: dict[str, Any]) -> dict[str, Any]:
+    """What trackers accept as hyper-parameters."""
     return {key: value for key, value in values.items() if isinstance(value, (int, float, str, bool))}
 
 
-def fit(
-    accelerator: Accelerator,
-    config: TrainConfig,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    train_loader,
-    loss_fn: LossFn,
-    *,
-    eval_loader=None,
-    eval_fn: EvalFn | None = None,
-    metrics_fn: MetricsFn | None = None,
-    make_scheduler: Callable[[torch.optim.Optimizer, int], Any] | None = None,
-    eval_every_epochs: int = 1,
-    hparams: dict[str, Any] | None = None,
-    title: str = "ddp_accel",
-    banner: dict[str, Any] | None = None,
-    on_eval: Callable[[torch.nn.Module, dict[str, Any]], None] | None = None,
-) -> dict[str, Any]:
+def write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=2, default=str))
+
+
+class ThroughputMeter:
+    """Global samples/s and the share of step time spent waiting for data: over the whole run, over each log
+    window (what the run does now), and steady (after the first window: cuDNN autotuning, compilation and
+    worker start-up left out)."""
+
+    def __init__(self):
+        self.samples, self.train_time, self.data_wait = 0, 0.0, 0.0
+        self._window_start = (0, 0.0, 0.0)
+        self._steady_start: tuple[int, float, float] | None = None
+
+    def add(self, samples: int, step_time: float, data_wait: float) -> None:
+        self.samples += samples
+        self.train_time += step_time
+        self.data_wait += data_wait
+
+    def window(self) -> tuple[float, float]:
+        """(samples/s, data-wait share) since the previous call."""
+        samples, train_time, data_wait = self._window_start
+        elapsed = max(self.train_time - train_time, 1e-9)
+        self._window_start = (self.samples, self.train_time, self.data_wait)
+        self._steady_start = self._steady_start or self._window_start
+        return (self.samples - samples) / elapsed, (self.data_wait - data_wait) / elapsed
+
+    def summary(self) -> dict[str, Any]:
+        steady = self._steady_start
+        return {
+            "train_samples": self.samples,
+            "train_samples_per_s": self.samples / max(self.train_time, 1e-9),
+            "data_wait_share": self.data_wait / max(self.train_time, 1e-9),
+            # after the first log window; null when the run had a single window
+            "steady_samples_per_s": ((self.samples - steady[0]) / (self.train_time - steady[1])
+                                     if steady and self.samples > steady[0] else None),
+            "steady_data_wait_share": ((self.data_wait - steady[2]) / (self.train_time - steady[1])
+                                       if steady and self.samples > steady[0] else None),
+        }
+
+
+class EvalHistory:
+    """history.json: one record per evaluation. A resumed run keeps the records up to its step and goes on."""
+
+    def __init__(self, path: Path, resumed_at: int | None):
+        self.path = path
+        old = json.loads(path.read_text()) if resumed_at is not None and path.is_file() else []
+        self.records: list[dict] = [record for record in old if record["step"] <= resumed_at]
+
+    def record(self, accelerator: Accelerator, step: int, epoch: float, train_loss: float, metrics: dict) -> None:
+        self.records.append({"step": step, "epoch": epoch, "train_loss": train_loss, **numbers(metrics)})
+        if accelerator.is_main_process:
+            self.path.write_text(json.dumps(self.records, indent=1))
+
+
+@dataclass
+class ResumePosition:
+    checkpoint: Path | None = None
+    step: int = 0
+    epoch: int = 0
+    skip_batches: int = 0  # batches of `epoch` this rank already consumed
+
+
+def resume_position(accelerator: Accelerator, config: TrainConfig, fingerprint: str) -> ResumePosition:
+    """Load `--resume-from-checkpoint` (if any) and say where training continues."""
+    path = resolve_resume(config.resume_from_checkpoint, Path(config.output_dir) / "checkpoints")
+    if path is None:
+        return ResumePosition()
+    state = load_checkpoint(accelerator, path, fingerprint)
+    # The global sample order of an epoch does not depend on the world size, so a restart with another
+    # size skips by samples.
+    global_batch = config.batch_size * accelerator.num_processes
+    skip = (state["batches_in_epoch"] if state["world_size"] == accelerator.num_processes
+            else state["samples_in_epoch"] // global_batch)
+    scale = f", fp16 loss scale {accelerator.scaler.get_scale():g}" if accelerator.scaler is not None else ""
+    accelerator.print(f"resumed from {path}: step {state['step']}, epoch {state['epoch']}, "
+                      f"skipping {skip} batches of the epoch{scale}")
+    return ResumePosition(path, state["step"], state["epoch"], skip)
+
+
+def checkpoint(accelerator: Accelerator, config: TrainConfig, step: int, epoch: int, batches_in_epoch: int,
+               fingerprint: str) -> None:
+    save_checkpoint(accelerator, Path(config.output_dir) / "checkpoints", step, {
+        "step": step, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
+        "samples_in_epoch": batches_in_epoch * config.batch_size * accelerator.num_processes,
+        "world_size": accelerator.num_processes, "model_fingerprint": fingerprint,
+    }, limit=config.checkpoint_limit)
+
+
+def seed_loader_generators(seed: int, *loaders) -> None:
+    """Creating a DataLoader iterator draws a worker seed from the global RNG unless the loader has a generator
+    of its own. On a mid-epoch resume that draw would land after the restored RNG state (at epoch start in the
+    uninterrupted run), and dropout masks would differ after the resume."""
+    for loader in loaders:
+        if loader is not None and loader.generator is None:
+            loader.generator = torch.Generator().manual_seed(seed)
+
+
+def write_final_artifacts(accelerator: Accelerator, model, output_dir: Path, metrics: dict, history: EvalHistory,
+                          title: str) -> None:
+    """model.safetensors (unwrapped: no `module.` prefix), metrics.json, training_curves.png; closes trackers."""
+    accelerator.wait_for_everyone()
+    accelerator.save_model(model, str(output_dir))
+    if accelerator.is_main_process:
+        (output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # this run reached its end
+        write_json(output_dir / "metrics.json", metrics)
+        if history.records:
+            plot_history(history.records, output_dir / "training_curves.png", title)
+    for tracker in accelerator.trackers:
+        tracker.finish()
+
+
+def every(step: int, period) -> bool:
+    """True every `period` optimizer steps (`period` None or 'epoch': never)."""
+    return isinstance(period, int) and step % period == 0
+
+
+def train_step(accelerator: Accelerator, model, optimizer, loss_fn: LossFn, batch, max_grad_norm: float | None):
+    """One micro-batch: forward and backward; on an accumulation boundary also clip and step (inside
+    `accumulate`, Accelerate skips the gradient all-reduce and the optimizer step between boundaries)."""
+    with accelerator.accumulate(model):
+        loss = loss_fn(model, batch)
+        accelerator.backward(loss)
+        if accelerator.sync_gradients and max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+class LossWindow:
+    """The training loss summed on the device since the last log (no host sync per step)."""
+
+    def __init__(self, device: torch.device):
+        self.total, self.batches = torch.zeros((), device=device), 0
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.total += loss
+        self.batches += 1
+
+    def mean(self, accelerator: Accelerator) -> float:
+        """The mean over the window and over all processes; starts a new window."""
+        value = accelerator.reduce(self.total / self.batches, "mean").item()
+        self.total.zero_()
+        self.batches = 0
+        return value
+
+
+def stop_early(accelerator: Accelerator, config: TrainConfig, verdict: Verdict, step: int, epoch: int,
+               batches_in_epoch: int, fingerprint: str, last_loss: float) -> None:
+    """Every rank: a loss that is not finite ends the run (no checkpoint of a broken model); a preemption
+    checkpoints the step reached (unless it was just saved), leaves the marker and raises Preempted."""
+    if verdict.nonfinite:
+        raise UserError(f"the training loss is not finite (nan or inf) at step {verdict.step}; the last logged loss "
+                        f"was {last_loss:.4g}. Lower --lr, set --max-grad-norm, or check the data for bad values.")
+    started = time.perf_counter()
+    path = Path(config.output_dir) / "checkpoints" / f"step_{step}"
+    if not (path / "training_state.json").is_file():
+        checkpoint(accelerator, config, step, epoch, batches_in_epoch, fingerprint)
+    saved_s = time.perf_counter() - started
+    why = verdict.signal
+    if accelerator.is_main_process:
+        write_json(Path(config.output_dir) / PREEMPTED_MARKER,
+                   {"step": step, "signal": why, "checkpoint": str(path), "save_s": round(saved_s, 2), "time": time.time()})
+    accelerator.wait_for_everyone()  # no process exits (and makes a launcher kill the rest) before the marker exists
+    raise Preempted(f"preempted by {why} at step {step}: checkpoint {path} saved in {saved_s:.2f} s; "
+                    "to continue, run the same command with --resume-from-checkpoint latest")
+
+
+def fit(accelerator: Accelerator, config: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+        train_loader, loss_fn: LossFn, *, eval_loader=None, eval_fn: EvalFn | None = None,
+        metrics_fn: MetricsFn | None = None, make_scheduler: SchedulerFn | None = None, title: str = "ddp_accel",
+        banner: dict[str, Any] | None = None, on_eval: OnEvalFn | None = None) -> dict[str, Any]:
     """Train `model`; checkpoint, resume, evaluate, log; write model.safetensors, metrics.json, args.json,
-    history.json and training_curves.png.
+    history.json and training_curves.png. On SIGTERM/SIGUSR1 every rank checkpoints the step reached and fit
+    raises `Preempted`; a loss that is not finite stops the run with a UserError.
 
     Every process calls fit(). Returns the final metrics (the same on every rank). `on_eval(model, metrics)`
     runs on every rank after each evaluation (e.g. to keep the best model).
     """
     output_dir = Path(config.output_dir)
-    checkpoints = output_dir / "checkpoints"
     fingerprint = model_fingerprint(model)
-    hparams = hparams if hparams is not None else asdict(config)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "args.json").write_text(json.dumps(hparams, indent=2, default=str))
+        write_json(output_dir / "args.json", config.hyperparameters())
     if config.with_tracking:
-        accelerator.init_trackers("tensorboard", config=_scalars(hparams))
-
-    for loader in (train_loader, eval_loader):
-        # Creating a DataLoader iterator draws a worker seed from the global RNG unless the loader has a
-        # generator of its own. That draw would land before the restored RNG state on a mid-epoch resume
-        # (at epoch start in the uninterrupted run): dropout masks would then differ after resume.
-        if loader is not None and loader.generator is None:
-            loader.generator = torch.Generator().manual_seed(config.seed)
+        accelerator.init_trackers("tensorboard", config=scalars(config.hyperparameters()))
+    seed_loader_generators(config.seed, train_loader, eval_loader)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
-    if eval_loader is not None:
-        eval_loader = accelerator.prepare(eval_loader)
+    eval_loader = accelerator.prepare(eval_loader) if eval_loader is not None else None
     accumulation = config.gradient_accumulation_steps
     steps_per_epoch = math.ceil(len(train_loader) / accumulation)
-    total_steps = config.epochs * steps_per_epoch
-    if config.max_steps:
-        total_steps = min(total_steps, config.max_steps)
-    scheduler = accelerator.prepare(make_scheduler(optimizer, total_steps)) if make_scheduler else None
+    total_steps = min(config.epochs * steps_per_epoch, config.max_steps or math.inf)
+    scheduler = accelerator.prepare(make_scheduler(optimizer, total_steps, steps_per_epoch)) if make_scheduler else None
     print_banner(accelerator, title, batch_size=config.batch_size, accumulation=accumulation,
                  steps_per_epoch=steps_per_epoch, total_steps=total_steps, **(banner or {}))
-
-    step, start_epoch, skip_batches = 0, 0, 0
-    resume_path = resolve_resume(config.resume_from_checkpoint, checkpoints)
-    if resume_path is not None:
-        state = load_checkpoint(accelerator, resume_path, fingerprint)
-        step, start_epoch = state["step"], state["epoch"]
-        # Batches this rank already consumed in the interrupted epoch. The global sample order of an
-        # epoch does not depend on the world size, so a restart with another size skips by samples.
-        global_batch = config.batch_size * accelerator.num_processes
-        skip_batches = (state["batches_in_epoch"] if state["world_size"] == accelerator.num_processes
-                        else state["samples_in_epoch"] // global_batch)
-        accelerator.print(f"resumed from {resume_path}: step {step}, epoch {start_epoch}, "
-                          f"skipping {skip_batches} batches of the epoch")
-
-    def checkpoint(epoch: int, batches_in_epoch: int) -> None:
-        save_checkpoint(accelerator, checkpoints, step, {
-            "step": step, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
-            "samples_in_epoch": batches_in_epoch * config.batch_size * accelerator.num_processes,
-            "world_size": accelerator.num_processes, "model_fingerprint": fingerprint,
-        }, limit=config.checkpoint_limit)
+    start = resume_position(accelerator, config, fingerprint)
+    step = start.step
+    history = EvalHistory(output_dir / "history.json", step if start.checkpoint else None)
+    meter, window, agreement = ThroughputMeter(), LossWindow(accelerator.device), StepAgreement(accelerator)
+    last_loss, eval_metrics, last_eval_step, stop = float("nan"), {}, -1, None
 
     def run_eval() -> dict[str, float]:
         metrics = evaluate(accelerator, model, eval_loader, eval_fn, metrics_fn)
         accelerator.log(metrics, step=step)
-        accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()
-                                                        if isinstance(v, (int, float))))
-        history.append({"step": step, "epoch": step / steps_per_epoch, "train_loss": last_loss,
-                        **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
-        if accelerator.is_main_process:
-            (output_dir / "history.json").write_text(json.dumps(history, indent=1))
+        accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in numbers(metrics).items()))
+        history.record(accelerator, step, step / steps_per_epoch, last_loss, metrics)
         if on_eval is not None:
             on_eval(model, metrics)
         return metrics
 
     interactive = sys.stderr.isatty()  # in a log file, a line every 30 s instead of a redraw per step
-    progress = tqdm(total=total_steps, initial=step, disable=not accelerator.is_local_main_process,
-                    desc="train", unit="step", dynamic_ncols=True, mininterval=0.1 if interactive else 30)
-    eval_metrics: dict[str, float] = {}
-    history_path = output_dir / "history.json"
-    # evaluations so far; a resumed run continues the file
-    history: list[dict] = json.loads(history_path.read_text()) if resume_path and history_path.is_file() else []
-    history = [record for record in history if record["step"] <= step]
-    last_eval_step, last_loss = -1, float("nan")
-    window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
-    samples_seen, train_time, data_wait = 0, 0.0, 0.0
-    window_start = (0, 0.0, 0.0)  # (samples_seen, train_time, data_wait) when the current log window began
-    steady_start = None  # the same at the end of the first window: warm-up (cudnn autotune, compile) excluded
     wall_start = time.perf_counter()
-    try:  # an error mid-epoch must not leave the bar's line unfinished before the error message
+    with tqdm(total=total_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train", unit="step",
+              dynamic_ncols=True, mininterval=0.1 if interactive else 30) as progress, PreemptionSignals() as signals:
         model.train()
-        for epoch in range(start_epoch, config.epochs):
+        for epoch in range(start.epoch, config.epochs):
             if step >= total_steps:
                 break
             train_loader.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-            batches = accelerator.skip_first_batches(train_loader, skip_batches) if skip_batches else train_loader
-            batches_in_epoch, skip_batches = skip_batches, 0
-            tick, ended_mid_epoch = time.perf_counter(), False
+            skip = start.skip_batches if epoch == start.epoch else 0
+            batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+            batches_in_epoch, tick = skip, time.perf_counter()
             for batch in batches:
-                if step >= total_steps:  # --max-steps reached before the epoch's end
-                    ended_mid_epoch = True
+                if step >= total_steps:  # --max-steps reached mid-epoch: no end-of-epoch work
                     break
-                data_wait += time.perf_counter() - tick
-                with accelerator.accumulate(model):
-                    loss = loss_fn(model, batch)
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients and config.max_grad_norm:
-                        accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                window_loss += loss.detach()
-                window_batches += 1
+                data_wait = time.perf_counter() - tick
+                loss = train_step(accelerator, model, optimizer, loss_fn, batch, config.max_grad_norm)
+                window.add(loss)
+                agreement.observe(loss)
                 batches_in_epoch += 1
-                samples_seen += find_batch_size(batch) * accelerator.num_processes
-                train_time += time.perf_counter() - tick
+                meter.add(find_batch_size(batch) * accelerator.num_processes, time.perf_counter() - tick, data_wait)
                 if accelerator.sync_gradients:
                     if scheduler is not None:
                         scheduler.step()
                     step += 1
                     progress.update(1)
-                    if step % config.log_steps == 0 or step == total_steps:
-                        last_loss = accelerator.reduce(window_loss / window_batches, "mean").item()
-                        window_loss.zero_()
-                        window_batches = 0
-                        # over this log window, global (all processes' samples): what the run does now
-                        window_time = max(train_time - window_start[1], 1e-9)
-                        speed = (samples_seen - window_start[0]) / window_time
-                        wait = (data_wait - window_start[2]) / window_time
-                        window_start = (samples_seen, train_time, data_wait)
-                        steady_start = steady_start or window_start
-                        progress.set_postfix(loss=f"{last_loss:.4f}", samples_s=f"{speed:.0f}", data_wait=f"{wait:.0%}",
-                                             epoch=epoch, refresh=interactive)  # a log file: a line per 30 s
-                        logs = {"train_loss": last_loss, "samples_per_s": speed, "data_wait_share": wait, "epoch": epoch}
-                        if scheduler is not None:
-                            logs["lr"] = scheduler.get_last_lr()[0]
-                        accelerator.log(logs, step=step)
-                    if eval_loader is not None and config.eval_steps and step % config.eval_steps == 0:
+                    eval_due = eval_loader is not None and every(step, config.eval_steps)
+                    checkpoint_due = every(step, config.checkpointing_steps)
+                    if stop := agreement.step_done(step, signals.received, wait=eval_due or checkpoint_due):
+                        break
+                    if every(step, config.log_steps) or step == total_steps:
+                        last_loss = window.mean(accelerator)
+                        log_window(accelerator, progress, meter, last_loss, step, epoch, scheduler, agreement, interactive)
+                    if eval_due:
                         eval_metrics, last_eval_step = run_eval(), step
-                    if isinstance(config.checkpointing_steps, int) and step % config.checkpointing_steps == 0:
-                        checkpoint(epoch, batches_in_epoch)
+                    if checkpoint_due:
+                        checkpoint(accelerator, config, step, epoch, batches_in_epoch, fingerprint)
                 tick = time.perf_counter()
-            if ended_mid_epoch:
+            else:  # the epoch ran to its end
+                if stop := agreement.flush():
+                    break
+                if config.checkpointing_steps == "epoch":
+                    checkpoint(accelerator, config, step, epoch + 1, 0, fingerprint)
+                due = (epoch + 1) == config.epochs or (epoch + 1) % config.eval_every_epochs == 0
+                if eval_loader is not None and step != last_eval_step and due:
+                    eval_metrics, last_eval_step = run_eval(), step
+            if stop:  # `epoch` stays the one the stop happened in
                 break
-            if config.checkpointing_steps == "epoch":
-                checkpoint(epoch + 1, 0)
-            last_epoch = (epoch + 1) == config.epochs
-            if eval_loader is not None and step != last_eval_step and (last_epoch or (epoch + 1) % eval_every_epochs == 0):
-                eval_metrics, last_eval_step = run_eval(), step
-    finally:
-        progress.close()
+        if stop := stop or agreement.flush():
+            stop_early(accelerator, config, stop, step, epoch, batches_in_epoch, fingerprint, last_loss)
     if eval_loader is not None and step != last_eval_step:
         eval_metrics = run_eval()
 
-    wall_time = time.perf_counter() - wall_start
     metrics = {
-        **eval_metrics,
-        "train_loss": last_loss,
-        "steps": step,
-        "train_samples": samples_seen,
-        "train_samples_per_s": samples_seen / max(train_time, 1e-9),
-        "data_wait_share": data_wait / max(train_time, 1e-9),
-        # after the first log window; null when the run had a single window
-        "steady_samples_per_s": ((samples_seen - steady_start[0]) / (train_time - steady_start[1])
-                                 if steady_start and samples_seen > steady_start[0] else None),
-        "wall_time_s": wall_time,
-        **topology(accelerator, config.batch_size, accumulation),
-        "resumed_from": str(resume_path) if resume_path else None,
+        **eval_metrics, "train_loss": last_loss, "steps": step, "skipped_optimizer_steps": agreement.skipped_steps,
+        **meter.summary(),
+        "wall_time_s": time.perf_counter() - wall_start, **topology(accelerator, config.batch_size, accumulation),
+        "resumed_from": str(start.checkpoint) if start.checkpoint else None,
     }
-    accelerator.wait_for_everyone()
-    accelerator.save_model(model, str(output_dir))  # model.safetensors, unwrapped: no `module.` prefix
-    if accelerator.is_main_process:
-        (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-        if history:
-            plot_history(history, output_dir / "training_curves.png", title)
-    for tracker in accelerator.trackers:
-        tracker.finish()
+    write_final_artifacts(accelerator, model, output_dir, metrics, history, title)
     return metrics
+
+
+def log_window(accelerator: Accelerator, progress, meter: ThroughputMeter, loss: float, step: int, epoch: int,
+               scheduler, agreement: StepAgreement, interactive: bool) -> None:
+    """The loss averaged over all processes, the throughput of the last log window (global samples), and with
+    fp16 the gradient scaler's state: its skipped steps are never silent."""
+    speed, wait = meter.window()
+    postfix = {"loss": f"{loss:.4f}", "samples_s": f"{speed:.0f}", "data_wait": f"{wait:.0%}", "epoch": epoch}
+    logs = {"train_loss": loss, "samples_per_s": speed, "data_wait_share": wait, "epoch": epoch}
+    if scheduler is not None:
+        logs["lr"] = scheduler.get_last_lr()[0]
+    if accelerator.scaler is not None:
+        logs.update(loss_scale=accelerator.scaler.get_scale(), skipped_optimizer_steps=agreement.skipped_steps)
+        postfix["skipped"] = agreement.skipped_steps
+    progress.set_postfix(postfix, refresh=interactive)  # a log file: a line per 30 s
+    accelerator.log(logs, step=step)

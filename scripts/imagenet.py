@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -22,8 +23,9 @@ from torch.utils.data import DataLoader
 
 from ddp_accel import ArgumentParser, TrainConfig, UserError, add_training_args, evaluate, fit, run_main
 from ddp_accel.checkpoint import load_checkpoint, model_fingerprint, resolve_resume
+from ddp_accel.metrics import classification_metrics, classification_values
 from ddp_accel.sync_bn import convert_sync_batchnorm
-from ddp_accel.vision.data import IMAGENET_MEAN, IMAGENET_STD, SyntheticImages, image_folders
+from ddp_accel.vision.data import IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize, SyntheticImages, image_folders
 from ddp_accel.vision.models import build_model, list_archs
 
 
@@ -57,21 +59,27 @@ def parse_args(argv=None):
     parser.add_argument("--std", type=float, nargs=3, default=list(IMAGENET_STD))
     parser.add_argument("--dummy", action="store_true", help="synthetic images (throughput runs, no data needed)")
     parser.add_argument("--dummy-classes", type=int, default=1000)
+    parser.add_argument("--normalize-on", choices=["auto", "device", "loader"], default="auto",
+                        help="device: the loader sends uint8 images, normalised on the GPU (4x fewer bytes to "
+                             "collate, pin and copy); loader: float images from the workers; auto: device on a GPU")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic cuDNN/cuBLAS kernels (bitwise-repeatable GPU runs, somewhat slower)")
     parser.set_defaults(output_dir="outputs/imagenet", epochs=90, batch_size=32, lr=0.1, log_steps=10)
     args = parser.parse_args(argv)
     if args.resume and not args.resume.endswith(".safetensors"):
         args.resume_from_checkpoint = args.resume
     if not (args.list_archs or args.dummy or args.data):
         parser.error("give DATA_DIR (with train/ and val/), or --dummy for synthetic images")
+    args.uint8 = args.normalize_on == "device" or args.normalize_on == "auto" and torch.cuda.is_available()
     return args
 
 
 def datasets_for(args):
     if args.dummy:
-        return (SyntheticImages(100 * args.batch_size, args.image_size, args.dummy_classes),
-                SyntheticImages(10 * args.batch_size, args.image_size, args.dummy_classes),
+        return (SyntheticImages(100 * args.batch_size, args.image_size, args.dummy_classes, args.uint8),
+                SyntheticImages(10 * args.batch_size, args.image_size, args.dummy_classes, args.uint8),
                 [str(i) for i in range(args.dummy_classes)])
-    return image_folders(args.data, args.image_size, args.mean, args.std, args.augment)
+    return image_folders(args.data, args.image_size, args.mean, args.std, args.augment, args.uint8)
 
 
 def loader(dataset, args, shuffle: bool) -> DataLoader:
@@ -79,36 +87,11 @@ def loader(dataset, args, shuffle: bool) -> DataLoader:
                       pin_memory=torch.cuda.is_available(), persistent_workers=args.workers > 0)
 
 
-def model_input(images: torch.Tensor, channels_last: bool) -> torch.Tensor:
-    return images.contiguous(memory_format=torch.channels_last) if channels_last else images
-
-
-def make_eval_fn(channels_last: bool, num_classes: int):
-    k = min(5, num_classes)
-
+def make_eval_fn(model_input: DeviceNormalize):
     def eval_fn(model, batch):
         images, targets = batch
-        logits = model(model_input(images, channels_last)).float()
-        top = logits.topk(k, dim=1).indices
-        values = {"loss": torch.nn.functional.cross_entropy(logits, targets, reduction="none"),
-                  "top1": (top[:, 0] == targets).float(), "target": targets}
-        if num_classes >= 5:  # top-5 means nothing with fewer classes
-            values["top5"] = (top == targets[:, None]).any(dim=1).float()
-        return values
+        return classification_values(model(model_input(images)), targets, topk=(1, 5), per_class=True)
     return eval_fn
-
-
-def make_metrics_fn(classes: list[str]):
-    def metrics_fn(values: dict[str, torch.Tensor]) -> dict:
-        metrics = {key: values[key].mean().item() for key in ("loss", "top1", "top5") if key in values}
-        per_class = {}
-        for index, name in enumerate(classes):
-            mask = values["target"] == index
-            if mask.any():
-                per_class[name] = values["top1"][mask].mean().item()
-        metrics["per_class_top1"] = per_class
-        return metrics
-    return metrics_fn
 
 
 def lr_lambda(args, steps_per_epoch: int, total_steps: int):
@@ -129,8 +112,12 @@ def main() -> None:
         print("\n".join(list_archs()))
         return
     config = TrainConfig.from_args(args)
-    torch.backends.cudnn.benchmark = True  # fixed image size: let cuDNN time its conv algorithms once
-    accelerator = config.build_accelerator()
+    if args.deterministic:  # pytorch/examples does this with --seed; here it is its own choice
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    else:
+        torch.backends.cudnn.benchmark = True  # fixed image size: let cuDNN time its conv algorithms once
+    accelerator = config.make_accelerator()
     train_set, val_set, classes = datasets_for(args)
     model = build_model(args.arch, len(classes), args.pretrained)
     sync_bn_layers = 0
@@ -142,7 +129,9 @@ def main() -> None:
         if not Path(args.resume).is_file():
             raise UserError(f"--resume {args.resume}: no such file")
         model.load_state_dict(load_file(args.resume))
-    eval_fn, metrics_fn = make_eval_fn(args.channels_last, len(classes)), make_metrics_fn(classes)
+    model_input = DeviceNormalize(args.mean, args.std, args.channels_last)
+    eval_fn = make_eval_fn(model_input)
+    metrics_fn = lambda values: classification_metrics(values, classes)
     output_dir = Path(config.output_dir)
 
     if args.evaluate:
@@ -168,30 +157,27 @@ def main() -> None:
 
     def loss_fn(model, batch):
         images, targets = batch
-        return torch.nn.functional.cross_entropy(model(model_input(images, args.channels_last)), targets,
+        return torch.nn.functional.cross_entropy(model(model_input(images)), targets,
                                                  label_smoothing=args.label_smoothing)
 
-    def schedule(optimizer, total_steps):
-        # batches are sharded across processes, and a step is `gradient_accumulation_steps` batches
-        batches = math.ceil(math.ceil(len(train_set) / config.batch_size) / accelerator.num_processes)
-        steps_per_epoch = math.ceil(batches / config.gradient_accumulation_steps)
+    def schedule(optimizer, total_steps, steps_per_epoch):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, steps_per_epoch, total_steps))
 
     best = {"top1": -1.0}
 
     def keep_best(model, metrics):
         if metrics["eval_top1"] > best["top1"]:
-            best.update(top1=metrics["eval_top1"], step=metrics.get("step"))
+            best["top1"] = metrics["eval_top1"]
             state = accelerator.get_state_dict(model)
             if accelerator.is_main_process:
                 save_file({k: v.contiguous() for k, v in state.items()}, str(output_dir / "model_best.safetensors"))
 
     banner = {"arch": args.arch, "classes": len(classes), "train/val images": f"{len(train_set)}/{len(val_set)}",
               "data": "SYNTHETIC (--dummy)" if args.dummy else args.data, "image_size": args.image_size,
-              "channels_last": args.channels_last, "sync_bn_layers": sync_bn_layers, "parameters": sum(p.numel() for p in model.parameters())}
+              "channels_last": args.channels_last, "batches": "uint8, normalised on the device" if args.uint8 else "float", "sync_bn_layers": sync_bn_layers, "parameters": sum(p.numel() for p in model.parameters())}
     metrics = fit(accelerator, config, model, optimizer, loader(train_set, args, True), loss_fn,
                   eval_loader=loader(val_set, args, False), eval_fn=eval_fn, metrics_fn=metrics_fn,
-                  make_scheduler=schedule, hparams=vars(args), title="imagenet", banner=banner, on_eval=keep_best)
+                  make_scheduler=schedule, title="imagenet", banner=banner, on_eval=keep_best)
     metrics["best_top1"] = best["top1"]
     if accelerator.is_main_process:
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))

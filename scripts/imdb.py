@@ -19,14 +19,15 @@ import torch
 from safetensors.torch import load_file
 
 from ddp_accel import ArgumentParser, TrainConfig, UserError, add_training_args, evaluate, fit, run_main
-from ddp_accel.text.models import build_model
+from ddp_accel.metrics import classification_values
+from ddp_accel.text.models import KERNEL_SIZE, STRIDE, build_model
 from ddp_accel.text.pipeline import make_loader, prepare_text_data
 from ddp_accel.text.tokenizer import basic_english
 from ddp_accel.text.vocab import Vocab
 
 RECIPE = dict(loss="bce", optimizer="adam", lr=1e-3, weight_decay=0.0, max_grad_norm=0.1, batch_size=128,
               min_freq=20, dim=64, ngrams=1, pool="mean", dropout=0.0, warmup=0.0, schedule="constant",
-              kernel_size=15, stride=7)
+              kernel_size=KERNEL_SIZE, stride=STRIDE)
 
 
 def parse_args(argv=None):
@@ -49,8 +50,8 @@ def parse_args(argv=None):
     model.add_argument("--ngrams", type=int, default=2, help="bag: 2 adds hashed bigrams (fastText)")
     model.add_argument("--buckets", type=int, default=100_000, help="bag: hash buckets for n-grams")
     model.add_argument("--pool", choices=["mean", "max"], default="max", help="gcnn: pooling over time")
-    model.add_argument("--kernel-size", type=int, default=15, help="gcnn: convolution width (recipe 15)")
-    model.add_argument("--stride", type=int, default=7, help="gcnn: convolution stride (recipe 7)")
+    model.add_argument("--kernel-size", type=int, default=KERNEL_SIZE, help="gcnn: convolution width")
+    model.add_argument("--stride", type=int, default=STRIDE, help="gcnn: convolution stride")
     model.add_argument("--dropout", type=float, default=0.0)
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--loss", choices=["ce", "bce"], default="ce", help="bce: the recipe's BCE on sigmoid(logits)")
@@ -87,19 +88,17 @@ def loss_function(kind: str):
 
 def eval_fn(model, batch):
     input_ids, labels = batch
-    logits = model(input_ids).float()
-    return {"correct": (logits.argmax(dim=1) == labels).float(),
-            "loss": torch.nn.functional.cross_entropy(logits, labels, reduction="none")}
+    return classification_values(model(input_ids), labels)  # per-sample loss and accuracy
 
 
 def model_options(args) -> dict:
     return dict(dim=args.dim, ngrams=args.ngrams, buckets=args.buckets, pool=args.pool, dropout=args.dropout,
-                kernel_size=getattr(args, "kernel_size", 15), stride=getattr(args, "stride", 7))
+                kernel_size=getattr(args, "kernel_size", KERNEL_SIZE), stride=getattr(args, "stride", STRIDE))
 
 
 def train(args) -> None:
     config = TrainConfig.from_args(args)
-    accelerator = config.build_accelerator()
+    accelerator = config.make_accelerator()
     text = prepare_text_data(accelerator, output_dir=config.output_dir, dataset=args.dataset, data_dir=args.data_dir,
                              train_file=args.train_file, test_file=args.test_file, val_fraction=args.val_fraction,
                              min_freq=args.min_freq, max_vocab=args.max_vocab, max_length=args.max_length,
@@ -113,7 +112,7 @@ def train(args) -> None:
     # dense update of the n-gram table is most of a `bag` step
     optimizer = optimizer_class(model.parameters(), lr=config.lr, weight_decay=args.weight_decay, fused=True)
 
-    def schedule(optimizer, total_steps):
+    def schedule(optimizer, total_steps, steps_per_epoch):
         warmup = max(1, int(args.warmup * total_steps))
         if args.schedule == "constant":
             return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -126,13 +125,13 @@ def train(args) -> None:
               "preprocess_s": round(text.preprocess_s, 1), "model": args.model,
               "parameters": sum(p.numel() for p in model.parameters())}
     metrics = fit(accelerator, config, model, optimizer, loader(text.train, True), loss_function(args.loss),
-                  eval_loader=loader(text.val, False), eval_fn=eval_fn, metrics_fn=None, make_scheduler=schedule,
-                  hparams=vars(args), title="imdb", banner=banner)
+                  eval_loader=loader(text.val, False), eval_fn=eval_fn, make_scheduler=schedule, title="imdb",
+                  banner=banner)
     metrics.update({"data": banner["data"], "synthetic_data": text.synthetic, "preprocess_s": text.preprocess_s,
                     "vocabulary": len(text.vocab)})
     if text.test is not None:
         metrics.update(evaluate(accelerator, model, accelerator.prepare(loader(text.test, False)), eval_fn, prefix="test"))
-        accelerator.print(f"test accuracy {metrics['test_correct']:.4f} on {metrics['test_samples']} reviews")
+        accelerator.print(f"test accuracy {metrics['test_accuracy']:.4f} on {metrics['test_samples']} reviews")
     if accelerator.is_main_process:
         Path(config.output_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))
 

@@ -21,7 +21,7 @@ def main() -> None:
     parser.set_defaults(output_dir="outputs/minimal", epochs=5, batch_size=4, lr=1e-3, log_steps=5)
     args = parser.parse_args()
     config = TrainConfig.from_args(args)
-    accelerator = config.build_accelerator()
+    accelerator = config.make_accelerator()
 
     data = torch.Generator().manual_seed(config.seed)
     dataset = TensorDataset(torch.randn(args.samples, 10, generator=data), torch.randn(args.samples, 10, generator=data))
@@ -38,8 +38,7 @@ def main() -> None:
         return {"mse": ((model(inputs) - targets) ** 2).mean(dim=1)}
 
     metrics = fit(accelerator, config, model, optimizer, loader, mse,
-                  eval_loader=DataLoader(dataset, batch_size=config.batch_size), eval_fn=per_sample_mse,
-                  hparams=vars(args))
+                  eval_loader=DataLoader(dataset, batch_size=config.batch_size), eval_fn=per_sample_mse)
 
     state = accelerator.state
     print(f"rank {state.process_index} local_rank {state.local_process_index} "

@@ -19,14 +19,15 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ddp_accel import ArgumentParser, TrainConfig, add_training_args, evaluate, fit, run_main
+from ddp_accel.metrics import classification_metrics, classification_values
 from ddp_accel.sync_bn import convert_sync_batchnorm
 
 
 class Trainer:
     def __init__(self, args):
         self.args = args
-        self.config = TrainConfig.from_args(args)
-        self.accelerator = self.config.build_accelerator()
+        self.config = TrainConfig.from_args(args, eval_every_epochs=args.eval_interval)
+        self.accelerator = self.config.make_accelerator()
 
     # --- 1. your data: three datasets (train is sharded across processes, val/test too for speed) ---
     def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
@@ -49,12 +50,10 @@ class Trainer:
     # --- 4. per-sample values for validation/test (gathered across ranks), and the metrics from them ---
     def eval_outputs(self, model, batch) -> dict[str, torch.Tensor]:
         inputs, labels = batch
-        logits = model(inputs)
-        return {"loss": nn.functional.cross_entropy(logits, labels, reduction="none"),
-                "correct": (logits.argmax(dim=1) == labels).float()}
+        return classification_values(model(inputs), labels)  # per-sample loss and accuracy (top-1)
 
     def metrics(self, outputs: dict[str, torch.Tensor]) -> dict[str, float]:
-        return {"loss": outputs["loss"].mean().item(), "accuracy": outputs["correct"].mean().item()}
+        return classification_metrics(outputs)
 
     # --- the run: usually nothing to change below ---
     def run(self) -> dict[str, float]:
@@ -67,14 +66,13 @@ class Trainer:
             accelerator.print(f"SyncBatchNorm: {layers} layers converted")
         optimizer = torch.optim.SGD(model.parameters(), lr=self.config.lr, momentum=0.9, weight_decay=1e-4)
 
-        def cosine(optimizer, total_steps):
+        def cosine(optimizer, total_steps, steps_per_epoch):
             return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
 
         loader = lambda data, shuffle: DataLoader(data, batch_size=self.config.batch_size, shuffle=shuffle)
         metrics = fit(accelerator, self.config, model, optimizer, loader(train_set, True), self.loss,
                       eval_loader=None if args.no_val else loader(val_set, False), eval_fn=self.eval_outputs,
-                      metrics_fn=self.metrics, make_scheduler=cosine, eval_every_epochs=args.eval_interval,
-                      hparams=vars(args), title="template")
+                      metrics_fn=self.metrics, make_scheduler=cosine, title="template")
         test = self.test(model, accelerator.prepare(loader(test_set, False)))
         metrics.update(test)
         if accelerator.is_main_process:

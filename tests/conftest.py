@@ -4,7 +4,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +67,13 @@ def weights(output_dir) -> dict:
     return load_file(str(Path(output_dir) / "model.safetensors"))
 
 
-@pytest.fixture
-def run():
-    return launch
+def assert_clean_error(result, *fragments: str) -> str:
+    """A user error: exit 2, no traceback, exactly one `error:` line holding every fragment. Returns that line."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, output[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]

@@ -6,6 +6,7 @@ every validation sample was counted exactly once.
 """
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -13,6 +14,25 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_accel import ArgumentParser, TrainConfig, add_training_args, fit, run_main
+from ddp_accel.metrics import classification_metrics, classification_values
+
+
+class ComplexLinear(torch.nn.Module):
+    """y = x W^T + b with complex64 weights: the parameters DDP must all-reduce as complex numbers."""
+
+    def __init__(self, inputs: int, outputs: int):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(outputs, inputs, dtype=torch.complex64, generator=generator) / inputs ** 0.5)
+        self.bias = torch.nn.Parameter(torch.zeros(outputs, dtype=torch.complex64))
+
+    def forward(self, x):
+        return x.to(torch.complex64) @ self.weight.T + self.bias
+
+
+class Magnitude(torch.nn.Module):
+    def forward(self, z):
+        return z.abs()
 
 
 class IdDataset(Dataset):
@@ -35,12 +55,16 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=16)
     parser.add_argument("--dropout", type=float, default=0.2)
     parser.add_argument("--step-ms", type=float, default=0, help="stand-in for a real step's compute time")
+    parser.add_argument("--complex", action="store_true", help="a complex-valued first layer (|z| feeds the rest)")
     args = parser.parse_args()
     config = TrainConfig.from_args(args)
-    accelerator = config.build_accelerator()
+    accelerator = config.make_accelerator()
 
-    model = torch.nn.Sequential(torch.nn.Linear(8, args.hidden), torch.nn.ReLU(), torch.nn.Dropout(args.dropout),
-                                torch.nn.Linear(args.hidden, 2))
+    if args.complex:
+        first, activation = ComplexLinear(8, args.hidden), Magnitude()
+    else:
+        first, activation = torch.nn.Linear(8, args.hidden), torch.nn.ReLU()
+    model = torch.nn.Sequential(first, activation, torch.nn.Dropout(args.dropout), torch.nn.Linear(args.hidden, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     train = DataLoader(IdDataset(args.train_size, seed=1), batch_size=config.batch_size, shuffle=True)
     val = DataLoader(IdDataset(args.val_size, seed=2), batch_size=config.batch_size)
@@ -54,18 +78,21 @@ def main() -> None:
 
     def eval_fn(model, batch):
         ids, x, y = batch
-        return {"id": ids, "correct": (model(x).argmax(dim=1) == y).float()}
+        return {"id": ids, **classification_values(model(x), y)}
 
     def metrics_fn(outputs):
-        ids = outputs["id"].tolist()
-        return {"accuracy": outputs["correct"].mean().item(), "id_sum": sum(ids), "unique_ids": len(set(ids))}
+        ids = outputs.pop("id").tolist()
+        return {**classification_metrics(outputs), "id_sum": sum(ids), "unique_ids": len(set(ids))}
 
-    def warmup_then_decay(optimizer, total_steps):
+    def warmup_then_decay(optimizer, total_steps, steps_per_epoch):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3) * (1 - step / (total_steps + 1)))
 
     fit(accelerator, config, model, optimizer, train, loss_fn, eval_loader=val, eval_fn=eval_fn,
-        metrics_fn=metrics_fn, make_scheduler=warmup_then_decay, hparams=vars(args))
+        metrics_fn=metrics_fn, make_scheduler=warmup_then_decay)
     Path(config.output_dir, f"seen_rank{accelerator.process_index}.json").write_text(json.dumps(seen))
+    # where each rank ran (the SLURM tests check the machine ranks)
+    print(f"probe rank {accelerator.process_index} machine_rank {os.environ.get('GROUP_RANK', 0)} "
+          f"node {os.environ.get('SLURMD_NODENAME', '-')}", flush=True)
 
 
 if __name__ == "__main__":

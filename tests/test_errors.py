@@ -5,19 +5,9 @@ import sys
 
 import pytest
 
-from conftest import ROOT, check_ok, launch
+from conftest import ROOT, assert_clean_error, check_ok, launch
 from ddp_accel.errors import UserError
 from ddp_accel.runtime import check_topology
-
-
-def assert_clean_error(result, *fragments):
-    output = result.stdout + result.stderr
-    assert result.returncode == 2, output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
-    errors = [line for line in output.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, output[-3000:]
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
 
 
 def test_resume_path_that_does_not_exist(tmp_path):

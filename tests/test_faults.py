@@ -1,6 +1,7 @@
 """Faults from outside the training code: SIGKILL a worker (torchrun restarts the group, training resumes from
 the last complete checkpoint and ends with bitwise the same weights), kill one mid-checkpoint, hang one."""
 
+import json
 import os
 import signal
 import subprocess
@@ -137,3 +138,44 @@ def test_a_dead_or_hung_rank_ends_the_job_with_an_error(tmp_path, fault):
     assert code != 0, log[-3000:]
     assert elapsed < 15 + 60, f"the job took {elapsed:.0f} s to end"
     print(f"\n{fault}: job ended with exit {code} {elapsed:.1f} s after the fault", file=sys.stderr)
+
+
+def read_marker(output_dir: Path) -> dict | None:
+    path = output_dir / "preempted.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+@pytest.mark.parametrize("target", ["agent", "one_worker"])
+def test_preemption_signal_saves_the_step_reached_and_resume_loses_nothing(uninterrupted, tmp_path, target):
+    """SIGTERM to torchrun's agent (it forwards it to every worker), or SIGUSR1 (SLURM's time-limit warning) to
+    one worker only: the ranks agree at the next optimizer step, every rank saves the step reached, exit 0.
+    The same command again resumes from exactly that step and ends bitwise equal to an uninterrupted run."""
+    output_dir = tmp_path / target
+    command = [*COMMON, "--step-ms", "20", "--resume-from-checkpoint", "latest"]
+    agent = torchrun(output_dir, *command, max_restarts=2)
+    wait_for(lambda: 5 in checkpoint_steps(output_dir))
+    time.sleep(0.3)  # mid-way between scheduled checkpoints
+    signalled = time.monotonic()
+    if target == "agent":
+        agent.send_signal(signal.SIGTERM)
+    else:
+        os.kill(workers(agent)[-1], signal.SIGUSR1)
+    marker = wait_for(lambda: read_marker(output_dir), timeout=60)
+    signal_to_saved = time.monotonic() - signalled
+    code, log = finish(agent, output_dir)
+    stopped_at = marker["step"]
+    assert f"preempted by {'SIGTERM' if target == 'agent' else 'SIGUSR1'} at step {stopped_at}" in log, log[-3000:]
+    assert stopped_at in checkpoint_steps(output_dir) and stopped_at > 5
+    assert "Traceback" not in log.split("preempted by")[0], log[-3000:]  # the workers stopped cleanly
+    # a signal to the agent: torchrun itself exits 1 after its workers; to a worker only: the group ends with 0
+    # and no restart in place (the preempted machine is going away)
+    assert code == (1 if target == "agent" else 0), log[-3000:]
+    assert log.count("resumed from") == 0, "the group was restarted in place"
+
+    code, log = finish(torchrun(output_dir, *command), output_dir)
+    assert code == 0, log[-3000:]
+    assert f"resumed from {output_dir / 'checkpoints' / f'step_{stopped_at}'}: step {stopped_at}," in log
+    assert read_marker(output_dir) is None, "a finished run must not look preempted"
+    assert_bitwise_equal(uninterrupted, output_dir)
+    print(f"\n{target}: signal -> checkpoint of step {stopped_at} complete in {signal_to_saved:.2f} s "
+          f"(save itself {marker['save_s']} s); steps redone after resume: 0", file=sys.stderr)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import datasets
 import numpy as np
@@ -13,10 +17,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 from accelerate import Accelerator
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
-from ddp_accel.errors import UserError
-from ddp_accel.text import data
+from ddp_accel.text import sources
 from ddp_accel.text.tokenizer import basic_english
 from ddp_accel.text.vocab import Vocab
 
@@ -35,33 +38,6 @@ class TextData:
     preprocess_s: float
 
 
-def load_sources(dataset: str, data_dir: str | None, train_file: str | None, test_file: str | None,
-                 accelerator: Accelerator) -> tuple[datasets.Dataset, datasets.Dataset | None, str, bool]:
-    if train_file:
-        return data.load_file(train_file), data.load_file(test_file) if test_file else None, train_file, False
-    if test_file:
-        raise UserError("--test-file needs --train-file (or use --data-dir)")
-    if data_dir:
-        test_dir = Path(data_dir) / "aclImdb" / "test" if (Path(data_dir) / "aclImdb").is_dir() else Path(data_dir) / "test"
-        test = data.load_aclimdb(data_dir, "test") if test_dir.is_dir() else None
-        return data.load_aclimdb(data_dir, "train"), test, data_dir, False
-    if dataset == "imdb":
-        # The main process downloads first, the others then read its cache. The exception is caught
-        # inside the block: raising through main_process_first would skip its barrier on one rank only.
-        with accelerator.main_process_first():
-            try:
-                train, test = data.load_hub_imdb()
-                error = None
-            except Exception as caught:  # offline, hub down, no cache
-                error = caught
-        if error is None:
-            return train, test, "hub:stanfordnlp/imdb", False
-        accelerator.print(f"IMDB cannot be reached on the Hugging Face hub ({type(error).__name__}); "
-                          "pass --data-dir aclImdb/ or --train-file/--test-file for real data. "
-                          "Training on the built-in SYNTHETIC sentiment corpus instead.")
-    return data.synthetic_imdb(4000, seed=0), data.synthetic_imdb(1000, seed=1), "synthetic", True
-
-
 def _source_key(source: str) -> list:
     path = Path(source)
     return [source, path.stat().st_size, path.stat().st_mtime_ns] if path.is_file() else [source]
@@ -76,11 +52,11 @@ def prepare_text_data(accelerator: Accelerator, *, output_dir: str, dataset: str
     The second run with the same inputs reads the encoded arrow files instead of tokenising again.
     """
     start = time.perf_counter()
-    train, test, source, synthetic = load_sources(dataset, data_dir, train_file, test_file, accelerator)
+    train, test, source, synthetic = sources.load_sources(dataset, data_dir, train_file, test_file, accelerator)
     split = train.train_test_split(test_size=val_fraction, seed=seed, stratify_by_column=None)
     train, val = split["train"], split["test"]
     cache = Path(cache_dir or Path(output_dir) / "cache")
-    key = data.fingerprint(_source_key(source), len(train), val_fraction, seed, PIPELINE_VERSION)
+    key = cache_key(_source_key(source), len(train), val_fraction, seed, PIPELINE_VERSION)
     num_proc = min(4, os.cpu_count() or 1) if len(train) > 5000 else None
 
     def tokenize(batch):
@@ -111,7 +87,7 @@ def prepare_text_data(accelerator: Accelerator, *, output_dir: str, dataset: str
                          "length": pc.list_value_length(input_ids), "full_length": full_length})
 
     def encode_split(split_data: datasets.Dataset, name: str) -> datasets.Dataset:
-        split_key = data.fingerprint(key, name, vocab.itos[:50], len(vocab), max_length)
+        split_key = cache_key(key, name, vocab.itos[:50], len(vocab), max_length)
         tokenized = tokens if name == "train" else split_data.map(
             tokenize, batched=True, num_proc=num_proc, remove_columns=["text"], desc=f"tokenize {name}",
             cache_file_name=str(cache / f"{name}-{split_key}-tokens.arrow"))
@@ -178,6 +154,58 @@ class PadCollate:
 def make_loader(encoded: datasets.Dataset, batch_size: int, pad_id: int, *, shuffle: bool, seed: int,
                 min_length: int = 1, workers: int = 0) -> DataLoader:
     reviews = EncodedReviews(encoded)
-    batches = data.BucketBatchSampler(reviews.lengths, batch_size, shuffle=shuffle, seed=seed)
+    batches = BucketBatchSampler(reviews.lengths, batch_size, shuffle=shuffle, seed=seed)
     return DataLoader(reviews, batch_sampler=batches, collate_fn=PadCollate(pad_id, min_length),
                       num_workers=workers, persistent_workers=workers > 0)
+
+
+def cache_key(*parts) -> str:
+    """A short hash of everything an encoded cache file depends on."""
+    return hashlib.sha256(json.dumps(parts, default=str, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class BucketBatchSampler(Sampler[list[int]]):
+    """Batches of similar length, so padding stays small; shuffled anew each epoch from (seed, epoch).
+
+    Indices are shuffled, cut into pools of `batch_size * pool_batches`, each pool sorted by length and cut
+    into batches, then the batches are shuffled. Every index appears in exactly one batch per epoch.
+    Accelerate shards these batches across processes (process i takes batches i, i+N, ...).
+    """
+
+    def __init__(self, lengths: list[int], batch_size: int, shuffle: bool = True, seed: int = 0,
+                 pool_batches: int = 50):
+        self.lengths, self.batch_size, self.shuffle = lengths, batch_size, shuffle
+        self.seed, self.pool_batches, self.epoch = seed, pool_batches, 0
+        self.drop_last = False
+
+    @property
+    def sampler(self):
+        # Accelerate's DataLoaderShard.set_epoch reaches a sharded batch sampler's epoch through `.sampler`
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return (len(self.lengths) + self.batch_size - 1) // self.batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        indices = list(range(len(self.lengths)))
+        rng = random.Random(self.seed * 100_003 + self.epoch)
+        if self.shuffle:
+            rng.shuffle(indices)
+        pool_size, size = self.batch_size * self.pool_batches, self.batch_size
+        batches, leftovers = [], []
+        for start in range(0, len(indices), pool_size):
+            pool = sorted(indices[start:start + pool_size], key=self.lengths.__getitem__)
+            full = len(pool) - len(pool) % size
+            batches += [pool[i:i + size] for i in range(0, full, size)]
+            leftovers += pool[full:]
+        leftovers.sort(key=self.lengths.__getitem__)
+        batches += [leftovers[i:i + size] for i in range(0, len(leftovers) - len(leftovers) % size, size)]
+        if self.shuffle:
+            rng.shuffle(batches)
+        # The one short batch goes last: Accelerate's batch sharding assumes only the last batch is short
+        # (a short batch mid-epoch makes it drop a whole round of batches).
+        short = leftovers[len(leftovers) - len(leftovers) % size:]
+        return iter(batches + ([short] if short else []))

@@ -65,10 +65,12 @@ class CheckedImageFolder(datasets.ImageFolder):
         return self.transform(image), target
 
 
-def image_transforms(image_size: int, mean, std, augment: str) -> tuple[transforms.Compose, transforms.Compose]:
+def image_transforms(image_size: int, mean, std, augment: str,
+                     uint8: bool = False) -> tuple[transforms.Compose, transforms.Compose]:
     """imagenet: RandomResizedCrop + flip / Resize(size/0.875) + CenterCrop (pytorch/examples).
-    cifar: pad-4 RandomCrop + flip / the image as is (for 32x32 images, where a 0.08-scale crop destroys them)."""
-    normalize = [transforms.ToTensor(), transforms.Normalize(mean, std)]
+    cifar: pad-4 RandomCrop + flip / the image as is (for 32x32 images, where a 0.08-scale crop destroys them).
+    uint8: the images stay bytes (4x less to collate, pin and copy); `DeviceNormalize` finishes the job."""
+    normalize = [transforms.PILToTensor()] if uint8 else [transforms.ToTensor(), transforms.Normalize(mean, std)]
     if augment == "cifar":
         train = [transforms.Resize(image_size), transforms.RandomCrop(image_size, padding=image_size // 8),
                  transforms.RandomHorizontalFlip()]
@@ -79,20 +81,40 @@ def image_transforms(image_size: int, mean, std, augment: str) -> tuple[transfor
     return transforms.Compose(train + normalize), transforms.Compose(val + normalize)
 
 
-def image_folders(data_dir: str, image_size: int, mean, std, augment: str) -> tuple[Dataset, Dataset, list[str]]:
+def image_folders(data_dir: str, image_size: int, mean, std, augment: str,
+                  uint8: bool = False) -> tuple[Dataset, Dataset, list[str]]:
     train_dir, val_dir = check_image_folder(data_dir)
-    train_transform, val_transform = image_transforms(image_size, mean, std, augment)
+    train_transform, val_transform = image_transforms(image_size, mean, std, augment, uint8)
     train = CheckedImageFolder(train_dir, train_transform)
     val = CheckedImageFolder(val_dir, val_transform, class_to_idx=train.class_to_idx)
     return train, val, train.classes
 
 
+class DeviceNormalize:
+    """uint8 batches -> normalised float on the device the batch is on (GPU: one fused kernel instead of a CPU
+    pass per image in the loader workers); float batches pass through. Optionally channels_last."""
+
+    def __init__(self, mean, std, channels_last: bool = False):
+        self.mean = torch.tensor(mean).view(1, -1, 1, 1) * 255
+        self.std = torch.tensor(std).view(1, -1, 1, 1) * 255
+        self.channels_last = channels_last
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        if images.dtype == torch.uint8:
+            if self.mean.device != images.device:  # moved once, not per batch
+                self.mean, self.std = self.mean.to(images.device), self.std.to(images.device)
+            images = images.float().sub_(self.mean).div_(self.std)
+        return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
+
+
 class SyntheticImages(Dataset):
     """`--dummy`: the same random image for every index (no decoding cost), labels cycling over the classes."""
 
-    def __init__(self, size: int, image_size: int, num_classes: int):
+    def __init__(self, size: int, image_size: int, num_classes: int, uint8: bool = False):
         self.size, self.num_classes = size, num_classes
-        self.image = torch.randn(3, image_size, image_size, generator=torch.Generator().manual_seed(0))
+        generator = torch.Generator().manual_seed(0)
+        self.image = (torch.randint(0, 256, (3, image_size, image_size), dtype=torch.uint8, generator=generator)
+                      if uint8 else torch.randn(3, image_size, image_size, generator=generator))
 
     def __len__(self) -> int:
         return self.size

@@ -1,18 +1,16 @@
-"""IMDB-style data: sources (hub, aclImdb folder, jsonl/csv/parquet, synthetic), encoding, length bucketing.
+"""Where reviews come from: a jsonl/csv/parquet file, the aclImdb folder, the Hugging Face hub, or a synthetic
+corpus. Each source gives a `datasets.Dataset` of raw `text` and integer `label`; pipeline.py turns it into batches.
 
 Labels everywhere: 1 = positive, 0 = negative (the Hugging Face IMDB convention).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 from pathlib import Path
-from typing import Iterator
 
 import datasets
-from torch.utils.data import Sampler
+from accelerate import Accelerator
 
 from ddp_accel.errors import UserError
 
@@ -103,52 +101,28 @@ def synthetic_imdb(size: int = 4000, seed: int = 0) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"text": texts, "label": labels})
 
 
-def fingerprint(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts, default=str, sort_keys=True).encode()).hexdigest()[:16]
-
-
-class BucketBatchSampler(Sampler[list[int]]):
-    """Batches of similar length, so padding stays small; shuffled anew each epoch from (seed, epoch).
-
-    Indices are shuffled, cut into pools of `batch_size * pool_batches`, each pool sorted by length and cut
-    into batches, then the batches are shuffled. Every index appears in exactly one batch per epoch.
-    Accelerate shards these batches across processes (process i takes batches i, i+N, ...).
-    """
-
-    def __init__(self, lengths: list[int], batch_size: int, shuffle: bool = True, seed: int = 0,
-                 pool_batches: int = 50):
-        self.lengths, self.batch_size, self.shuffle = lengths, batch_size, shuffle
-        self.seed, self.pool_batches, self.epoch = seed, pool_batches, 0
-        self.drop_last = False
-
-    @property
-    def sampler(self):
-        # Accelerate's DataLoaderShard.set_epoch reaches a sharded batch sampler's epoch through `.sampler`
-        return self
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return (len(self.lengths) + self.batch_size - 1) // self.batch_size
-
-    def __iter__(self) -> Iterator[list[int]]:
-        indices = list(range(len(self.lengths)))
-        rng = random.Random(self.seed * 100_003 + self.epoch)
-        if self.shuffle:
-            rng.shuffle(indices)
-        pool_size, size = self.batch_size * self.pool_batches, self.batch_size
-        batches, leftovers = [], []
-        for start in range(0, len(indices), pool_size):
-            pool = sorted(indices[start:start + pool_size], key=self.lengths.__getitem__)
-            full = len(pool) - len(pool) % size
-            batches += [pool[i:i + size] for i in range(0, full, size)]
-            leftovers += pool[full:]
-        leftovers.sort(key=self.lengths.__getitem__)
-        batches += [leftovers[i:i + size] for i in range(0, len(leftovers) - len(leftovers) % size, size)]
-        if self.shuffle:
-            rng.shuffle(batches)
-        # The one short batch goes last: Accelerate's batch sharding assumes only the last batch is short
-        # (a short batch mid-epoch makes it drop a whole round of batches).
-        short = leftovers[len(leftovers) - len(leftovers) % size:]
-        return iter(batches + ([short] if short else []))
+def load_sources(dataset: str, data_dir: str | None, train_file: str | None, test_file: str | None,
+                 accelerator: Accelerator) -> tuple[datasets.Dataset, datasets.Dataset | None, str, bool]:
+    if train_file:
+        return load_file(train_file), load_file(test_file) if test_file else None, train_file, False
+    if test_file:
+        raise UserError("--test-file needs --train-file (or use --data-dir)")
+    if data_dir:
+        test_dir = Path(data_dir) / "aclImdb" / "test" if (Path(data_dir) / "aclImdb").is_dir() else Path(data_dir) / "test"
+        test = load_aclimdb(data_dir, "test") if test_dir.is_dir() else None
+        return load_aclimdb(data_dir, "train"), test, data_dir, False
+    if dataset == "imdb":
+        # The main process downloads first, the others then read its cache. The exception is caught
+        # inside the block: raising through main_process_first would skip its barrier on one rank only.
+        with accelerator.main_process_first():
+            try:
+                train, test = load_hub_imdb()
+                error = None
+            except Exception as caught:  # offline, hub down, no cache
+                error = caught
+        if error is None:
+            return train, test, "hub:stanfordnlp/imdb", False
+        accelerator.print(f"IMDB cannot be reached on the Hugging Face hub ({type(error).__name__}); "
+                          "pass --data-dir aclImdb/ or --train-file/--test-file for real  "
+                          "Training on the built-in SYNTHETIC sentiment corpus instead.")
+    return synthetic_imdb(4000, seed=0), synthetic_imdb(1000, seed=1), "synthetic", True
