@@ -260,8 +260,9 @@ def stop_early(accelerator: Accelerator, config: TrainConfig, verdict: Verdict, 
     """Every rank: a loss that is not finite ends the run (no checkpoint of a broken model); a preemption
     checkpoints the step reached (unless it was just saved), leaves the marker and raises Preempted."""
     if verdict.nonfinite:
-        raise UserError(f"the training loss is not finite (nan or inf) at step {verdict.step}; the last logged loss "
-                        f"was {last_loss:.4g}. Lower --lr, set --max-grad-norm, or check the data for bad values.")
+        last = f"the last logged loss was {last_loss:.4g}" if math.isfinite(last_loss) else "no loss was logged before"
+        raise UserError(f"the training loss is not finite (nan or inf) at step {verdict.step}; {last}. "
+                        "Lower --lr, set --max-grad-norm, or check the data for bad values.")
     started = time.perf_counter()
     path = Path(config.output_dir) / "checkpoints" / f"step_{step}"
     if not (path / "training_state.json").is_file():

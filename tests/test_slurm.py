@@ -1,0 +1,114 @@
+"""slurm/train.sbatch on a real SLURM (two "nodes" on this host): a 2-node job, the time-limit warning
+(USR1 -> checkpoint -> requeue -> resume) and a preemption (SIGTERM to the job step), each ending with the
+weights of an uninterrupted run."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, weights
+from slurm_cluster import LocalSlurm, missing_binaries
+
+pytestmark = pytest.mark.skipif(bool(missing_binaries()), reason=(
+    f"SLURM is not installed ({', '.join(missing_binaries())} missing): "
+    "apt-get install slurmctld slurmd slurm-client munge"))
+
+# 256 samples, 2 nodes x 1 process x batch 4: 32 steps an epoch; a checkpoint every 5 steps; dropout on
+PROBE_ARGS = "--batch-size 4 --epochs 3 --train-size 256 --dropout 0.3 --checkpointing-steps 5 --step-ms 40"
+# the test cluster: CPU nodes of 1 core; everything else is the shipped script's
+SBATCH_OPTIONS = ["--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1"]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    with LocalSlurm(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
+
+
+def submit(slurm: LocalSlurm, output_dir: Path) -> tuple[str, Path]:
+    log = output_dir.parent / f"{output_dir.name}.slurm.log"
+    env = {"SCRIPT": "tests/probe.py", "SCRIPT_ARGS": PROBE_ARGS, "OUTPUT_DIR": str(output_dir), "PROCESSES_PER_NODE": "1",
+           "VENV": str(Path(sys.executable).parent.parent), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    job = slurm.sbatch(ROOT / "slurm" / "train.sbatch", *SBATCH_OPTIONS, f"--output={log}", env=env, cwd=ROOT)
+    return job, log
+
+
+def finish(slurm: LocalSlurm, job: str, log: Path, requeues: int = 0) -> str:
+    """Wait for the job to end, starting each requeued run at once (SLURM holds it ~120 s otherwise)."""
+    for restart in range(1, requeues + 1):
+        deadline = time.monotonic() + 120
+        while int(slurm.job(job).get("Restarts", 0)) < restart:  # the job state passes through transient ones
+            assert time.monotonic() < deadline, f"job {job} was not requeued: {slurm.job(job)}\n{log.read_text()[-3000:]}"
+            time.sleep(0.1)
+        if slurm.wait_state(job, "PENDING", "RUNNING")["JobState"] == "PENDING":
+            # SLURM holds a requeued job ~120 s; starting it before the nodes have cleaned up the previous run
+            # fails it ("Job credential revoked"), so wait for idle nodes and a little more
+            slurm.wait_idle()
+            time.sleep(3)
+            slurm.scontrol("update", f"JobId={job}", "StartTime=now", check=False)
+    state = slurm.wait_state(job, "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+    text = log.read_text()
+    assert state["JobState"] == "COMPLETED", f"{state}\n{text[-4000:]}"
+    return text
+
+
+def wait_for_checkpoint(output_dir: Path, step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not (output_dir / "checkpoints" / f"step_{step}" / "training_state.json").is_file():
+        assert time.monotonic() < deadline, f"no checkpoint of step {step} after {timeout} s"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm, tmp_path_factory) -> tuple[Path, str]:
+    output_dir = tmp_path_factory.mktemp("slurm_runs") / "uninterrupted"
+    job, log = submit(slurm, output_dir)
+    return output_dir, finish(slurm, job, log)
+
+
+def test_two_node_job_runs_one_launcher_per_node_with_the_right_ranks(uninterrupted):
+    output_dir, log = uninterrupted
+    assert re.search(r"world_size\s+2\b", log) and re.search(r"num_nodes\s+2\b", log), log[-3000:]
+    # (global rank, machine rank, node): static rendezvous with 1 process per node gives global rank = machine
+    # rank, and each node's machine rank is its own $SLURM_NODEID (n1 -> 0, n2 -> 1), not the batch shell's
+    ranks = sorted(re.findall(r"probe rank (\d) machine_rank (\d) node (n\d)", log))
+    assert ranks == [("0", "0", "n1"), ("1", "1", "n2")], log[-3000:]
+    assert (output_dir / "model.safetensors").is_file() and not (output_dir / "preempted.json").exists()
+
+
+@pytest.mark.parametrize("how", ["time_limit_warning", "step_sigterm", "preempted_by_urgent_job"])
+def test_signal_checkpoint_requeue_resume_loses_nothing(slurm, uninterrupted, tmp_path, how):
+    """time_limit_warning: USR1 to the batch shell (what --signal=B:USR1@T sends before the limit); it tells the
+    job step to save. step_sigterm: SIGTERM straight to the job step's processes. preempted_by_urgent_job: a real
+    preemption (PreemptMode=REQUEUE): SLURM signals the job, which saves; SLURM requeues it. Every time the
+    processes save the step reached and the rerun resumes from exactly that step."""
+    output_dir = tmp_path / how
+    job, log = submit(slurm, output_dir)
+    wait_for_checkpoint(output_dir, 5)
+    time.sleep(0.4)  # between scheduled checkpoints
+    signalled = time.monotonic()
+    if how == "preempted_by_urgent_job":  # a job of a higher-priority partition takes both nodes
+        slurm.sbatch(None, "--partition=urgent", "--nodes=2", "--wrap=sleep 1", f"--output={tmp_path}/urgent.log")
+    else:
+        target = ["--signal=USR1", "--batch", job] if how == "time_limit_warning" else ["--signal=TERM", f"{job}.0"]
+        subprocess.run(["scancel", *target], env=slurm.env, check=True)
+    while not (output_dir / "preempted.json").is_file() and slurm.job(job).get("JobState") == "RUNNING":
+        time.sleep(0.02)
+    signal_to_saved = time.monotonic() - signalled
+    text = finish(slurm, job, log, requeues=1)
+    stopped = int(re.search(r"preempted by \S+ at step (\d+)", text).group(1))
+    assert stopped > 5 and f"step_{stopped}" in text
+    assert "run 2:" in text and slurm.job(job)["Restarts"] == "1", text[-3000:]
+    resumed = re.search(r"resumed from \S+: step (\d+),", text)
+    assert resumed and int(resumed.group(1)) == stopped, text[-3000:]  # no step redone, none skipped
+    assert not (output_dir / "preempted.json").exists()
+    reference, final = weights(uninterrupted[0]), weights(output_dir)
+    assert all(torch.equal(reference[key], final[key]) for key in reference), "weights differ from the uninterrupted run"
+    print(f"\n{how}: stopped at step {stopped}, checkpoint complete {signal_to_saved:.1f} s after the signal",
+          file=sys.stderr)
