@@ -219,6 +219,14 @@ def write_final_artifacts(accelerator: Accelerator, model, output_dir: Path, met
         tracker.finish()
 
 
+def start_epoch(train_loader, seed: int, epoch: int) -> None:
+    """A new shuffle each epoch, the same on every rank; and DataLoader worker seeds (random augmentations in
+    workers) that depend only on (seed, epoch), so that a run resumed at an epoch boundary draws the same."""
+    train_loader.set_epoch(epoch)
+    if train_loader.generator is not None:
+        train_loader.generator.manual_seed(seed * 100_003 + epoch)
+
+
 def every(step: int, period) -> bool:
     """True every `period` optimizer steps (`period` None or 'epoch': never)."""
     return isinstance(period, int) and step % period == 0
@@ -308,7 +316,8 @@ def fit(accelerator: Accelerator, config: TrainConfig, model: torch.nn.Module, o
     step = start.step
     history = EvalHistory(output_dir / "history.json", step if start.checkpoint else None)
     meter, window, agreement = ThroughputMeter(), LossWindow(accelerator.device), StepAgreement(accelerator)
-    last_loss, eval_metrics, last_eval_step, stop = float("nan"), {}, -1, None
+    last_loss, eval_metrics, stop = float("nan"), {}, None
+    last_eval_step = step if history.records and history.records[-1]["step"] == step else -1  # resumed after an eval
 
     def run_eval() -> dict[str, float]:
         metrics = evaluate(accelerator, model, eval_loader, eval_fn, metrics_fn)
@@ -327,7 +336,7 @@ def fit(accelerator: Accelerator, config: TrainConfig, model: torch.nn.Module, o
         for epoch in range(start.epoch, config.epochs):
             if step >= total_steps:
                 break
-            train_loader.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+            start_epoch(train_loader, config.seed, epoch)
             skip = start.skip_batches if epoch == start.epoch else 0
             batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
             batches_in_epoch, tick = skip, time.perf_counter()

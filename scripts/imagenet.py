@@ -83,8 +83,10 @@ def datasets_for(args):
 
 
 def loader(dataset, args, shuffle: bool) -> DataLoader:
+    # workers are not persistent: new workers each epoch take that epoch's seed, which keeps augmentations
+    # exact across a resume (ddp_accel.vision.data.seed_augmentation); starting them costs ~1 s an epoch
     return DataLoader(dataset, batch_size=args.batch_size, shuffle=shuffle, num_workers=args.workers,
-                      pin_memory=torch.cuda.is_available(), persistent_workers=args.workers > 0)
+                      pin_memory=torch.cuda.is_available())
 
 
 def make_eval_fn(model_input: DeviceNormalize):

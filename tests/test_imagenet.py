@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file
 
 from conftest import assert_clean_error, check_ok, launch
 from ddp_accel.metrics import classification_metrics, classification_values
@@ -148,3 +149,35 @@ def test_two_processes_learn_real_cifar10_mini(tmp_path):
     assert metrics["world_size"] == 2 and metrics["eval_samples"] == 2000
     assert len(metrics["eval_per_class_top1"]) == 10
     assert metrics["best_top1"] > 0.5, metrics  # 59.5% measured (4 epochs, 43 s)
+
+
+def test_resume_mid_epoch_with_augmenting_workers_is_exact_with_another_worker_count(tmp_path):
+    # random crops and flips drawn in DataLoader workers: each sample's augmentation has a seed of its own (the
+    # epoch's loader seed and its index), so neither the worker that gets it nor a restart changes it
+    data = make_image_folder(tmp_path / "images", classes=3, train=8, val=2)  # 24 images: 6 steps an epoch
+    args = [data, "-a", "cifar_resnet20", "--image-size", "16", "--augment", "cifar", "-b", "4", "--lr", "0.05",
+            "--epochs", "3", "--checkpointing-steps", "4"]
+    check_ok(launch("scripts/imagenet.py", *args, "-j", "1", "--output-dir", tmp_path / "full", launcher="python"))
+    import shutil
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_8", tmp_path / "cut" / "checkpoints" / "step_8")
+    shutil.copy(tmp_path / "full" / "history.json", tmp_path / "cut" / "history.json")
+    output = check_ok(launch("scripts/imagenet.py", *args, "-j", "2", "--output-dir", tmp_path / "cut", "--resume", "latest",
+                             launcher="python"))
+    assert "step 8, epoch 1, skipping 2 batches" in output
+    full, cut = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("full", "cut"))
+    assert all(torch.equal(full[key], cut[key]) for key in full)
+    steps = [record["step"] for record in json.loads((tmp_path / "cut" / "history.json").read_text())]
+    assert steps == [6, 12, 18], steps  # each evaluation recorded once
+
+
+def test_resume_right_after_an_evaluation_does_not_evaluate_again(tmp_path):
+    data = make_image_folder(tmp_path / "images", classes=3, train=8, val=2)
+    args = [data, *SMALL, "--epochs", "2", "--checkpointing-steps", "6"]  # step 6 ends epoch 1, evaluated there
+    check_ok(launch("scripts/imagenet.py", *args, "--output-dir", tmp_path / "full", launcher="python"))
+    import shutil
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_6", tmp_path / "cut" / "checkpoints" / "step_6")
+    shutil.copy(tmp_path / "full" / "history.json", tmp_path / "cut" / "history.json")
+    output = check_ok(launch("scripts/imagenet.py", *args, "--output-dir", tmp_path / "cut", "--resume", "latest",
+                             launcher="python"))
+    assert "step 6: eval_loss" not in output
+    assert [r["step"] for r in json.loads((tmp_path / "cut" / "history.json").read_text())] == [6, 12]

@@ -62,7 +62,19 @@ class CheckedImageFolder(datasets.ImageFolder):
             image = self.loader(path)
         except (OSError, ValueError) as error:  # PIL's UnidentifiedImageError is an OSError
             raise UserError(f"cannot read image {path} ({type(error).__name__}); delete or replace it") from None
+        seed_augmentation(index)
         return self.transform(image), target
+
+
+def seed_augmentation(index: int) -> None:
+    """In a DataLoader worker, draw sample `index`'s random crop and flip from a seed of its own: the loader's
+    base seed (one per epoch, from the (seed, epoch)-seeded loader generator) and the index. The augmentation
+    then depends neither on which worker gets the sample nor on what that worker did before, so a run resumed
+    mid-epoch, with any number of workers, sees the same images. In the main process (-j 0) the global RNG,
+    which a resume restores, does the job."""
+    worker = torch.utils.data.get_worker_info()
+    if worker is not None:
+        torch.manual_seed(((worker.seed - worker.id) * 1_000_003 + index) % 2**63)
 
 
 def image_transforms(image_size: int, mean, std, augment: str,
