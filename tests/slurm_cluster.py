@@ -114,8 +114,7 @@ PartitionName=urgent Nodes={",".join(self.NODES)} MaxTime=INFINITE State=UP Prio
         if subprocess.run(["munge", "-n"], capture_output=True).returncode == 0:
             return  # already running on this host: left as it is
         subprocess.run(["install", "-d", "-o", "munge", "-g", "munge", "/run/munge"], check=True)
-        subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged", "--pid-file", str(self.root / "munged.pid")],
-                       check=True)
+        subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True)
         self.started_munge = True
         deadline = time.monotonic() + 10
         while subprocess.run(["munge", "-n"], capture_output=True).returncode != 0:
@@ -141,7 +140,7 @@ PartitionName=urgent Nodes={",".join(self.NODES)} MaxTime=INFINITE State=UP Prio
                 os.killpg(process.pid, signal.SIGKILL)
         # job steps (slurmstepd and their tasks) outlive their slurmd when it is killed
         subprocess.run(["pkill", "-9", "-f", f"slurmstepd.*{self.root}"], capture_output=True)
-        pid_file = self.root / "munged.pid"
+        pid_file = Path("/run/munge/munged.pid")
         if self.started_munge and pid_file.is_file():
             os.kill(int(pid_file.read_text()), signal.SIGTERM)
 

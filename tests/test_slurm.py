@@ -92,7 +92,7 @@ def test_signal_checkpoint_requeue_resume_loses_nothing(slurm, uninterrupted, tm
     job, log = submit(slurm, output_dir)
     wait_for_checkpoint(output_dir, 5)
     time.sleep(0.4)  # between scheduled checkpoints
-    signalled = time.monotonic()
+    signalled, signalled_at = time.monotonic(), time.time()
     if how == "preempted_by_urgent_job":  # a job of a higher-priority partition takes both nodes
         slurm.sbatch(None, "--partition=urgent", "--nodes=2", "--wrap=sleep 1", f"--output={tmp_path}/urgent.log")
     else:
@@ -110,5 +110,10 @@ def test_signal_checkpoint_requeue_resume_loses_nothing(slurm, uninterrupted, tm
     assert not (output_dir / "preempted.json").exists()
     reference, final = weights(uninterrupted[0]), weights(output_dir)
     assert all(torch.equal(reference[key], final[key]) for key in reference), "weights differ from the uninterrupted run"
-    print(f"\n{how}: stopped at step {stopped}, checkpoint complete {signal_to_saved:.1f} s after the signal",
+    rerun = re.search(r"(\d\d):(\d\d):(\d\d) job \d+ run 2:", text)
+    local = time.localtime(signalled_at)  # the script's `date +%T` is local time, to the second
+    rerun_s = (int(rerun.group(1)) * 3600 + int(rerun.group(2)) * 60 + int(rerun.group(3))
+               - (local.tm_hour * 3600 + local.tm_min * 60 + local.tm_sec)) % 86400
+    print(f"\n{how}: stopped at step {stopped}, checkpoint complete {signal_to_saved:.1f} s after the signal; "
+          f"the requeued run started {rerun_s:.0f} s after the signal (the test starts it once the nodes are idle)",
           file=sys.stderr)
