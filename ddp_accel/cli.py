@@ -7,14 +7,33 @@ accepted with underscores (`--output_dir`, Hugging Face examples style).
 from __future__ import annotations
 
 import argparse
+import difflib
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except None (the help text then says what happens)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse that accepts `--some_option` wherever `--some-option` is defined."""
+    """argparse that accepts `--some_option` wherever `--some-option` is defined, and suggests the closest
+    option for a mistyped one."""
 
     def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        if message.startswith("unrecognized arguments:"):
+            known = [opt for action in self._actions for opt in action.option_strings if opt.startswith("--")]
+            for unknown in message.split(":", 1)[1].split():
+                close = difflib.get_close_matches(unknown.split("=")[0].replace("_", "-"), known, n=1, cutoff=0.7)
+                if close:
+                    message += f" (did you mean {close[0]}?)"
+                    break
+        super().error(message)
 
     def parse_known_args(self, args=None, namespace=None):
         import sys
@@ -57,11 +76,11 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--output-dir", default="outputs/run", help="where checkpoints, metrics and the model go")
     # the legacy `python -m torch.distributed.launch` passes --local-rank=N; Accelerate reads LOCAL_RANK itself
     group.add_argument("--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    group.add_argument("--epochs", type=positive_int, default=1)
+    group.add_argument("--epochs", type=positive_int, default=1, help="passes over the training data")
     group.add_argument("--max-steps", type=positive_int, default=None, help="stop after this many optimizer steps")
     group.add_argument("--batch-size", type=positive_int, default=32, help="per process; global = this x processes")
-    group.add_argument("--lr", type=float, default=1e-3)
-    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    group.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
     group.add_argument("--gradient-accumulation-steps", type=positive_int, default=1)
     group.add_argument("--max-grad-norm", type=float, default=None, help="clip gradients to this norm")
     group.add_argument("--checkpointing-steps", type=checkpointing_steps, default=None, help="N or 'epoch'")
@@ -72,7 +91,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     )
     group.add_argument("--eval-steps", type=positive_int, default=None, help="also evaluate every N steps")
     group.add_argument("--log-steps", type=positive_int, default=20)
-    group.add_argument("--with-tracking", action="store_true", help="log to TensorBoard in OUTPUT_DIR/tensorboard")
+    group.add_argument("--with-tracking", action="store_true", help="log to TensorBoard in OUTPUT_DIR/tensorboard/")
     group.add_argument(
         "--mixed-precision", choices=["no", "fp16", "bf16"], default=None,
         help="default: what the accelerate config says",

@@ -70,9 +70,8 @@ def build_accelerator(
         mixed_precision=mixed_precision,
         gradient_accumulation_steps=gradient_accumulation_steps,
         log_with="tensorboard" if with_tracking else None,
-        project_config=ProjectConfiguration(
-            project_dir=output_dir, logging_dir=os.path.join(output_dir, "tensorboard") if output_dir else None
-        ),
+        # trackers write to logging_dir/<project name>: OUTPUT_DIR/tensorboard
+        project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=output_dir),
         # non_blocking: host-to-GPU copies of pinned batches overlap the previous step's compute
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed, non_blocking=True),
         step_scheduler_with_optimizer=False,

@@ -388,7 +388,16 @@ def fit(accelerator: Accelerator, config: TrainConfig, model: torch.nn.Module, o
         "resumed_from": str(start.checkpoint) if start.checkpoint else None,
     }
     write_final_artifacts(accelerator, model, output_dir, metrics, history, title)
+    accelerator.print(summary_line(metrics, output_dir))
     return metrics
+
+
+def summary_line(metrics: dict[str, Any], output_dir: Path) -> str:
+    """The last line of a run: what it reached and where its outputs are."""
+    scores = ", ".join(f"{key} {value:.4g}" for key, value in numbers(metrics).items()
+                       if key.startswith("eval_") and key != "eval_samples")
+    return (f"done: {metrics['steps']} steps in {metrics['wall_time_s']:.0f} s on {metrics['world_size']} process(es)"
+            f"{'; ' + scores if scores else ''}; model.safetensors, metrics.json and training_curves.png in {output_dir}")
 
 
 def log_window(accelerator: Accelerator, progress, meter: ThroughputMeter, loss: float, step: int, epoch: int,
@@ -396,8 +405,9 @@ def log_window(accelerator: Accelerator, progress, meter: ThroughputMeter, loss:
     """The loss averaged over all processes, the throughput of the last log window (global samples), and with
     fp16 the gradient scaler's state: its skipped steps are never silent."""
     speed, wait = meter.window()
-    postfix = {"loss": f"{loss:.4f}", "samples_s": f"{speed:.0f}", "data_wait": f"{wait:.0%}", "epoch": epoch}
-    logs = {"train_loss": loss, "samples_per_s": speed, "data_wait_share": wait, "epoch": epoch}
+    # epochs counted from 1, as in history.json
+    postfix = {"loss": f"{loss:.4f}", "samples_s": f"{speed:.0f}", "data_wait": f"{wait:.0%}", "epoch": epoch + 1}
+    logs = {"train_loss": loss, "samples_per_s": speed, "data_wait_share": wait, "epoch": epoch + 1}
     if scheduler is not None:
         logs["lr"] = scheduler.get_last_lr()[0]
     if accelerator.scaler is not None:

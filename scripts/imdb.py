@@ -42,11 +42,11 @@ def parse_args(argv=None):
     data.add_argument("--min-freq", type=int, default=2, help="vocabulary: minimum token count")
     data.add_argument("--max-vocab", type=int, default=None)
     data.add_argument("--max-length", type=int, default=None, help="truncate reviews to this many tokens")
-    data.add_argument("--cache-dir", default=None, help="encoded-data cache (default OUTPUT_DIR/cache)")
+    data.add_argument("--cache-dir", default=None, help="encoded-data cache; default OUTPUT_DIR/cache")
     data.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     model = parser.add_argument_group("model")
     model.add_argument("--model", choices=["bag", "gcnn"], default="bag")
-    model.add_argument("--dim", type=int, default=64)
+    model.add_argument("--dim", type=int, default=64, help="embedding (and GCNN channel) size")
     model.add_argument("--ngrams", type=int, default=2, help="bag: 2 adds hashed bigrams (fastText)")
     model.add_argument("--buckets", type=int, default=100_000, help="bag: hash buckets for n-grams")
     model.add_argument("--pool", choices=["mean", "max"], default="max", help="gcnn: pooling over time")
@@ -125,8 +125,8 @@ def train(args) -> None:
               "preprocess_s": round(text.preprocess_s, 1), "model": args.model,
               "parameters": sum(p.numel() for p in model.parameters())}
     metrics = fit(accelerator, config, model, optimizer, loader(text.train, True), loss_function(args.loss),
-                  eval_loader=loader(text.val, False), eval_fn=eval_fn, make_scheduler=schedule, title="imdb",
-                  banner=banner)
+                  eval_loader=loader(text.val, False), eval_fn=eval_fn, make_scheduler=schedule, banner=banner,
+                  title="imdb (SYNTHETIC data)" if text.synthetic else "imdb")
     metrics.update({"data": banner["data"], "synthetic_data": text.synthetic, "preprocess_s": text.preprocess_s,
                     "vocabulary": len(text.vocab)})
     if text.test is not None:

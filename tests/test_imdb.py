@@ -187,11 +187,17 @@ def test_two_processes_learn_synthetic_sentiment_and_count_each_review_once(tmp_
     assert lines[0].startswith("positive") and lines[1].startswith("negative"), lines
 
 
-def test_offline_imdb_falls_back_to_synthetic_with_one_line(tmp_path):
-    # 2 processes: both fail to reach the hub, neither hangs in the download barrier
+@pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE", "unreachable hub"])
+def test_offline_imdb_falls_back_to_synthetic_with_one_line(tmp_path, offline):
+    # 2 processes: both fail to reach the hub, neither hangs in the download barrier. Without HF_HUB_OFFLINE the
+    # hub client used to retry for ~40 s ("Retrying in 1s ... 8s"); one short connection attempt decides now.
+    env = {"HF_HUB_OFFLINE": "1"} if offline == "HF_HUB_OFFLINE" else {"HF_ENDPOINT": "http://127.0.0.1:9"}
     output = check_ok(launch("scripts/imdb.py", "--output-dir", tmp_path, "--max-steps", 3, "--buckets", 1000,
-                             env={"HF_HUB_OFFLINE": "1"}))
-    assert sum("IMDB cannot be reached" in line for line in output.splitlines()) == 1
+                             env=env if offline == "HF_HUB_OFFLINE" else {**env, "HF_HUB_OFFLINE": ""}))
+    assert sum("IMDB cannot be reached" in line for line in output.splitlines()) == 1, output[-3000:]
+    assert "Retrying" not in output, output[-3000:]
+    # the run ends with one summary line: what it reached and where the outputs are
+    assert f"done: 3 steps" in output and f"training_curves.png in {tmp_path}" in output.splitlines()[-1] + output
 
 
 def test_second_run_reuses_the_encoded_cache(tmp_path):

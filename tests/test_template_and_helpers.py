@@ -41,6 +41,14 @@ def test_cpu_sync_batchnorm_equals_batchnorm_over_the_global_batch():
     assert output.count("sync batchnorm matches the full batch") == 2
 
 
+def test_a_mistyped_option_gets_a_suggestion(capsys):
+    parser = add_training_args(ArgumentParser(prog="x"))
+    for typo, meant in (("--output-dri", "--output-dir"), ("--checkpointing_step", "--checkpointing-steps")):
+        with pytest.raises(SystemExit):
+            parser.parse_args([typo, "1"])
+        assert f"did you mean {meant}?" in capsys.readouterr().err
+
+
 def test_underscore_and_dash_spellings_are_the_same_option():
     parser = add_training_args(ArgumentParser())
     dashed = parser.parse_args(["--output-dir", "a", "--max-grad-norm", "0.1", "--checkpointing-steps", "epoch"])

@@ -7,6 +7,8 @@ Labels everywhere: 1 = positive, 0 = negative (the Hugging Face IMDB convention)
 from __future__ import annotations
 
 import random
+import socket
+import urllib.parse
 from pathlib import Path
 
 import datasets
@@ -69,8 +71,27 @@ def load_aclimdb(data_dir: str | Path, split: str) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"text": texts, "label": labels})
 
 
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """One short TCP connection to the hub (HF_ENDPOINT). False at once when HF_HUB_OFFLINE is set."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urllib.parse.urlsplit(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
 def load_hub_imdb() -> tuple[datasets.Dataset, datasets.Dataset]:
-    """The Hugging Face hub dataset (cached after the first download)."""
+    """The Hugging Face hub dataset (cached after the first download). Without a network, only the local cache
+    is read: the hub client would otherwise retry for ~40 s (five 'Retrying in 1s ... 8s' warnings)."""
+    if not hub_reachable():
+        import huggingface_hub.constants
+
+        datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
     imdb = datasets.load_dataset("stanfordnlp/imdb")
     return imdb["train"].select_columns(["text", "label"]), imdb["test"].select_columns(["text", "label"])
 
@@ -123,6 +144,6 @@ def load_sources(dataset: str, data_dir: str | None, train_file: str | None, tes
         if error is None:
             return train, test, "hub:stanfordnlp/imdb", False
         accelerator.print(f"IMDB cannot be reached on the Hugging Face hub ({type(error).__name__}); "
-                          "pass --data-dir aclImdb/ or --train-file/--test-file for real  "
+                          "pass --data-dir aclImdb/ or --train-file/--test-file for real data. "
                           "Training on the built-in SYNTHETIC sentiment corpus instead.")
     return synthetic_imdb(4000, seed=0), synthetic_imdb(1000, seed=1), "synthetic", True
