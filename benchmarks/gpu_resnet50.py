@@ -83,7 +83,7 @@ def ours(args, name: str, extra: list[str]) -> dict:
     out = Path(args.runs_dir or Path(args.out) / "runs") / name.replace(" ", "_")
     command = [sys.executable, "scripts/imagenet.py", "--dummy", "-a", "resnet50", "-b", str(args.batch_size),
                "-j", str(args.workers), "--max-steps", str(args.steps), "-p", str(WARMUP_STEPS),
-               "--output-dir", str(out), *extra]
+               "--output-dir", str(out), "--overwrite-output-dir", *extra]
     status, wall = run(command, args.timeout)
     if status in ("timeout", "failed"):
         return {"config": name, "status": status, "wall_s": wall}

@@ -47,7 +47,7 @@ def classic(train_file: str, model: str) -> dict:
 
 def ours(train_file: str, model: str, output_dir: str) -> dict:
     _, rss = run([sys.executable, "scripts/imdb.py", "--recipe", "--model", model, "--epochs", "1",
-                  "--train-file", train_file, "--output-dir", output_dir])
+                  "--train-file", train_file, "--output-dir", output_dir, "--overwrite-output-dir"])
     metrics = json.loads(Path(output_dir, "metrics.json").read_text())
     epoch_s = metrics["train_samples"] / metrics["train_samples_per_s"]
     return {"total_s": metrics["preprocess_s"] + epoch_s, "preprocess_s": metrics["preprocess_s"],

@@ -34,7 +34,7 @@ def run_one(loop: str, nproc: int, epochs: int, task: str, output_dir: str) -> f
         command = ([str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
                    if nproc > 1 else [sys.executable]) + script
     else:
-        script = [str(HERE / "overhead_accel.py"), "--epochs", str(epochs), *task_args, "--output-dir", output_dir]
+        script = [str(HERE / "overhead_accel.py"), "--epochs", str(epochs), *task_args, "--output-dir", output_dir, "--overwrite-output-dir"]
         command = ([str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs/multi_gpu.yaml"),
                     "--num_processes", str(nproc), "--main_process_port", str(free_port())]
                    if nproc > 1 else [sys.executable]) + script

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -63,11 +64,32 @@ def checkpointing_steps(value: str) -> int | str:
     return steps
 
 
-def positive_int(value: str) -> int:
-    number = int(value)
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return number
+def number(cast: type = float, *, low: float | None = None, high: float | None = None, low_open: bool = False,
+           high_open: bool = False):
+    """An argparse type: an int or a finite float within [low, high] (open ends where asked). Every numeric
+    option of every script is checked by one of these, before anything runs."""
+    def convert(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if cast is int else 'a number'}, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if low is not None and (value < low or low_open and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if low_open else '>='} {low}, got {text}")
+        if high is not None and (value > high or high_open and value == high):
+            raise argparse.ArgumentTypeError(f"must be {'<' if high_open else '<='} {high}, got {text}")
+        return value
+    convert.__name__ = cast.__name__
+    return convert
+
+
+positive_int = number(int, low=1)
+nonnegative_int = number(int, low=0)
+positive = number(float, low=0, low_open=True)
+nonnegative = number(float, low=0)
+fraction = number(float, low=0, high=1, low_open=True, high_open=True)  # strictly between 0 and 1
+probability = number(float, low=0, high=1, high_open=True)  # dropout, label smoothing: 0 allowed, 1 not
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -79,16 +101,18 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--epochs", type=positive_int, default=1, help="passes over the training data")
     group.add_argument("--max-steps", type=positive_int, default=None, help="stop after this many optimizer steps")
     group.add_argument("--batch-size", type=positive_int, default=32, help="per process; global = this x processes")
-    group.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    group.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
+    group.add_argument("--lr", type=positive, default=1e-3, help="peak learning rate")
+    group.add_argument("--seed", type=nonnegative_int, default=0, help="model initialisation and data order")
     group.add_argument("--gradient-accumulation-steps", type=positive_int, default=1)
-    group.add_argument("--max-grad-norm", type=float, default=None, help="clip gradients to this norm")
+    group.add_argument("--max-grad-norm", type=positive, default=None, help="clip gradients to this norm")
     group.add_argument("--checkpointing-steps", type=checkpointing_steps, default=None, help="N or 'epoch'")
     group.add_argument("--checkpoint-limit", type=positive_int, default=None, help="keep only the newest K")
     group.add_argument(
         "--resume-from-checkpoint", default=None, metavar="PATH|latest",
         help="'latest' resumes the newest complete checkpoint in OUTPUT_DIR/checkpoints, or starts fresh if none",
     )
+    group.add_argument("--overwrite-output-dir", action="store_true",
+                       help="train over an --output-dir that holds a trained model or checkpoints (they are deleted)")
     group.add_argument("--eval-steps", type=positive_int, default=None, help="also evaluate every N steps")
     group.add_argument("--log-steps", type=positive_int, default=20)
     group.add_argument("--with-tracking", action="store_true", help="log to TensorBoard in OUTPUT_DIR/tensorboard/")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ddp_accel.files import replaced_atomically
+
 
 def plot_history(history: list[dict], path: str | Path, title: str = "") -> None:
     """Left: training and evaluation loss; right: every other evaluation metric in [0, 1] (accuracies)."""
@@ -30,5 +32,6 @@ def plot_history(history: list[dict], path: str | Path, title: str = "") -> None
             axis.legend()
     figure.suptitle(title)
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    with replaced_atomically(path) as partial:
+        figure.savefig(partial, dpi=100, format="png")
     plt.close(figure)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import sys
 import time
 from collections import defaultdict
@@ -16,8 +18,10 @@ from accelerate import Accelerator
 from accelerate.utils import find_batch_size
 from tqdm.auto import tqdm
 
-from ddp_accel.checkpoint import load_checkpoint, model_fingerprint, resolve_resume, save_checkpoint
+from ddp_accel.checkpoint import (complete_checkpoints, load_checkpoint, model_fingerprint, resolve_resume,
+                                  save_checkpoint)
 from ddp_accel.errors import UserError
+from ddp_accel.files import write_json
 from ddp_accel.plots import plot_history
 from ddp_accel.runtime import build_accelerator, print_banner, topology
 from ddp_accel.stopping import PREEMPTED_MARKER, Preempted, PreemptionSignals, StepAgreement, Verdict
@@ -49,6 +53,7 @@ class TrainConfig:
     with_tracking: bool = False
     mixed_precision: str | None = None
     timeout_s: int = 600
+    overwrite_output_dir: bool = False
     hparams: dict[str, Any] | None = field(default=None, repr=False)  # what args.json records; default: this
 
     @classmethod
@@ -57,15 +62,34 @@ class TrainConfig:
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         return cls(**{**values, "hparams": dict(vars(args)), **overrides})
 
-    def make_accelerator(self, **kwargs) -> Accelerator:
-        output_dir = Path(self.output_dir)
-        if output_dir.exists() and not output_dir.is_dir():
-            raise UserError(f"--output-dir {output_dir} is a file; pass a folder (it is created if missing)")
+    def make_accelerator(self, check_output_dir: bool = True, **kwargs) -> Accelerator:
+        """The Accelerator, after checking --output-dir (pass check_output_dir=False when not training into it)."""
+        if check_output_dir:
+            self.check_output_dir()
         return build_accelerator(
             seed=self.seed, output_dir=self.output_dir, mixed_precision=self.mixed_precision,
             gradient_accumulation_steps=self.gradient_accumulation_steps, with_tracking=self.with_tracking,
             timeout_s=self.timeout_s, **kwargs,
         )
+
+    def check_output_dir(self) -> None:
+        """The Hugging Face convention: a new run does not silently replace a trained model or the checkpoints of
+        an unfinished run. Runs that resume (restarts, requeues) are not affected."""
+        output_dir = Path(self.output_dir)
+        if output_dir.exists() and not output_dir.is_dir():
+            raise UserError(f"--output-dir {output_dir} is a file; pass a folder (it is created if missing)")
+        if self.resume_from_checkpoint is not None or not output_dir.is_dir():
+            return
+        held = ("a trained model (model.safetensors)" if (output_dir / "model.safetensors").exists() else
+                "checkpoints of an unfinished run" if complete_checkpoints(output_dir / "checkpoints") else None)
+        if held and not self.overwrite_output_dir:
+            raise UserError(f"--output-dir {output_dir} already holds {held}; continue it with "
+                            "--resume-from-checkpoint latest, replace it with --overwrite-output-dir, or pick another "
+                            "--output-dir")
+        if held and int(os.environ.get("RANK", "0")) == 0:  # the old run's checkpoints must not be resumed later
+            shutil.rmtree(output_dir / "checkpoints", ignore_errors=True)
+            for name in ("history.json", "metrics.json", PREEMPTED_MARKER):
+                (output_dir / name).unlink(missing_ok=True)
 
     def hyperparameters(self) -> dict[str, Any]:
         if self.hparams is not None:
@@ -105,10 +129,6 @@ def numbers(values: dict[str, Any]) -> dict[str, float]:
 def scalars(values: dict[str, Any]) -> dict[str, Any]:
     """What trackers accept as hyper-parameters."""
     return {key: value for key, value in values.items() if isinstance(value, (int, float, str, bool))}
-
-
-def write_json(path: Path, value: Any) -> None:
-    path.write_text(json.dumps(value, indent=2, default=str))
 
 
 class ThroughputMeter:
@@ -159,7 +179,7 @@ class EvalHistory:
     def record(self, accelerator: Accelerator, step: int, epoch: float, train_loss: float, metrics: dict) -> None:
         self.records.append({"step": step, "epoch": epoch, "train_loss": train_loss, **numbers(metrics)})
         if accelerator.is_main_process:
-            self.path.write_text(json.dumps(self.records, indent=1))
+            write_json(self.path, self.records, indent=1)
 
 
 @dataclass
@@ -209,8 +229,12 @@ def write_final_artifacts(accelerator: Accelerator, model, output_dir: Path, met
                           title: str) -> None:
     """model.safetensors (unwrapped: no `module.` prefix), metrics.json, training_curves.png; closes trackers."""
     accelerator.wait_for_everyone()
-    accelerator.save_model(model, str(output_dir))
+    partial = output_dir / ".model_partial"  # written aside: a crash leaves the previous model.safetensors whole
+    accelerator.save_model(model, str(partial))  # every rank: under FSDP the full weights are gathered
     if accelerator.is_main_process:
+        for file in partial.iterdir():
+            os.replace(file, output_dir / file.name)
+        partial.rmdir()
         (output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # this run reached its end
         write_json(output_dir / "metrics.json", metrics)
         if history.records:

@@ -12,7 +12,6 @@ for a whole 8-GPU node is `-b 32`). Unreadable images stop the run with the file
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 from pathlib import Path
@@ -22,6 +21,8 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
 from ddp_accel import ArgumentParser, TrainConfig, UserError, add_training_args, evaluate, fit, run_main
+from ddp_accel.files import replaced_atomically, write_json
+from ddp_accel.cli import nonnegative, nonnegative_int, number, positive, positive_int, probability
 from ddp_accel.checkpoint import load_checkpoint, model_fingerprint, resolve_resume
 from ddp_accel.metrics import classification_metrics, classification_values
 from ddp_accel.sync_bn import convert_sync_batchnorm
@@ -35,11 +36,11 @@ def parse_args(argv=None):
     parser.add_argument("-a", "--arch", default="resnet18",
                         help="any torchvision classification model, or cifar_resnet9[_w16/24/32], cifar_resnet20/32/56")
     parser.add_argument("--list-archs", action="store_true", help="print the architectures and exit")
-    parser.add_argument("-j", "--workers", type=int, default=4, help="DataLoader workers per process")
-    parser.add_argument("-b", dest="batch_size", type=int, default=argparse.SUPPRESS, help="= --batch-size (per process)")
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--wd", "--weight-decay", dest="weight_decay", type=float, default=1e-4)
-    parser.add_argument("-p", "--print-freq", dest="log_steps", type=int, default=argparse.SUPPRESS, help="= --log-steps")
+    parser.add_argument("-j", "--workers", type=nonnegative_int, default=4, help="DataLoader workers per process")
+    parser.add_argument("-b", dest="batch_size", type=positive_int, default=argparse.SUPPRESS, help="= --batch-size (per process)")
+    parser.add_argument("--momentum", type=probability, default=0.9, help="SGD momentum")
+    parser.add_argument("--wd", "--weight-decay", dest="weight_decay", type=nonnegative, default=1e-4)
+    parser.add_argument("-p", "--print-freq", dest="log_steps", type=positive_int, default=argparse.SUPPRESS, help="= --log-steps")
     parser.add_argument("--resume", help="= --resume-from-checkpoint (a checkpoint, 'latest'), or a .safetensors file")
     parser.add_argument("-e", "--evaluate", action="store_true", help="validate the --resume model and exit")
     parser.add_argument("--pretrained", nargs="?", const="default", metavar="PATH",
@@ -47,18 +48,18 @@ def parse_args(argv=None):
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (GPUs, and CPU processes over gloo)")
     parser.add_argument("--lr-schedule", choices=["step", "cosine"], default="step",
                         help="step: x0.1 every --lr-step-epochs (main.py); cosine: to 0 at the end")
-    parser.add_argument("--lr-step-epochs", type=int, default=30)
-    parser.add_argument("--warmup-epochs", type=float, default=0.0, help="linear warmup from 0")
-    parser.add_argument("--label-smoothing", type=float, default=0.0)
+    parser.add_argument("--lr-step-epochs", type=positive_int, default=30, help="step schedule: x0.1 every this many epochs")
+    parser.add_argument("--warmup-epochs", type=nonnegative, default=0.0, help="linear warmup from 0")
+    parser.add_argument("--label-smoothing", type=probability, default=0.0, help="share of the target spread over all classes")
     parser.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster convs on GPUs)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
-    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--image-size", type=positive_int, default=224, help="training and validation crop size")
     parser.add_argument("--augment", choices=["imagenet", "cifar"], default="imagenet",
                         help="imagenet: RandomResizedCrop; cifar: pad-4 random crop (small images)")
-    parser.add_argument("--mean", type=float, nargs=3, default=list(IMAGENET_MEAN), help="per-channel normalisation")
-    parser.add_argument("--std", type=float, nargs=3, default=list(IMAGENET_STD))
+    parser.add_argument("--mean", type=number(float), nargs=3, default=list(IMAGENET_MEAN), help="per-channel normalisation")
+    parser.add_argument("--std", type=positive, nargs=3, default=list(IMAGENET_STD))
     parser.add_argument("--dummy", action="store_true", help="synthetic images (throughput runs, no data needed)")
-    parser.add_argument("--dummy-classes", type=int, default=1000)
+    parser.add_argument("--dummy-classes", type=number(int, low=2), default=1000, help="--dummy: number of classes")
     parser.add_argument("--normalize-on", choices=["auto", "device", "loader"], default="auto",
                         help="device: the loader sends uint8 images, normalised on the GPU (4x fewer bytes to "
                              "collate, pin and copy); loader: float images from the workers; auto: device on a GPU")
@@ -119,7 +120,7 @@ def main() -> None:
         torch.use_deterministic_algorithms(True)
     else:
         torch.backends.cudnn.benchmark = True  # fixed image size: let cuDNN time its conv algorithms once
-    accelerator = config.make_accelerator()
+    accelerator = config.make_accelerator(check_output_dir=not args.evaluate)
     train_set, val_set, classes = datasets_for(args)
     model = build_model(args.arch, len(classes), args.pretrained)
     sync_bn_layers = 0
@@ -150,7 +151,7 @@ def main() -> None:
                           + f" on {metrics['eval_samples']} images")
         if accelerator.is_main_process:
             output_dir.mkdir(parents=True, exist_ok=True)
-            (output_dir / "evaluate.json").write_text(json.dumps(metrics, indent=2))
+            write_json(output_dir / "evaluate.json", metrics)
         return
 
     if args.compile:
@@ -172,7 +173,8 @@ def main() -> None:
             best["top1"] = metrics["eval_top1"]
             state = accelerator.get_state_dict(model)
             if accelerator.is_main_process:
-                save_file({k: v.contiguous() for k, v in state.items()}, str(output_dir / "model_best.safetensors"))
+                with replaced_atomically(output_dir / "model_best.safetensors") as partial:
+                    save_file({k: v.contiguous() for k, v in state.items()}, str(partial))
 
     banner = {"arch": args.arch, "classes": len(classes), "train/val images": f"{len(train_set)}/{len(val_set)}",
               "data": "SYNTHETIC (--dummy)" if args.dummy else args.data, "image_size": args.image_size,
@@ -182,7 +184,7 @@ def main() -> None:
                   make_scheduler=schedule, title="imagenet", banner=banner, on_eval=keep_best)
     metrics["best_top1"] = best["top1"]
     if accelerator.is_main_process:
-        (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        write_json(output_dir / "metrics.json", metrics)
     accelerator.print(f"best top1 {best['top1']:.4f}; model_best.safetensors and training_curves.png in {output_dir}")
 
 

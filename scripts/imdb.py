@@ -19,6 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from ddp_accel import ArgumentParser, TrainConfig, UserError, add_training_args, evaluate, fit, run_main
+from ddp_accel.files import write_json
+from ddp_accel.cli import fraction, nonnegative, nonnegative_int, positive_int, probability
 from ddp_accel.metrics import classification_values
 from ddp_accel.text.models import KERNEL_SIZE, STRIDE, build_model
 from ddp_accel.text.pipeline import make_loader, prepare_text_data
@@ -38,30 +40,30 @@ def parse_args(argv=None):
     data.add_argument("--data-dir", help="the aclImdb folder of the Stanford tarball (train/, test/)")
     data.add_argument("--train-file", help="jsonl/csv/parquet with text and label columns")
     data.add_argument("--test-file", help="jsonl/csv/parquet evaluated at the end")
-    data.add_argument("--val-fraction", type=float, default=0.1, help="held out from the training data")
-    data.add_argument("--min-freq", type=int, default=2, help="vocabulary: minimum token count")
-    data.add_argument("--max-vocab", type=int, default=None)
-    data.add_argument("--max-length", type=int, default=None, help="truncate reviews to this many tokens")
+    data.add_argument("--val-fraction", type=fraction, default=0.1, help="held out from the training data")
+    data.add_argument("--min-freq", type=positive_int, default=2, help="vocabulary: minimum token count")
+    data.add_argument("--max-vocab", type=positive_int, default=None, help="keep the most frequent words only")
+    data.add_argument("--max-length", type=positive_int, default=None, help="truncate reviews to this many tokens")
     data.add_argument("--cache-dir", default=None, help="encoded-data cache; default OUTPUT_DIR/cache")
-    data.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    data.add_argument("--workers", type=nonnegative_int, default=0, help="DataLoader worker processes")
     model = parser.add_argument_group("model")
     model.add_argument("--model", choices=["bag", "gcnn"], default="bag")
-    model.add_argument("--dim", type=int, default=64, help="embedding (and GCNN channel) size")
-    model.add_argument("--ngrams", type=int, default=2, help="bag: 2 adds hashed bigrams (fastText)")
-    model.add_argument("--buckets", type=int, default=100_000, help="bag: hash buckets for n-grams")
+    model.add_argument("--dim", type=positive_int, default=64, help="embedding (and GCNN channel) size")
+    model.add_argument("--ngrams", type=positive_int, default=2, help="bag: 2 adds hashed bigrams (fastText)")
+    model.add_argument("--buckets", type=positive_int, default=100_000, help="bag: hash buckets for n-grams")
     model.add_argument("--pool", choices=["mean", "max"], default="max", help="gcnn: pooling over time")
-    model.add_argument("--kernel-size", type=int, default=KERNEL_SIZE, help="gcnn: convolution width")
-    model.add_argument("--stride", type=int, default=STRIDE, help="gcnn: convolution stride")
-    model.add_argument("--dropout", type=float, default=0.0)
+    model.add_argument("--kernel-size", type=positive_int, default=KERNEL_SIZE, help="gcnn: convolution width")
+    model.add_argument("--stride", type=positive_int, default=STRIDE, help="gcnn: convolution stride")
+    model.add_argument("--dropout", type=probability, default=0.0, help="share of activations zeroed in training")
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--loss", choices=["ce", "bce"], default="ce", help="bce: the recipe's BCE on sigmoid(logits)")
     optim.add_argument("--optimizer", choices=["adamw", "adam"], default="adamw")
-    optim.add_argument("--weight-decay", type=float, default=None,
+    optim.add_argument("--weight-decay", type=nonnegative, default=None,
                        help="AdamW weight decay; default 0.5 for bag (regularises the n-gram table: +0.5 points "
                             "held out), 0 for gcnn (where 0.5 costs 1 point)")
     optim.add_argument("--schedule", choices=["linear", "constant"], default="linear",
                        help="linear: warmup then linear decay to 0")
-    optim.add_argument("--warmup", type=float, default=0.05, help="share of steps spent warming up")
+    optim.add_argument("--warmup", type=probability, default=0.05, help="share of steps spent warming up")
     optim.add_argument("--recipe", action="store_true", help="the classic recipe's hyper-parameters")
     parser.add_argument("--predict", nargs="+", metavar="TEXT|FILE",
                         help="classify texts (or the lines of a file) with the model in --output-dir")
@@ -133,7 +135,7 @@ def train(args) -> None:
         metrics.update(evaluate(accelerator, model, accelerator.prepare(loader(text.test, False)), eval_fn, prefix="test"))
         accelerator.print(f"test accuracy {metrics['test_accuracy']:.4f} on {metrics['test_samples']} reviews")
     if accelerator.is_main_process:
-        Path(config.output_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))
+        write_json(Path(config.output_dir, "metrics.json"), metrics)
 
 
 def predict(args) -> None:

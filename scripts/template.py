@@ -11,7 +11,6 @@ The built-in task: 3-class Gaussian blobs in 16 dimensions, an MLP with BatchNor
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -19,6 +18,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ddp_accel import ArgumentParser, TrainConfig, add_training_args, evaluate, fit, run_main
+from ddp_accel.files import write_json
+from ddp_accel.cli import positive_int
 from ddp_accel.metrics import classification_metrics, classification_values
 from ddp_accel.sync_bn import convert_sync_batchnorm
 
@@ -76,7 +77,7 @@ class Trainer:
         test = self.test(model, accelerator.prepare(loader(test_set, False)))
         metrics.update(test)
         if accelerator.is_main_process:
-            Path(self.config.output_dir, "metrics.json").write_text(json.dumps(metrics, indent=2))
+            write_json(Path(self.config.output_dir, "metrics.json"), metrics)
         return metrics
 
     def test(self, model, test_loader) -> dict[str, float]:
@@ -88,7 +89,7 @@ class Trainer:
 
 def main() -> None:
     parser = add_training_args(ArgumentParser(description="Trainer template: train / validate / test"))
-    parser.add_argument("--eval-interval", type=int, default=1, help="validate every N epochs")
+    parser.add_argument("--eval-interval", type=positive_int, default=1, help="validate every N epochs")
     parser.add_argument("--no-val", action="store_true", help="skip validation (test still runs at the end)")
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (GPUs, and CPU processes over gloo)")
     parser.set_defaults(output_dir="outputs/template", epochs=10, batch_size=256, lr=0.1, log_steps=10)

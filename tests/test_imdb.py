@@ -197,7 +197,7 @@ def test_offline_imdb_falls_back_to_synthetic_with_one_line(tmp_path, offline):
     assert sum("IMDB cannot be reached" in line for line in output.splitlines()) == 1, output[-3000:]
     assert "Retrying" not in output, output[-3000:]
     # the run ends with one summary line: what it reached and where the outputs are
-    assert f"done: 3 steps" in output and f"training_curves.png in {tmp_path}" in output.splitlines()[-1] + output
+    assert "done: 3 steps" in output and f"training_curves.png in {tmp_path}" in output.splitlines()[-1] + output
 
 
 def test_second_run_reuses_the_encoded_cache(tmp_path):
@@ -206,7 +206,7 @@ def test_second_run_reuses_the_encoded_cache(tmp_path):
     files = sorted(p.name for p in (tmp_path / "cache").iterdir())
     assert any(name.endswith("-ids.arrow") for name in files)
     mtimes = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").iterdir()}
-    check_ok(launch("scripts/imdb.py", *common, launcher="python"))
+    check_ok(launch("scripts/imdb.py", *common, "--overwrite-output-dir", launcher="python"))
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").iterdir()} == mtimes
 
 

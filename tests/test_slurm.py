@@ -2,7 +2,6 @@
 (USR1 -> checkpoint -> requeue -> resume) and a preemption (SIGTERM to the job step), each ending with the
 weights of an uninterrupted run."""
 
-import os
 import re
 import subprocess
 import sys

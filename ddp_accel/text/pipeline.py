@@ -19,6 +19,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader, Sampler
 
+from ddp_accel.errors import UserError
 from ddp_accel.text import sources
 from ddp_accel.text.tokenizer import basic_english
 from ddp_accel.text.vocab import Vocab
@@ -72,6 +73,9 @@ def prepare_text_data(accelerator: Accelerator, *, output_dir: str, dataset: str
             vocab_path.parent.mkdir(parents=True, exist_ok=True)
             vocab.save(vocab_path)
     vocab = Vocab.load(vocab_path)
+    if len(vocab) <= 2:  # every rank raises: the vocabulary is read by all of them
+        raise UserError(f"the vocabulary is empty: no token occurs at least --min-freq {min_freq} times in the "
+                        f"{len(train)} training reviews; lower --min-freq")
     vocab_tokens = pa.array(vocab.itos)
 
     def encode(batch: pa.Table) -> pa.Table:

@@ -7,6 +7,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from ddp_accel.files import write_text
+
 UNK, PAD = "<unk>", "<pad>"
 
 
@@ -45,7 +47,7 @@ class Vocab:
         return [get(token, 0) for token in tokens]
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({"tokens": self.itos}, ensure_ascii=False))
+        write_text(path, json.dumps({"tokens": self.itos}, ensure_ascii=False))
 
     @classmethod
     def load(cls, path: str | Path) -> "Vocab":
