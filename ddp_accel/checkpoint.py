@@ -6,6 +6,7 @@ import hashlib
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +38,20 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def resolve_resume(value: str | None, root: Path) -> Path | None:
-    """`latest` -> newest complete checkpoint or None (a first start); a path must be a complete checkpoint."""
+def resolve_resume(value: str | None, root: Path, accelerator: Accelerator | None = None) -> Path | None:
+    """`latest` -> the newest complete and intact checkpoint (a damaged one is skipped, saying so), or None (a
+    first start); a path must be a complete checkpoint (whether it is intact, load_checkpoint checks)."""
     if value is None:
         return None
     if value == "latest":
-        found = complete_checkpoints(root)
-        return found[-1] if found else None
+        for path in reversed(complete_checkpoints(root)):
+            problem = checkpoint_problem(accelerator, path) if accelerator is not None else None
+            if problem is None:
+                return path
+            if accelerator.is_main_process:
+                print(f"warning: checkpoint {path} is damaged ({problem}); trying the one before it",
+                      file=sys.stderr, flush=True)
+        return None
     path = Path(value)
     if not path.exists():
         raise UserError(f"--resume-from-checkpoint {value}: no such checkpoint. Use a folder like "
@@ -72,7 +80,9 @@ def save_checkpoint(accelerator: Accelerator, root: Path, step: int, training_st
     accelerator.save_state(str(partial))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (partial / TRAINING_STATE).write_text(json.dumps(training_state, indent=2))
+        # what the checkpoint holds, checked on load (names and sizes: cheap inside a preemption's grace period)
+        files = {str(f.relative_to(partial)): f.stat().st_size for f in sorted(partial.rglob("*")) if f.is_file()}
+        (partial / TRAINING_STATE).write_text(json.dumps({**training_state, "files": files}, indent=2))
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
@@ -83,7 +93,34 @@ def save_checkpoint(accelerator: Accelerator, root: Path, step: int, training_st
     return final
 
 
+def checkpoint_problem(accelerator: Accelerator, path: Path) -> str | None:
+    """Every rank checks the files of the checkpoint (names and sizes against the list saved with it, and that its
+    own RNG state reads), then the ranks agree: returns what is wrong (as seen here, or on another rank) or None."""
+    try:
+        state = read_training_state(path)
+        problem = None
+        for name, size in state.get("files", {}).items():  # checkpoints of older versions carry no list
+            if not (path / name).is_file():
+                problem = f"{name} is missing"
+            elif (path / name).stat().st_size != size:
+                problem = f"{name} has {(path / name).stat().st_size} bytes, {size} when saved"
+            if problem:
+                break
+        rng = path / f"random_states_{accelerator.process_index}.pkl"
+        if problem is None and rng.is_file():
+            torch.load(rng, weights_only=False)  # Accelerate would only log a failure here and go on with other RNG
+    except Exception as error:  # unreadable JSON or pickle
+        problem = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    damaged = accelerator.reduce(torch.tensor(float(problem is not None), device=accelerator.device), "sum")
+    if damaged.item() and problem is None:
+        problem = "damaged on another process"
+    return problem
+
+
 def load_checkpoint(accelerator: Accelerator, path: Path, fingerprint: str) -> dict[str, Any]:
+    problem = checkpoint_problem(accelerator, path)
+    if problem:
+        raise UserError(f"checkpoint {path} is damaged ({problem}); resume another step_N folder or 'latest'")
     state = read_training_state(path)
     if state.get("model_fingerprint") != fingerprint:
         raise UserError(f"checkpoint {path} was written by another model ({state.get('model_fingerprint')}, "

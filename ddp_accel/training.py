@@ -172,9 +172,13 @@ class EvalHistory:
     """history.json: one record per evaluation. A resumed run keeps the records up to its step and goes on."""
 
     def __init__(self, path: Path, resumed_at: int | None):
-        self.path = path
-        old = json.loads(path.read_text()) if resumed_at is not None and path.is_file() else []
-        self.records: list[dict] = [record for record in old if record["step"] <= resumed_at]
+        self.path, old = path, []
+        if resumed_at is not None and path.is_file():
+            try:
+                old = [record for record in json.loads(path.read_text()) if record["step"] <= resumed_at]
+            except (ValueError, KeyError, TypeError):  # damaged: the curves restart, training does not suffer
+                print(f"warning: {path} is unreadable; the evaluation history starts again", file=sys.stderr)
+        self.records: list[dict] = old
 
     def record(self, accelerator: Accelerator, step: int, epoch: float, train_loss: float, metrics: dict) -> None:
         self.records.append({"step": step, "epoch": epoch, "train_loss": train_loss, **numbers(metrics)})
@@ -190,21 +194,33 @@ class ResumePosition:
     skip_batches: int = 0  # batches of `epoch` this rank already consumed
 
 
-def resume_position(accelerator: Accelerator, config: TrainConfig, fingerprint: str) -> ResumePosition:
+def resume_position(accelerator: Accelerator, config: TrainConfig, fingerprint: str,
+                    steps_per_epoch: int) -> ResumePosition:
     """Load `--resume-from-checkpoint` (if any) and say where training continues."""
-    path = resolve_resume(config.resume_from_checkpoint, Path(config.output_dir) / "checkpoints")
+    path = resolve_resume(config.resume_from_checkpoint, Path(config.output_dir) / "checkpoints", accelerator)
     if path is None:
         return ResumePosition()
     state = load_checkpoint(accelerator, path, fingerprint)
-    # The global sample order of an epoch does not depend on the world size, so a restart with another
-    # size skips by samples.
+    # The global sample order of an epoch depends on neither the world size nor the batch size, so a restart
+    # with another global batch skips by samples.
     global_batch = config.batch_size * accelerator.num_processes
-    skip = (state["batches_in_epoch"] if state["world_size"] == accelerator.num_processes
-            else state["samples_in_epoch"] // global_batch)
+    saved_batch = state.get("global_batch", state["samples_in_epoch"] // max(1, state["batches_in_epoch"]) or global_batch)
+    skip, leftover = divmod(state["samples_in_epoch"], global_batch)
+    step = state["step"]
+    if saved_batch == global_batch:
+        skip, leftover = state["batches_in_epoch"], 0
+    else:  # steps count batches of the new size from here on
+        step = state["epoch"] * steps_per_epoch + skip // config.gradient_accumulation_steps
+        if accelerator.is_main_process:
+            print(f"warning: the global batch changed from {saved_batch} to {global_batch} samples: resuming after "
+                  f"{skip * global_batch} of the {state['samples_in_epoch']} samples this epoch had seen"
+                  + (f" ({leftover} of them are seen again)" if leftover else "")
+                  + f", at step {step} of the new size; the LR schedule goes on from its saved position",
+                  file=sys.stderr, flush=True)
     scale = f", fp16 loss scale {accelerator.scaler.get_scale():g}" if accelerator.scaler is not None else ""
-    accelerator.print(f"resumed from {path}: step {state['step']}, epoch {state['epoch']}, "
+    accelerator.print(f"resumed from {path}: step {step}, epoch {state['epoch']}, "
                       f"skipping {skip} batches of the epoch{scale}")
-    return ResumePosition(path, state["step"], state["epoch"], skip)
+    return ResumePosition(path, step, state["epoch"], skip)
 
 
 def checkpoint(accelerator: Accelerator, config: TrainConfig, step: int, epoch: int, batches_in_epoch: int,
@@ -212,6 +228,7 @@ def checkpoint(accelerator: Accelerator, config: TrainConfig, step: int, epoch: 
     save_checkpoint(accelerator, Path(config.output_dir) / "checkpoints", step, {
         "step": step, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
         "samples_in_epoch": batches_in_epoch * config.batch_size * accelerator.num_processes,
+        "global_batch": config.batch_size * accelerator.num_processes,
         "world_size": accelerator.num_processes, "model_fingerprint": fingerprint,
     }, limit=config.checkpoint_limit)
 
@@ -336,7 +353,7 @@ def fit(accelerator: Accelerator, config: TrainConfig, model: torch.nn.Module, o
     scheduler = accelerator.prepare(make_scheduler(optimizer, total_steps, steps_per_epoch)) if make_scheduler else None
     print_banner(accelerator, title, batch_size=config.batch_size, accumulation=accumulation,
                  steps_per_epoch=steps_per_epoch, total_steps=total_steps, **(banner or {}))
-    start = resume_position(accelerator, config, fingerprint)
+    start = resume_position(accelerator, config, fingerprint, steps_per_epoch)
     step = start.step
     history = EvalHistory(output_dir / "history.json", step if start.checkpoint else None)
     meter, window, agreement = ThroughputMeter(), LossWindow(accelerator.device), StepAgreement(accelerator)

@@ -142,7 +142,7 @@ def main() -> None:
             raise UserError("--evaluate needs --resume (a checkpoint folder, 'latest', or model_best.safetensors)")
         model = accelerator.prepare(model)
         if args.resume_from_checkpoint:  # a .safetensors file was loaded above
-            path = resolve_resume(args.resume_from_checkpoint, output_dir / "checkpoints")
+            path = resolve_resume(args.resume_from_checkpoint, output_dir / "checkpoints", accelerator)
             if path is None:
                 raise UserError(f"--evaluate --resume latest: no complete checkpoint in {output_dir / 'checkpoints'}")
             load_checkpoint(accelerator, path, model_fingerprint(accelerator.unwrap_model(model)))

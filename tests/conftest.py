@@ -72,7 +72,8 @@ def assert_clean_error(result, *fragments: str) -> str:
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
-    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    # ours: "error: ..."; argparse's (a bad option): "script.py: error: ..."
+    errors = [line for line in output.splitlines() if line.startswith("error: ") or ": error: " in line]
     assert len(errors) == 1, output[-3000:]
     for fragment in fragments:
         assert fragment in errors[0], errors[0]

@@ -1,5 +1,6 @@
 """Mistakes a user can make end in one clear line and a non-zero exit, never a traceback."""
 
+import shutil
 import subprocess
 import sys
 
@@ -63,3 +64,45 @@ def test_world_size_guard(monkeypatch):
         check_topology(OneProcess())
     monkeypatch.setenv("WORLD_SIZE", "1")
     check_topology(OneProcess())
+
+
+@pytest.mark.parametrize("script,args,fragment", [
+    ("scripts/template.py", ["--max-grad-norm", "-1"], "--max-grad-norm: must be > 0"),
+    ("scripts/template.py", ["--lr", "nan"], "--lr: must be a finite number"),
+    ("scripts/imdb.py", ["--max-length", "0"], "--max-length: must be >= 1"),
+    ("scripts/imdb.py", ["--ngrams", "0"], "--ngrams: must be >= 1"),
+    ("scripts/imdb.py", ["--val-fraction", "1.5"], "--val-fraction: must be < 1"),
+    ("scripts/imdb.py", ["--buckets", "0"], "--buckets: must be >= 1"),
+    ("scripts/imagenet.py", ["--dummy", "-b", "0"], "-b: must be >= 1"),
+    ("scripts/imagenet.py", ["--dummy", "--label-smoothing", "inf"], "--label-smoothing: must be a finite number"),
+])
+def test_bad_option_values_are_refused_before_anything_runs(tmp_path, script, args, fragment):
+    assert_clean_error(launch(script, *args, "--output-dir", tmp_path, launcher="python"), fragment)
+    assert not tmp_path.joinpath("args.json").exists()
+
+
+def test_an_empty_vocabulary_is_refused(tmp_path):
+    result = launch("scripts/imdb.py", "--dataset", "synthetic", "--min-freq", "100000", "--output-dir", tmp_path,
+                    launcher="python")
+    assert_clean_error(result, "vocabulary is empty", "--min-freq")
+
+
+def test_a_loss_that_becomes_infinite_stops_every_rank_with_one_line(tmp_path):
+    result = launch("tests/probe.py", "--lr", "1e38", "--train-size", "256", "--batch-size", "4", "--output-dir", tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "not finite" in errors[0] and "at step" in errors[0], output[-3000:]
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_a_trained_output_dir_is_not_overwritten_by_accident(tmp_path):
+    check_ok(launch("tests/probe.py", "--max-steps", 4, "--checkpointing-steps", 2, "--output-dir", tmp_path,
+                    launcher="python"))
+    before = (tmp_path / "model.safetensors").read_bytes()
+    assert_clean_error(launch("tests/probe.py", "--output-dir", tmp_path, launcher="python"),
+                       "already holds a trained model", "--overwrite-output-dir")
+    assert (tmp_path / "model.safetensors").read_bytes() == before
+    check_ok(launch("tests/probe.py", "--max-steps", 3, "--output-dir", tmp_path, "--overwrite-output-dir",
+                    launcher="python"))
+    assert not (tmp_path / "checkpoints").exists()  # the old run's checkpoints cannot be resumed by mistake

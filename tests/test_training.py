@@ -5,7 +5,7 @@ import shutil
 
 import torch
 
-from conftest import check_ok, launch, weights
+from conftest import assert_clean_error, check_ok, launch, weights
 from probe import ComplexLinear
 
 PROBE = "tests/probe.py"
@@ -115,3 +115,33 @@ def test_incomplete_checkpoint_is_ignored_by_latest(tmp_path):
 def test_tracking_writes_tensorboard_events(tmp_path):
     probe(tmp_path, "--batch-size", 4, "--max-steps", 4, "--log-steps", 2, "--with-tracking", nproc=1)
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))  # OUTPUT_DIR/tensorboard/, as documented
+
+
+def test_a_damaged_newest_checkpoint_falls_back_and_an_explicit_one_is_an_error(tmp_path):
+    common = ["--batch-size", 4, "--epochs", 2, "--checkpointing-steps", 4]
+    probe(tmp_path / "full", *common, nproc=1)
+    shutil.copytree(tmp_path / "full" / "checkpoints", tmp_path / "cut" / "checkpoints")
+    for later in (tmp_path / "cut" / "checkpoints").glob("step_*"):
+        if int(later.name[5:]) > 8:  # a run that stopped after step 8's checkpoint
+            shutil.rmtree(later)
+    damaged = tmp_path / "cut" / "checkpoints" / "step_8" / "random_states_0.pkl"
+    damaged.write_bytes(damaged.read_bytes()[:100])  # truncated: Accelerate alone would only log it
+    result = launch(PROBE, "--output-dir", tmp_path / "cut", "--dropout", "0", *common, "--resume-from-checkpoint",
+                    tmp_path / "cut" / "checkpoints" / "step_8", launcher="python")
+    assert_clean_error(result, "step_8 is damaged", "random_states_0.pkl")
+    output = probe(tmp_path / "cut", *common, "--resume-from-checkpoint", "latest", nproc=1)
+    assert "step_8 is damaged (random_states_0.pkl has 100 bytes" in output and "resumed from" in output
+    assert "step 4, epoch 0" in output  # the one before it
+    assert_same_weights(tmp_path / "full", tmp_path / "cut", atol=0)
+
+
+def test_resume_with_another_batch_size_skips_by_samples_and_says_so(tmp_path):
+    probe(tmp_path / "full", "--batch-size", 4, "--epochs", 1, "--checkpointing-steps", 5, nproc=1)
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_5", tmp_path / "cut" / "checkpoints" / "step_5")
+    output = probe(tmp_path / "cut", "--batch-size", 8, "--epochs", 1, "--resume-from-checkpoint", "latest", nproc=1)
+    # 5 batches of 4 = 20 samples seen; batches of 8: skip 2 (16 samples), the last 4 are seen again
+    assert "global batch changed from 4 to 8" in output and "4 of them are seen again" in output, output[-2000:]
+    assert "resumed from" in output and "step 2, epoch 0" in output  # steps of 8 samples from here on
+    order = [i for batch in json.loads((tmp_path / "full" / "seen_rank0.json").read_text()) for i in batch]
+    resumed = json.loads((tmp_path / "cut" / "seen_rank0.json").read_text())
+    assert resumed[0] == order[16:24] and [i for b in resumed for i in b] == order[16:]
