@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from ddp_accel.cli import ArgumentParser
 from ddp_accel.errors import UserError
@@ -17,6 +18,12 @@ def check_config(path: str) -> str:
     import yaml
     from accelerate.commands.config.config_args import load_config_from_file
 
+    if Path(path).is_dir():
+        raise UserError(f"{path} is a directory; pass a YAML file (the shipped ones are in accelerate_configs/)")
+    if not Path(path).is_file():
+        raise UserError(f"{path}: no such file; the shipped configs are in accelerate_configs/")
+    if not Path(path).read_text().strip():
+        raise UserError(f"{path} is empty; `accelerate config --config_file {path}` writes a valid file")
     try:
         config = load_config_from_file(path)
     except FileNotFoundError:
@@ -30,6 +37,13 @@ def check_config(path: str) -> str:
             raise UserError(f"{path}: unknown keys {keys}; fix or remove them "
                             "(`accelerate config` writes a valid file)") from None
         raise UserError(f"{path}: {message}") from None
+    for key in ("num_processes", "num_machines"):
+        value = getattr(config, key, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"{path}: {key} must be a whole number >= 1, found {value!r}")
+    if not 0 <= getattr(config, "machine_rank", 0) < config.num_machines:
+        raise UserError(f"{path}: machine_rank must be between 0 and num_machines - 1 ({config.num_machines - 1}), "
+                        f"found {config.machine_rank!r}")
     kind = str(config.distributed_type).split(".")[-1]
     summary = f"{path}: {kind}, {config.num_processes} process(es) on {config.num_machines} machine(s)"
     if kind in ("MULTI_GPU", "FSDP") and not has_accelerator():

@@ -14,6 +14,7 @@ import torch
 from accelerate import Accelerator
 
 from ddp_accel.errors import UserError
+from ddp_accel.stopping import RUN
 
 TRAINING_STATE = "training_state.json"  # written last: a checkpoint without it is incomplete
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -86,6 +87,8 @@ def save_checkpoint(accelerator: Accelerator, root: Path, step: int, training_st
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
+        RUN["resume_hint"] = (f"The newest checkpoint is {final}; to continue, run the same command with "
+                              "--resume-from-checkpoint latest.")
         if limit:
             for old in complete_checkpoints(root)[:-limit]:
                 shutil.rmtree(old, ignore_errors=True)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import datetime
 import functools
 import gc
+import json
 import os
+import re
 import sys
+import time
 import traceback
 from typing import Any, Callable
 
@@ -16,7 +19,7 @@ from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGr
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
 from ddp_accel.errors import UserError
-from ddp_accel.stopping import PREEMPTED_EXIT_CODE, Preempted
+from ddp_accel.stopping import PREEMPTED_EXIT_CODE, RUN, Preempted
 
 
 def _cache_per_step_package_probe() -> None:
@@ -187,14 +190,40 @@ def launched(function: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def report_to_launcher(message: str) -> None:
+    """torch elastic (torchrun, accelerate launch) prints a failed worker's error file in its failure report; a
+    plain-string message is shown as is, instead of 'To enable traceback see ...'."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as file:
+            json.dump({"message": message, "timestamp": str(int(time.time()))}, file)
+
+
+def _lost_peers(error: BaseException) -> bool:
+    """A collective failed because another process is gone (it ended with its own error, or was killed)."""
+    return isinstance(error, getattr(dist, "DistError", ())) or bool(re.search(
+        r"Connection closed by peer|Connection reset by peer|Broken pipe|NCCL communicator was aborted", str(error)))
+
+
+def _one_line(error: UserError) -> str:
+    """A UserError raised in a DataLoader worker reaches us wrapped in the worker's traceback: keep its message."""
+    message = str(error)
+    if "Original Traceback" in message:
+        message = message.strip().splitlines()[-1].split("UserError: ", 1)[-1]
+    return message
+
+
 def run_main(main: Callable[[], Any]) -> None:
-    """Run a script's main(): user errors as one line (exit 2), a clean distributed shutdown (exit 0)."""
+    """Run a script's main(): user errors as one line (exit 2), a preemption after its checkpoint (exit 0), a clean
+    distributed shutdown (exit 0)."""
     exit_code = 0
     try:
         main()
     except UserError as error:
+        message = f"error: {_one_line(error)}"
         if _rank() == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
+            print(message, file=sys.stderr, flush=True)
+        report_to_launcher(message)
         exit_code = 2
         error.__traceback__ = None  # drop frames holding models before teardown
     except Preempted as preempted:  # every rank saved its part of the checkpoint
@@ -203,9 +232,21 @@ def run_main(main: Callable[[], Any]) -> None:
         exit_code = PREEMPTED_EXIT_CODE
         preempted.__traceback__ = None
     except KeyboardInterrupt:
+        if _rank() == 0:
+            print(f"\ninterrupted (Ctrl-C). {RUN['resume_hint']}", file=sys.stderr, flush=True)
         exit_code = 130
-    except Exception:
-        traceback.print_exc()
+    except Exception as error:
         exit_code = 1
+        if isinstance(error, OSError) and error.filename is not None:  # read-only, full, a file for a folder...
+            message, exit_code = f"error: cannot write or read {error.filename}: {error.strerror}", 2
+            if _rank() == 0:
+                print(message, file=sys.stderr, flush=True)
+            report_to_launcher(message)
+        elif _lost_peers(error):
+            print(f"error: process {_rank()} lost contact with the others: another process ended (its own message "
+                  f"says why) or its machine is unreachable ({type(error).__name__})", file=sys.stderr, flush=True)
+        else:
+            traceback.print_exc()
+            report_to_launcher(f"{type(error).__name__}: {error}")
     shutdown(clean=exit_code == 0)
     sys.exit(exit_code)

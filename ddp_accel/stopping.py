@@ -19,6 +19,10 @@ PREEMPTED_EXIT_CODE = 0  # a launcher neither restarts the group in place nor re
 PREEMPTED_MARKER = "preempted.json"  # in the output dir: the run stopped early and holds a checkpoint of its last step
 
 
+# what run_main says after Ctrl-C: fit keeps it current (the newest checkpoint, how to resume)
+RUN = {"resume_hint": "No checkpoint was saved (--checkpointing-steps N saves every N steps)."}
+
+
 class Preempted(BaseException):
     """Raised by fit() once every rank has saved the checkpoint of the step reached. A BaseException, so that
     `except Exception` in user code does not swallow it; run_main turns it into PREEMPTED_EXIT_CODE."""

@@ -131,7 +131,15 @@ def main() -> None:
     if args.resume and args.resume.endswith(".safetensors"):
         if not Path(args.resume).is_file():
             raise UserError(f"--resume {args.resume}: no such file")
-        model.load_state_dict(load_file(args.resume))
+        try:
+            weights = load_file(args.resume)
+        except Exception as error:  # safetensors' own error type: truncated or not a safetensors file
+            raise UserError(f"--resume {args.resume}: not a readable .safetensors file ({str(error).splitlines()[0]})") from None
+        try:
+            model.load_state_dict(weights)
+        except RuntimeError as error:
+            raise UserError(f"--resume {args.resume} holds weights of another model than -a {args.arch} "
+                            f"({str(error).splitlines()[1].strip() if len(str(error).splitlines()) > 1 else error})") from None
     model_input = DeviceNormalize(args.mean, args.std, args.channels_last)
     eval_fn = make_eval_fn(model_input)
     metrics_fn = lambda values: classification_metrics(values, classes)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import sys
 from pathlib import Path
 
 import torch
@@ -65,8 +67,9 @@ def parse_args(argv=None):
                        help="linear: warmup then linear decay to 0")
     optim.add_argument("--warmup", type=probability, default=0.05, help="share of steps spent warming up")
     optim.add_argument("--recipe", action="store_true", help="the classic recipe's hyper-parameters")
-    parser.add_argument("--predict", nargs="+", metavar="TEXT|FILE",
-                        help="classify texts (or the lines of a file) with the model in --output-dir")
+    parser.add_argument("--predict", nargs="+", metavar="TEXT", help="classify these texts with the model in --output-dir")
+    parser.add_argument("--predict-file", nargs="+", metavar="FILE",
+                        help="classify each non-empty line of these UTF-8 files with the model in --output-dir")
     parser.set_defaults(output_dir="outputs/imdb", epochs=3, batch_size=64, lr=5e-3, log_steps=20)
     args = parser.parse_args(argv)
     if args.recipe:
@@ -152,9 +155,25 @@ def predict(args) -> None:
     model.load_state_dict(load_file(str(output_dir / "model.safetensors")))
     model.eval()
     texts = []
-    for item in args.predict:
-        path = Path(item)
-        texts += [line for line in path.read_text().splitlines() if line.strip()] if path.is_file() else [item]
+    for text in args.predict or []:
+        if not text.strip():
+            raise UserError("--predict got an empty text; give the review itself")
+        if Path(text).exists() or re.fullmatch(r"\S+\.(txt|jsonl?|csv|tsv|gz)", text):
+            raise UserError(f"--predict {text!r} looks like a file name; --predict takes texts, use --predict-file {text}")
+        texts.append(text)
+    for name in args.predict_file or []:
+        path = Path(name)
+        if not path.is_file():
+            raise UserError(f"--predict-file {name}: {'a directory' if path.is_dir() else 'no such file'}")
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as error:
+            line = path.read_bytes()[:error.start].count(b"\n") + 1
+            raise UserError(f"--predict-file {name}: line {line} is not UTF-8 text (byte {error.start})") from None
+        texts += [line for line in lines if line.strip()]
+    if (output_dir / "metrics.json").is_file() and json.loads((output_dir / "metrics.json").read_text()).get("synthetic_data"):
+        print(f"note: the model in {output_dir} was trained on the built-in SYNTHETIC corpus, not on real reviews",
+              file=sys.stderr)
     min_length = getattr(model, "min_length", 1)
     with torch.no_grad():
         for text in texts:
@@ -167,7 +186,7 @@ def predict(args) -> None:
 
 def main() -> None:
     args = parse_args()
-    predict(args) if args.predict else train(args)
+    predict(args) if args.predict or args.predict_file else train(args)
 
 
 if __name__ == "__main__":

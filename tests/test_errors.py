@@ -1,6 +1,6 @@
 """Mistakes a user can make end in one clear line and a non-zero exit, never a traceback."""
 
-import shutil
+import re
 import subprocess
 import sys
 
@@ -106,3 +106,67 @@ def test_a_trained_output_dir_is_not_overwritten_by_accident(tmp_path):
     check_ok(launch("tests/probe.py", "--max-steps", 3, "--output-dir", tmp_path, "--overwrite-output-dir",
                     launcher="python"))
     assert not (tmp_path / "checkpoints").exists()  # the old run's checkpoints cannot be resumed by mistake
+
+
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_a_user_error_under_a_launcher_is_one_line_and_appears_in_the_launchers_report(tmp_path, launcher):
+    result = launch("scripts/minimal.py", "--output-dir", tmp_path, "--resume-from-checkpoint", tmp_path / "nope",
+                    launcher=launcher)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert sum(line.startswith("error: ") for line in output.splitlines()) == 1, output[-3000:]
+    # torch elastic's failure report shows our line instead of "To enable traceback see ..."
+    assert re.search(r"traceback\s*:\s*error: --resume-from-checkpoint .*no such checkpoint", output), output[-3000:]
+    assert "Connection closed by peer" not in output
+
+
+def write(path, text: str | bytes):
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+def test_bad_data_and_files_give_one_line_naming_them(tmp_path):
+    imdb = lambda *args: launch("scripts/imdb.py", *args, "--output-dir", tmp_path / "out", launcher="python")
+    null = write(tmp_path / "null.jsonl", '{"text": "fine", "label": 1}\n{"text": null, "label": 0}\n')
+    assert_clean_error(imdb("--train-file", null), "null.jsonl: row 2 has no text")
+    number = write(tmp_path / "number.jsonl", '{"text": "fine", "label": 1}\n{"text": 5, "label": 0}\n')
+    assert_clean_error(imdb("--train-file", number), "number.jsonl", "must hold strings")
+    one = write(tmp_path / "one.jsonl", '{"text": "fine", "label": 1}\n')
+    assert_clean_error(imdb("--train-file", one), "1 review(s) cannot be split")
+    check_ok(launch("scripts/imdb.py", "--dataset", "synthetic", "--max-steps", 2, "--buckets", 100, "--output-dir",
+                    tmp_path / "out", launcher="python"))
+    assert_clean_error(imdb("--predict", "reviews.txt"), "looks like a file name", "--predict-file")
+    assert_clean_error(imdb("--predict", " "), "empty text")
+    latin1 = write(tmp_path / "latin1.txt", b"a fine film\nun film \xe9mouvant\n")
+    assert_clean_error(imdb("--predict-file", latin1), "latin1.txt: line 2 is not UTF-8")
+    assert_clean_error(imdb("--predict-file", tmp_path), "a directory")
+    predicted = check_ok(imdb("--predict", "a wonderful film"))
+    assert "trained on the built-in SYNTHETIC corpus" in predicted
+    # a file where a folder should be
+    assert_clean_error(launch("scripts/minimal.py", "--output-dir", null / "out", launcher="python"), "null.jsonl/out")
+
+
+def test_bad_weights_for_imagenet_resume_are_one_line(tmp_path):
+    from safetensors.torch import save_file
+    import torch
+    save_file({"weight": torch.zeros(3)}, str(tmp_path / "other.safetensors"))
+    write(tmp_path / "cut.safetensors", (tmp_path / "other.safetensors").read_bytes()[:40])
+    run = lambda path: launch("scripts/imagenet.py", "--dummy", "-a", "resnet18", "--image-size", "32", "-j", "0", "-e",
+                              "--resume", path, "--output-dir", tmp_path / "out", launcher="python")
+    assert_clean_error(run(tmp_path / "other.safetensors"), "weights of another model than -a resnet18")
+    assert_clean_error(run(tmp_path / "cut.safetensors"), "not a readable .safetensors file")
+
+
+@pytest.mark.parametrize("content,fragment", [("num_processes: two\n", "num_processes must be a whole number"),
+                                              ("num_processes: 0\n", "num_processes must be a whole number"),
+                                              ("", "is empty")])
+def test_check_config_refuses_invalid_values(tmp_path, content, fragment):
+    base = (ROOT / "accelerate_configs" / "multi_gpu.yaml").read_text()
+    text = "" if not content else "\n".join(l for l in base.splitlines() if not l.startswith("num_processes")) + "\n" + content
+    path = write(tmp_path / "c.yaml", text)
+    result = subprocess.run([sys.executable, "-m", "ddp_accel", "check-config", str(path)], capture_output=True, text=True,
+                            cwd=ROOT)
+    assert_clean_error(result, fragment)
+    result = subprocess.run([sys.executable, "-m", "ddp_accel", "check-config", str(tmp_path)], capture_output=True,
+                            text=True, cwd=ROOT)
+    assert_clean_error(result, "is a directory")

@@ -54,7 +54,11 @@ def prepare_text_data(accelerator: Accelerator, *, output_dir: str, dataset: str
     """
     start = time.perf_counter()
     train, test, source, synthetic = sources.load_sources(dataset, data_dir, train_file, test_file, accelerator)
-    split = train.train_test_split(test_size=val_fraction, seed=seed, stratify_by_column=None)
+    try:
+        split = train.train_test_split(test_size=val_fraction, seed=seed, stratify_by_column=None)
+    except ValueError:  # too few reviews for a held-out part
+        raise UserError(f"{source}: {len(train)} review(s) cannot be split into training and validation parts "
+                        f"with --val-fraction {val_fraction}; give more reviews") from None
     train, val = split["train"], split["test"]
     cache = Path(cache_dir or Path(output_dir) / "cache")
     key = cache_key(_source_key(source), len(train), val_fraction, seed, PIPELINE_VERSION)

@@ -12,6 +12,8 @@ import urllib.parse
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
+import pyarrow.compute as pc
 from accelerate import Accelerator
 
 from ddp_accel.errors import UserError
@@ -27,6 +29,12 @@ def _normalise_labels(dataset: datasets.Dataset, source: str) -> datasets.Datase
                         f"(found {dataset.column_names})")
     if len(dataset) == 0:
         raise UserError(f"{source}: no rows")
+    text = dataset.data.table.column("text")
+    if not (pa.types.is_string(text.type) or pa.types.is_large_string(text.type)):
+        raise UserError(f"{source}: the 'text' column must hold strings only; some rows hold numbers or other values")
+    if text.null_count:
+        row = pc.index(pc.is_null(text), True).as_py()
+        raise UserError(f"{source}: row {row + 1} has no text (null)")
     bad = sorted({str(label) for label in dataset.unique("label") if str(label).strip().lower() not in _LABEL_NAMES})
     if bad:
         raise UserError(f"{source}: labels must be 0/1 or pos/neg (positive/negative), found {bad[:5]}")
@@ -48,7 +56,9 @@ def load_file(path: str | Path) -> datasets.Dataset:
     try:
         dataset = datasets.load_dataset(_FORMATS[suffix], data_files=str(path), split="train")
     except Exception as error:
-        raise UserError(f"{path}: cannot be read as {_FORMATS[suffix]} ({type(error).__name__})") from None
+        detail = next((line for line in str(error).splitlines() if "row" in line or "line" in line), "")
+        raise UserError(f"{path}: cannot be read as {_FORMATS[suffix]} ({type(error).__name__}"
+                        f"{': ' + detail.strip()[:200] if detail else ''})") from None
     return _normalise_labels(dataset, str(path))
 
 
