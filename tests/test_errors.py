@@ -170,3 +170,32 @@ def test_check_config_refuses_invalid_values(tmp_path, content, fragment):
     result = subprocess.run([sys.executable, "-m", "ddp_accel", "check-config", str(tmp_path)], capture_output=True,
                             text=True, cwd=ROOT)
     assert_clean_error(result, "is a directory")
+
+
+def test_an_unreadable_image_in_a_dataloader_worker_is_one_line(tmp_path):
+    from test_imagenet import make_image_folder
+    data = make_image_folder(tmp_path / "images", classes=3, train=2, val=1)
+    (data / "train" / "class0" / "0.jpg").write_bytes(b"not a jpeg")
+    result = launch("scripts/imagenet.py", data, "-a", "cifar_resnet20", "--image-size", "16", "-j", "1", "-b", "2",
+                    "--output-dir", tmp_path / "out", launcher="python")
+    assert_clean_error(result, "cannot read image", "0.jpg")
+    assert "Caught UserError in DataLoader worker" not in result.stdout + result.stderr
+
+
+def test_ctrl_c_says_where_the_newest_checkpoint_is(tmp_path):
+    import os
+    import signal
+    import time
+    command = [sys.executable, str(ROOT / "tests" / "probe.py"), "--output-dir", str(tmp_path), "--train-size", "256",
+               "--batch-size", "4", "--epochs", "5", "--step-ms", "20", "--checkpointing-steps", "5"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "checkpoints" / "step_5" / "training_state.json").is_file():
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 130, output[-2000:]
+    assert "interrupted (Ctrl-C). The newest checkpoint is" in output and "--resume-from-checkpoint latest" in output
+    assert "Traceback" not in output, output[-2000:]
