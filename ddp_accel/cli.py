@@ -116,6 +116,8 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--eval-steps", type=positive_int, default=None, help="also evaluate every N steps")
     group.add_argument("--log-steps", type=positive_int, default=20)
     group.add_argument("--with-tracking", action="store_true", help="log to TensorBoard in OUTPUT_DIR/tensorboard/")
+    group.add_argument("--report-to", choices=["tensorboard", "mlflow", "wandb", "all", "none"], default="none",
+                       help="experiment trackers (all: every installed one); one run across resumes and requeues")
     group.add_argument(
         "--mixed-precision", choices=["no", "fp16", "bf16"], default=None,
         help="default: what the accelerate config says",

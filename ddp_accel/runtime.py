@@ -50,6 +50,7 @@ def build_accelerator(
     gradient_accumulation_steps: int = 1,
     mixed_precision: str | None = None,
     with_tracking: bool = False,
+    log_with: Any = None,
     timeout_s: int = 600,
     find_unused_parameters: bool = False,
 ) -> Accelerator:
@@ -72,7 +73,7 @@ def build_accelerator(
         cpu=cpu,
         mixed_precision=mixed_precision,
         gradient_accumulation_steps=gradient_accumulation_steps,
-        log_with="tensorboard" if with_tracking else None,
+        log_with=log_with if log_with is not None else ("tensorboard" if with_tracking else None),
         # trackers write to logging_dir/<project name>: OUTPUT_DIR/tensorboard
         project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=output_dir),
         # non_blocking: host-to-GPU copies of pinned batches overlap the previous step's compute

@@ -25,6 +25,7 @@ from ddp_accel.files import write_json
 from ddp_accel.plots import plot_history
 from ddp_accel.runtime import build_accelerator, print_banner, topology
 from ddp_accel.stopping import PREEMPTED_MARKER, Preempted, PreemptionSignals, StepAgreement, Verdict
+from ddp_accel.tracking import TRACKING_STATE, TrackerLog, make_trackers, tracker_names
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]  # (model, batch) -> mean loss of the batch
 EvalFn = Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]]  # (model, batch) -> per-sample values
@@ -51,6 +52,7 @@ class TrainConfig:
     eval_every_epochs: int = 1
     log_steps: int = 20
     with_tracking: bool = False
+    report_to: str = "none"
     mixed_precision: str | None = None
     timeout_s: int = 600
     overwrite_output_dir: bool = False
@@ -66,9 +68,11 @@ class TrainConfig:
         """The Accelerator, after checking --output-dir (pass check_output_dir=False when not training into it)."""
         if check_output_dir:
             self.check_output_dir()
+        trackers = make_trackers(tracker_names(self.report_to, self.with_tracking), self.output_dir,
+                                 resuming=self.resume_from_checkpoint is not None)
         return build_accelerator(
             seed=self.seed, output_dir=self.output_dir, mixed_precision=self.mixed_precision,
-            gradient_accumulation_steps=self.gradient_accumulation_steps, with_tracking=self.with_tracking,
+            gradient_accumulation_steps=self.gradient_accumulation_steps, log_with=trackers or None,
             timeout_s=self.timeout_s, **kwargs,
         )
 
@@ -88,7 +92,8 @@ class TrainConfig:
                             "--output-dir")
         if held and int(os.environ.get("RANK", "0")) == 0:  # the old run's checkpoints must not be resumed later
             shutil.rmtree(output_dir / "checkpoints", ignore_errors=True)
-            for name in ("history.json", "metrics.json", PREEMPTED_MARKER):
+            shutil.rmtree(output_dir / "tensorboard", ignore_errors=True)  # one run per directory
+            for name in ("history.json", "metrics.json", PREEMPTED_MARKER, TRACKING_STATE):
                 (output_dir / name).unlink(missing_ok=True)
 
     def hyperparameters(self) -> dict[str, Any]:
@@ -243,7 +248,7 @@ def seed_loader_generators(seed: int, *loaders) -> None:
 
 
 def write_final_artifacts(accelerator: Accelerator, model, output_dir: Path, metrics: dict, history: EvalHistory,
-                          title: str) -> None:
+                          tracking: TrackerLog, title: str) -> None:
     """model.safetensors (unwrapped: no `module.` prefix), metrics.json, training_curves.png; closes trackers."""
     accelerator.wait_for_everyone()
     partial = output_dir / ".model_partial"  # written aside: a crash leaves the previous model.safetensors whole
@@ -256,8 +261,8 @@ def write_final_artifacts(accelerator: Accelerator, model, output_dir: Path, met
         write_json(output_dir / "metrics.json", metrics)
         if history.records:
             plot_history(history.records, output_dir / "training_curves.png", title)
-    for tracker in accelerator.trackers:
-        tracker.finish()
+    tracking.log({f"final_{key}": value for key, value in numbers(metrics).items()}, metrics["steps"])
+    tracking.finish([output_dir / "model.safetensors", output_dir / "training_curves.png"])
 
 
 def start_epoch(train_loader, seed: int, epoch: int) -> None:
@@ -342,8 +347,6 @@ def fit(accelerator: Accelerator, config: TrainConfig, model: torch.nn.Module, o
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         write_json(output_dir / "args.json", config.hyperparameters())
-    if config.with_tracking:
-        accelerator.init_trackers("tensorboard", config=scalars(config.hyperparameters()))
     seed_loader_generators(config.seed, train_loader, eval_loader)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     eval_loader = accelerator.prepare(eval_loader) if eval_loader is not None else None
@@ -356,13 +359,14 @@ def fit(accelerator: Accelerator, config: TrainConfig, model: torch.nn.Module, o
     start = resume_position(accelerator, config, fingerprint, steps_per_epoch)
     step = start.step
     history = EvalHistory(output_dir / "history.json", step if start.checkpoint else None)
+    tracking = TrackerLog(accelerator, output_dir, scalars(config.hyperparameters()), resumed=bool(start.checkpoint))
     meter, window, agreement = ThroughputMeter(), LossWindow(accelerator.device), StepAgreement(accelerator)
     last_loss, eval_metrics, stop = float("nan"), {}, None
     last_eval_step = step if history.records and history.records[-1]["step"] == step else -1  # resumed after an eval
 
     def run_eval() -> dict[str, float]:
         metrics = evaluate(accelerator, model, eval_loader, eval_fn, metrics_fn)
-        accelerator.log(metrics, step=step)
+        tracking.log(metrics, step)
         accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in numbers(metrics).items()))
         history.record(accelerator, step, step / steps_per_epoch, last_loss, metrics)
         if on_eval is not None:
@@ -401,7 +405,8 @@ def fit(accelerator: Accelerator, config: TrainConfig, model: torch.nn.Module, o
                         break
                     if every(step, config.log_steps) or step == total_steps:
                         last_loss = window.mean(accelerator)
-                        log_window(accelerator, progress, meter, last_loss, step, epoch, scheduler, agreement, interactive)
+                        log_window(accelerator, tracking, progress, meter, last_loss, step, epoch, scheduler,
+                                   agreement.skipped_steps, interactive)
                     if eval_due:
                         eval_metrics, last_eval_step = run_eval(), step
                     if checkpoint_due:
@@ -428,7 +433,7 @@ def fit(accelerator: Accelerator, config: TrainConfig, model: torch.nn.Module, o
         "wall_time_s": time.perf_counter() - wall_start, **topology(accelerator, config.batch_size, accumulation),
         "resumed_from": str(start.checkpoint) if start.checkpoint else None,
     }
-    write_final_artifacts(accelerator, model, output_dir, metrics, history, title)
+    write_final_artifacts(accelerator, model, output_dir, metrics, history, tracking, title)
     accelerator.print(summary_line(metrics, output_dir))
     return metrics
 
@@ -441,8 +446,8 @@ def summary_line(metrics: dict[str, Any], output_dir: Path) -> str:
             f"{'; ' + scores if scores else ''}; model.safetensors, metrics.json and training_curves.png in {output_dir}")
 
 
-def log_window(accelerator: Accelerator, progress, meter: ThroughputMeter, loss: float, step: int, epoch: int,
-               scheduler, agreement: StepAgreement, interactive: bool) -> None:
+def log_window(accelerator: Accelerator, tracking: TrackerLog, progress, meter: ThroughputMeter, loss: float,
+               step: int, epoch: int, scheduler, skipped_steps: int, interactive: bool) -> None:
     """The loss averaged over all processes, the throughput of the last log window (global samples), and with
     fp16 the gradient scaler's state: its skipped steps are never silent."""
     speed, wait = meter.window()
@@ -452,7 +457,7 @@ def log_window(accelerator: Accelerator, progress, meter: ThroughputMeter, loss:
     if scheduler is not None:
         logs["lr"] = scheduler.get_last_lr()[0]
     if accelerator.scaler is not None:
-        logs.update(loss_scale=accelerator.scaler.get_scale(), skipped_optimizer_steps=agreement.skipped_steps)
-        postfix["skipped"] = agreement.skipped_steps
+        logs.update(loss_scale=accelerator.scaler.get_scale(), skipped_optimizer_steps=skipped_steps)
+        postfix["skipped"] = skipped_steps
     progress.set_postfix(postfix, refresh=interactive)  # a log file: a line per 30 s
-    accelerator.log(logs, step=step)
+    tracking.log(logs, step)

@@ -1,0 +1,129 @@
+"""Experiment tracking through Accelerate's own trackers (`--report-to tensorboard|mlflow|wandb|all|none`), as one
+run across interruptions: a resumed, restarted or requeued run continues the same TensorBoard directory, MLflow
+run and W&B run, and never logs a step twice.
+
+Everything is kept in the output dir: OUTPUT_DIR/tensorboard/, OUTPUT_DIR/mlflow.db (+ mlartifacts/) unless
+MLFLOW_TRACKING_URI says otherwise, OUTPUT_DIR/wandb/, and OUTPUT_DIR/tracking.json (the run ids and the last
+logged step).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ddp_accel.errors import UserError
+from ddp_accel.files import write_json
+
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+TRACKING_STATE = "tracking.json"
+
+
+def installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def tracker_names(report_to: str = "none", with_tracking: bool = False) -> list[str]:
+    """The trackers to use; `all` is every installed one (as in Accelerate); a missing package is one line."""
+    names = [name for name in TRACKERS if installed(name)] if report_to == "all" else \
+        [] if report_to in ("none", None) else [report_to]
+    if with_tracking and "tensorboard" not in names:  # the TensorBoard shortcut
+        names.insert(0, "tensorboard")
+    for name in names:
+        if name not in TRACKERS:
+            raise UserError(f"--report-to {name}: unknown tracker; use one of {', '.join(TRACKERS)}, all or none")
+        if not installed(name):
+            raise UserError(f"--report-to {name}: the {name} package is not installed; "
+                            f"pip install -e .[tracking] (or pip install {name})")
+    return names
+
+
+def read_state(output_dir: str | Path) -> dict[str, Any]:
+    path = Path(output_dir) / TRACKING_STATE
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        return {}
+
+
+def make_trackers(names: list[str], output_dir: str | Path, resuming: bool) -> list:
+    """Accelerate tracker objects (started later by `init_trackers`), continuing the runs recorded in the output dir
+    when this run resumes."""
+    from accelerate.tracking import MLflowTracker, TensorBoardTracker, WandBTracker
+
+    output_dir = Path(output_dir).resolve()
+    state = read_state(output_dir) if resuming else {}
+    project = Path(sys.argv[0]).stem or "ddp_accel"  # the script's name: imdb, imagenet, template...
+    trackers = []
+    for name in names:
+        if name == "tensorboard":
+            trackers.append(TensorBoardTracker("tensorboard", str(output_dir)))  # OUTPUT_DIR/tensorboard
+        elif name == "mlflow":
+            # MLflow's default store is ./mlruns in the current directory; Accelerate does not set one
+            os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{output_dir}/mlflow.db")
+            trackers.append(MLflowTracker(project, logging_dir=str(output_dir / "mlartifacts"),
+                                          run_id=state.get("mlflow_run_id")))
+        elif name == "wandb":
+            run_id = state.get("wandb_run_id") or uuid.uuid4().hex[:12]
+            trackers.append(WandBTracker(project, id=run_id, resume="allow", dir=str(output_dir)))
+    return trackers
+
+
+class TrackerLog:
+    """Logs to every tracker of the Accelerator, skipping the steps a resumed run redoes (they were logged before
+    the interruption with the very same values: resume is exact)."""
+
+    def __init__(self, accelerator, output_dir: str | Path, hyperparameters: dict[str, Any], resumed: bool):
+        self.accelerator, self.output_dir = accelerator, Path(output_dir)
+        state = read_state(output_dir) if resumed else {}
+        self.horizon = state.get("last_logged_step", -1)  # logged before this process started
+        self.last = self.horizon
+        if not accelerator.log_with:
+            return
+        try:
+            accelerator.init_trackers(Path(sys.argv[0]).stem or "ddp_accel")
+        except Exception as error:  # e.g. W&B without a login: one line, before training
+            raise UserError(f"cannot start the {type(error).__module__.split('.')[0]} tracker: "
+                            f"{str(error).splitlines()[0] if str(error) else type(error).__name__} "
+                            "(W&B: `wandb login`, or WANDB_MODE=offline)") from None
+        for tracker in accelerator.trackers:
+            if not (tracker.name == "mlflow" and state.get("mlflow_run_id")):  # MLflow refuses changed params
+                tracker.store_init_configuration(hyperparameters)
+        self._save_state()
+
+    def log(self, values: dict[str, Any], step: int) -> None:
+        if not self.accelerator.trackers or step <= self.horizon:
+            return
+        self.accelerator.log(values, step=step)
+        for tracker in self.accelerator.trackers:  # TensorBoard buffers up to 2 minutes: on disk before we note it
+            if tracker.name == "tensorboard" and self.accelerator.is_main_process:
+                tracker.writer.flush()
+        if step > self.last:
+            self.last = step
+            self._save_state()
+
+    def finish(self, artifacts: list[Path]) -> None:
+        """MLflow also keeps the final files (model.safetensors, training_curves.png) as artifacts."""
+        for tracker in self.accelerator.trackers:
+            if tracker.name == "mlflow" and self.accelerator.is_main_process:
+                import mlflow
+                for path in artifacts:
+                    if path.is_file():
+                        mlflow.log_artifact(str(path))
+            tracker.finish()
+
+    def _save_state(self) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        state = {"last_logged_step": self.last}
+        for tracker in self.accelerator.trackers:
+            if tracker.name == "mlflow":
+                state["mlflow_run_id"] = tracker.active_run.info.run_id
+            elif tracker.name == "wandb":
+                state["wandb_run_id"] = tracker.run.id
+        write_json(self.output_dir / TRACKING_STATE, state)
