@@ -102,7 +102,10 @@ def init_elastic_process_group(cpu: bool, timeout_s: int) -> None:
         return
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    dist.init_process_group("gloo" if cpu else "nccl", store=dist.PrefixStore(f"ddp_accel/restart_{restart}", store),
+    # unique per rendezvous: a node leaving uses up a restart, a node joining changes the world size (and not the
+    # restart count), so the pair tells the groups of one job apart
+    prefix = f"ddp_accel/restart_{restart}_world_{os.environ['WORLD_SIZE']}"
+    dist.init_process_group("gloo" if cpu else "nccl", store=dist.PrefixStore(prefix, store),
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 

@@ -8,6 +8,7 @@ flight (one step of lag); before a checkpoint or an evaluation the current step'
 
 from __future__ import annotations
 
+import math
 import signal
 from dataclasses import dataclass
 
@@ -63,13 +64,18 @@ class PreemptionSignals:
 
 
 class StepAgreement:
-    """Per optimizer step: every rank's (loss not finite, preempted) flags, combined with one MAX all-reduce."""
+    """Per optimizer step: every rank's (loss not finite, preempted) flags, combined with one MAX all-reduce.
+
+    On a CPU the flags are plain Python values until the all-reduce (none at all with one process): the check costs
+    a few microseconds a step. On a GPU they stay on the device and are read one step late (see the module doc).
+    """
 
     def __init__(self, accelerator):
         self.accelerator, self.device = accelerator, accelerator.device
         self.lagged = self.device.type == "cuda"
+        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.skipped_steps = 0  # fp16: optimizer steps the gradient scaler skipped (inf/nan gradients)
-        self.step_nonfinite = torch.zeros((), device=self.device)  # any micro-batch of the current step
+        self.step_nonfinite = torch.zeros((), device=self.device) if self.lagged else False  # any micro-batch
         self._host = torch.zeros(2, pin_memory=self.lagged)
         self._pending: tuple[int, torch.cuda.Event | None] | None = None
 
@@ -85,24 +91,34 @@ class StepAgreement:
         return verdict or (self.flush() if wait else None)
 
     def observe(self, loss: torch.Tensor) -> None:
-        """Each micro-batch's loss (no host sync)."""
-        self.step_nonfinite = torch.maximum(self.step_nonfinite, (~torch.isfinite(loss.detach())).float())
+        """Each micro-batch's loss (on a GPU without a host sync)."""
+        if self.lagged:
+            self.step_nonfinite = torch.maximum(self.step_nonfinite, (~torch.isfinite(loss)).float())
+        else:
+            self.step_nonfinite = self.step_nonfinite or not math.isfinite(loss.item())
 
     def submit(self, step: int, signum: int, count_nonfinite: bool = True) -> Verdict | None:
         """Start the agreement on `step`. Returns the newest finished verdict that says stop, else None: on CPU
         this step's, on a GPU the previous step's (the host does not wait for the step in flight)."""
+        if not self.lagged:
+            flags = [float(self.step_nonfinite and count_nonfinite), float(signum)]
+            self.step_nonfinite = False
+            if self.distributed:
+                self._host.copy_(torch.tensor(flags))
+                dist.all_reduce(self._host, op=dist.ReduceOp.MAX)
+                flags = self._host.tolist()
+            return self._verdict(step, *flags)
         previous = self._collect()
         flags = torch.stack([self.step_nonfinite * float(count_nonfinite),
                              torch.full((), float(signum), device=self.device)])
         self.step_nonfinite = torch.zeros((), device=self.device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if self.distributed:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        self._host.copy_(flags, non_blocking=self.lagged)
-        event = torch.cuda.Event() if self.lagged else None
-        if event is not None:
-            event.record()
+        self._host.copy_(flags, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
         self._pending = (step, event)
-        return previous if self.lagged else self._collect()
+        return previous
 
     def flush(self) -> Verdict | None:
         """Wait for the newest submitted step's verdict (before a checkpoint or an evaluation)."""
@@ -112,9 +128,11 @@ class StepAgreement:
         if self._pending is None:
             return None
         step, event = self._pending
-        if event is not None:
-            event.synchronize()
+        event.synchronize()
         self._pending = None
-        nonfinite, signum = self._host.tolist()
+        return self._verdict(step, *self._host.tolist())
+
+    @staticmethod
+    def _verdict(step: int, nonfinite: float, signum: float) -> Verdict | None:
         name = signal.Signals(int(signum)).name if signum else None
         return Verdict(step, name, bool(nonfinite)) if nonfinite or signum else None

@@ -253,6 +253,7 @@ def write_final_artifacts(accelerator: Accelerator, model, output_dir: Path, met
     accelerator.wait_for_everyone()
     partial = output_dir / ".model_partial"  # written aside: a crash leaves the previous model.safetensors whole
     accelerator.save_model(model, str(partial))  # every rank: under FSDP the full weights are gathered
+    accelerator.wait_for_everyone()  # every rank is done with the folder before it goes
     if accelerator.is_main_process:
         for file in partial.iterdir():
             os.replace(file, output_dir / file.name)

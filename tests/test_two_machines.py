@@ -1,0 +1,117 @@
+"""accelerate_configs/multi_node.yaml on two "machines" with addresses of their own: two network namespaces joined
+by a veth pair (10.77.N.1 and 10.77.N.2). The link is cut mid-training: both machines end within the collective
+timeout, each with one line; a restart with --resume-from-checkpoint latest ends bitwise equal to an uninterrupted
+run. The namespaces are created and deleted here; traffic goes only to the addresses made here."""
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import BIN, ROOT, check_ok, free_port, launch, weights
+
+MULTI_NODE_YAML = ROOT / "accelerate_configs" / "multi_node.yaml"
+PROBE_ARGS = ["--batch-size", "4", "--epochs", "3", "--train-size", "256", "--dropout", "0.3", "--checkpointing-steps", "5",
+              "--step-ms", "30", "--timeout-s", "15"]
+
+
+def namespaces_available() -> str | None:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return "needs root and iproute2's ip to make network namespaces"
+    probe = f"ddpa_probe_{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None if made.returncode == 0 else f"cannot make network namespaces here ({made.stderr.strip()})"
+
+
+pytestmark = pytest.mark.skipif(namespaces_available() is not None, reason=str(namespaces_available()))
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def two_machines():
+    """Two namespaces, A (10.77.N.1 on veth a) and B (10.77.N.2 on veth b); deleted afterwards."""
+    tag, subnet = os.getpid() % 10000, 10 + os.getpid() % 200
+    a, b, veth_a, veth_b = f"ddpa_a{tag}", f"ddpa_b{tag}", f"ddpa{tag}", f"ddpb{tag}"
+    ip("netns", "add", a)
+    ip("netns", "add", b)
+    try:
+        ip("link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
+        ip("link", "set", veth_a, "netns", a)
+        ip("link", "set", veth_b, "netns", b)
+        for space, veth, host in ((a, veth_a, 1), (b, veth_b, 2)):
+            ip("-n", space, "addr", "add", f"10.77.{subnet}.{host}/24", "dev", veth)
+            ip("-n", space, "link", "set", veth, "up")
+            ip("-n", space, "link", "set", "lo", "up")
+        yield {"namespaces": (a, b), "veths": (veth_a, veth_b), "address": f"10.77.{subnet}.1"}
+    finally:
+        for space in (a, b):
+            subprocess.run(["ip", "netns", "pids", space], capture_output=True)
+            subprocess.run(["ip", "netns", "del", space], capture_output=True)  # deletes the veth pair too
+
+
+def start_machine(machines, rank: int, output_dir: Path, port: int, log: Path) -> subprocess.Popen:
+    space, veth = machines["namespaces"][rank], machines["veths"][rank]
+    command = ["ip", "netns", "exec", space, str(BIN / "accelerate"), "launch", "--config_file", str(MULTI_NODE_YAML),
+               "--machine_rank", str(rank), "--main_process_ip", machines["address"], "--main_process_port", str(port),
+               str(ROOT / "tests" / "probe.py"), *PROBE_ARGS, "--output-dir", str(output_dir),
+               "--resume-from-checkpoint", "latest"]
+    # gloo picks the interface its host name resolves to (loopback here): name the one between the machines
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": veth}
+    return subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                            start_new_session=True)
+
+
+def run_both(machines, output_dir: Path, tmp_path: Path, attempt: str, cut_after_step: int | None = None):
+    port = free_port()
+    logs = [tmp_path / f"{attempt}_machine{rank}.log" for rank in (0, 1)]
+    nodes = [start_machine(machines, 0, output_dir, port, logs[0])]
+    time.sleep(3)  # machine 0 first, as a real second machine would join
+    nodes.append(start_machine(machines, 1, output_dir, port, logs[1]))
+    cut_at = None
+    if cut_after_step is not None:
+        deadline = time.monotonic() + 180
+        while not (output_dir / "checkpoints" / f"step_{cut_after_step}" / "training_state.json").is_file():
+            assert time.monotonic() < deadline and all(n.poll() is None for n in nodes), logs[0].read_text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(0.3)
+        ip("-n", machines["namespaces"][1], "link", "set", machines["veths"][1], "down")
+        cut_at = time.monotonic()
+    codes = []
+    for node in nodes:
+        try:
+            codes.append(node.wait(timeout=240))
+        except subprocess.TimeoutExpired:
+            os.killpg(node.pid, 9)
+            codes.append(None)
+    ended_s = time.monotonic() - cut_at if cut_at else None
+    return codes, [log.read_text() for log in logs], ended_s
+
+
+def test_two_machines_with_their_own_addresses_survive_a_cut_link(two_machines, tmp_path):
+    output_dir = tmp_path / "run"
+    codes, logs, ended_s = run_both(two_machines, output_dir, tmp_path, "cut", cut_after_step=5)
+    assert all(code not in (0, None) for code in codes), (codes, logs[0][-2000:], logs[1][-2000:])
+    for rank, log in enumerate(logs):
+        ours = [line for line in log.splitlines() if line.startswith("error: ")]
+        assert len(ours) == 1 and "lost contact" in ours[0], (rank, log[-3000:])
+    assert ended_s < 15 + 60, f"the machines took {ended_s:.0f} s to give up"
+
+    ip("-n", two_machines["namespaces"][1], "link", "set", two_machines["veths"][1], "up")
+    codes, logs, _ = run_both(two_machines, output_dir, tmp_path, "resume")
+    assert codes == [0, 0], (codes, logs[0][-3000:], logs[1][-3000:])
+    assert "resumed from" in logs[0] and "world_size" in logs[0]
+
+    reference = tmp_path / "reference"  # the same job on one host, 2 processes: the same ranks, the same weights
+    check_ok(launch("tests/probe.py", *PROBE_ARGS, "--output-dir", reference))
+    a, b = weights(reference), weights(output_dir)
+    assert all(torch.equal(a[key], b[key]) for key in a)
+    print(f"\nlink cut after step 5: both machines ended {ended_s:.1f} s later (--timeout-s 15); resumed from "
+          f"{[l for l in logs[0].splitlines() if 'resumed from' in l][0].split(': ')[1]}", file=__import__('sys').stderr)
