@@ -206,7 +206,8 @@ def report_to_launcher(message: str) -> None:
 def _lost_peers(error: BaseException) -> bool:
     """A collective failed because another process is gone (it ended with its own error, or was killed)."""
     return isinstance(error, getattr(dist, "DistError", ())) or bool(re.search(
-        r"Connection closed by peer|Connection reset by peer|Broken pipe|NCCL communicator was aborted", str(error)))
+        r"Connection closed by peer|Connection reset by peer|Broken pipe|NCCL communicator was aborted|Timed out waiting",
+        str(error)))
 
 
 def _one_line(error: UserError) -> str:
@@ -248,7 +249,8 @@ def run_main(main: Callable[[], Any]) -> None:
             report_to_launcher(message)
         elif _lost_peers(error):
             print(f"error: process {_rank()} lost contact with the others: another process ended (its own message "
-                  f"says why) or its machine is unreachable ({type(error).__name__})", file=sys.stderr, flush=True)
+                  f"says why), or no answer came within the collective timeout (--timeout-s): a machine or the network "
+                  f"between them is gone ({str(error).strip().splitlines()[0][-80:]})", file=sys.stderr, flush=True)
         else:
             traceback.print_exc()
             report_to_launcher(f"{type(error).__name__}: {error}")
