@@ -179,3 +179,29 @@ def test_preemption_signal_saves_the_step_reached_and_resume_loses_nothing(unint
     assert_bitwise_equal(uninterrupted, output_dir)
     print(f"\n{target}: signal -> checkpoint of step {stopped_at} complete in {signal_to_saved:.2f} s "
           f"(save itself {marker['save_s']} s); steps redone after resume: 0", file=sys.stderr)
+
+
+def test_a_stopped_job_resumes_at_another_world_size(tmp_path):
+    """The working way to change the number of processes (torch's elastic membership change fails, see
+    docs/launching.md): stop the job (SIGTERM: it checkpoints the step reached), relaunch at the new size with
+    --resume-from-checkpoint latest. 2 processes x 4 samples, then 1 x 8: the same global batch, so the weights end
+    as an uninterrupted run's (within float rounding: the gradient is summed in another order)."""
+    common = ["--batch-size", "4", "--epochs", "2", "--train-size", "256", "--dropout", "0", "--checkpointing-steps", "100"]
+    reference = tmp_path / "reference"
+    code, log = finish(torchrun(reference, *common), reference)
+    assert code == 0, log[-3000:]
+    output_dir = tmp_path / "resized"
+    agent = torchrun(output_dir, *common, "--step-ms", "20", "--resume-from-checkpoint", "latest")
+    wait_for(lambda: "train:" in output_dir.with_suffix(".log").read_text())
+    time.sleep(1.0)
+    agent.send_signal(signal.SIGTERM)
+    marker = wait_for(lambda: read_marker(output_dir), timeout=60)
+    finish(agent, output_dir)
+    command = [sys.executable, PROBE, "--output-dir", str(output_dir), *common, "--batch-size", "8",
+               "--resume-from-checkpoint", "latest"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {output_dir / 'checkpoints' / ('step_' + str(marker['step']))}" in result.stdout + result.stderr
+    a, b = weights(reference), weights(output_dir)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-5)
