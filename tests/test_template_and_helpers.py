@@ -17,7 +17,8 @@ def test_template_trains_validates_and_tests_on_two_processes(tmp_path):
     assert metrics["world_size"] == 2
     assert metrics["test_samples"] == 500 and metrics["eval_samples"] == 500
     assert metrics["test_accuracy"] > 0.9, metrics
-    assert output.count("eval_accuracy") == 2  # validated after epochs 2 and 4 only
+    evaluations = [line for line in output.splitlines() if line.startswith("step ") and "eval_accuracy" in line]
+    assert len(evaluations) == 2  # validated after epochs 2 and 4 only
     assert len(list((tmp_path / "checkpoints").iterdir())) == 4
 
 
