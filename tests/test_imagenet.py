@@ -181,3 +181,16 @@ def test_resume_right_after_an_evaluation_does_not_evaluate_again(tmp_path):
                              launcher="python"))
     assert "step 6: eval_loss" not in output
     assert [r["step"] for r in json.loads((tmp_path / "cut" / "history.json").read_text())] == [6, 12]
+
+
+def test_uint8_batches_normalised_on_the_device_equal_the_loader_path():
+    from ddp_accel.vision.data import DeviceNormalize, image_transforms
+    image = Image.fromarray((np.random.default_rng(0).random((40, 48, 3)) * 255).astype("uint8"))
+    mean, std = (0.4914, 0.4822, 0.4465), (0.247, 0.243, 0.261)
+    _, float_val = image_transforms(32, mean, std, "imagenet", uint8=False)
+    _, uint8_val = image_transforms(32, mean, std, "imagenet", uint8=True)
+    raw = uint8_val(image)
+    assert raw.dtype == torch.uint8  # 4x fewer bytes through the loader
+    normalised = DeviceNormalize(mean, std, channels_last=True)(raw[None])
+    torch.testing.assert_close(normalised, float_val(image)[None], atol=1e-5, rtol=0)
+    assert normalised.is_contiguous(memory_format=torch.channels_last)
