@@ -24,6 +24,7 @@ from ddp_accel import ArgumentParser, TrainConfig, UserError, add_training_args,
 from ddp_accel.files import write_json
 from ddp_accel.cli import fraction, nonnegative, nonnegative_int, positive_int, probability
 from ddp_accel.metrics import classification_values
+from ddp_accel.optim import Optimizers, SparseAdamW
 from ddp_accel.text.models import KERNEL_SIZE, STRIDE, build_model
 from ddp_accel.text.pipeline import make_loader, prepare_text_data
 from ddp_accel.text.tokenizer import basic_english
@@ -56,6 +57,9 @@ def parse_args(argv=None):
     model.add_argument("--pool", choices=["mean", "max"], default="max", help="gcnn: pooling over time")
     model.add_argument("--kernel-size", type=positive_int, default=KERNEL_SIZE, help="gcnn: convolution width")
     model.add_argument("--stride", type=positive_int, default=STRIDE, help="gcnn: convolution stride")
+    model.add_argument("--sparse", choices=["auto", "on", "off"], default="auto",
+                       help="bag: sparse gradients for the embedding table (auto: except on several GPUs, where NCCL "
+                            "cannot all-reduce them)")
     model.add_argument("--dropout", type=probability, default=0.0, help="share of activations zeroed in training")
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--loss", choices=["ce", "bce"], default="ce", help="bce: the recipe's BCE on sigmoid(logits)")
@@ -96,6 +100,30 @@ def eval_fn(model, batch):
     return classification_values(model(input_ids), labels)  # per-sample loss and accuracy
 
 
+def sparse_tables(args, accelerator) -> tuple[bool, str]:
+    """Sparse embedding gradients (only the rows a batch touches are all-reduced and updated) for `bag`, unless
+    NCCL would have to all-reduce them: it has no sparse all-reduce, so several GPUs keep the table dense."""
+    if args.model != "bag" or args.recipe or args.sparse == "off":
+        return False, "dense"
+    if accelerator.distributed_type.name == "MULTI_GPU" or accelerator.state.backend == "nccl":
+        if args.sparse == "on":
+            raise UserError("--sparse on: NCCL has no sparse all-reduce; on several GPUs use --sparse auto or off")
+        return False, "dense (NCCL has no sparse all-reduce)"
+    return True, "sparse (SparseAdamW on the table, AdamW on the rest)"
+
+
+def make_optimizer(model, args, lr: float) -> torch.optim.Optimizer:
+    optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
+    if not getattr(model, "sparse", False):
+        # fused: one kernel over all parameters; on CPU 7x faster than the default per-tensor loop, and the
+        # dense update of the n-gram table is most of a `bag` step
+        return optimizer_class(model.parameters(), lr=lr, weight_decay=args.weight_decay, fused=True)
+    table = model.embedding.weight
+    rest = [parameter for parameter in model.parameters() if parameter is not table]
+    return Optimizers(SparseAdamW([table], lr=lr, weight_decay=args.weight_decay),
+                      optimizer_class(rest, lr=lr, weight_decay=args.weight_decay, fused=True))
+
+
 def model_options(args) -> dict:
     return dict(dim=args.dim, ngrams=args.ngrams, buckets=args.buckets, pool=args.pool, dropout=args.dropout,
                 kernel_size=getattr(args, "kernel_size", KERNEL_SIZE), stride=getattr(args, "stride", STRIDE))
@@ -108,14 +136,12 @@ def train(args) -> None:
                              train_file=args.train_file, test_file=args.test_file, val_fraction=args.val_fraction,
                              min_freq=args.min_freq, max_vocab=args.max_vocab, max_length=args.max_length,
                              seed=config.seed, cache_dir=args.cache_dir)
-    model = build_model(args.model, len(text.vocab), text.vocab.pad_id, **model_options(args))
+    sparse, tables = sparse_tables(args, accelerator)
+    model = build_model(args.model, len(text.vocab), text.vocab.pad_id, **model_options(args), sparse=sparse)
     min_length = getattr(model, "min_length", 1)
     loader = lambda split, shuffle: make_loader(split, config.batch_size, text.vocab.pad_id, shuffle=shuffle,
                                                 seed=config.seed, min_length=min_length, workers=args.workers)
-    optimizer_class = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
-    # fused: one kernel over all parameters; on CPU 7x faster than the default per-tensor loop, and the
-    # dense update of the n-gram table is most of a `bag` step
-    optimizer = optimizer_class(model.parameters(), lr=config.lr, weight_decay=args.weight_decay, fused=True)
+    optimizer = make_optimizer(model, args, config.lr)
 
     def schedule(optimizer, total_steps, steps_per_epoch):
         warmup = max(1, int(args.warmup * total_steps))
@@ -128,7 +154,7 @@ def train(args) -> None:
               "train/val/test reviews": f"{len(text.train)}/{len(text.val)}/{len(text.test) if text.test else 0}",
               "vocabulary": len(text.vocab), "truncated_reviews": text.truncated,
               "preprocess_s": round(text.preprocess_s, 1), "model": args.model,
-              "parameters": sum(p.numel() for p in model.parameters())}
+              "parameters": sum(p.numel() for p in model.parameters()), "embedding_gradients": tables}
     metrics = fit(accelerator, config, model, optimizer, loader(text.train, True), loss_function(args.loss),
                   eval_loader=loader(text.val, False), eval_fn=eval_fn, make_scheduler=schedule, banner=banner,
                   title="imdb (SYNTHETIC data)" if text.synthetic else "imdb")

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddp_accel import ArgumentParser, TrainConfig, add_training_args, fit, run_main
 from ddp_accel.metrics import classification_metrics, classification_values
+from ddp_accel.optim import Optimizers, SparseAdamW
 
 
 class ComplexLinear(torch.nn.Module):
@@ -28,6 +29,17 @@ class ComplexLinear(torch.nn.Module):
 
     def forward(self, x):
         return x.to(torch.complex64) @ self.weight.T + self.bias
+
+
+class QuantizedBag(torch.nn.Module):
+    """Each of the 8 inputs quantised to one of 64 rows of its own in an EmbeddingBag (sparse gradients if asked)."""
+
+    def __init__(self, hidden: int, sparse: bool):
+        super().__init__()
+        self.table = torch.nn.EmbeddingBag(8 * 64, hidden, mode="mean", sparse=sparse)
+
+    def forward(self, x):
+        return self.table(((x * 8).round().long() + 32).clamp(0, 63) + torch.arange(8, device=x.device) * 64)
 
 
 class Magnitude(torch.nn.Module):
@@ -56,16 +68,24 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.2)
     parser.add_argument("--step-ms", type=float, default=0, help="stand-in for a real step's compute time")
     parser.add_argument("--complex", action="store_true", help="a complex-valued first layer (|z| feeds the rest)")
+    parser.add_argument("--sparse-embedding", action="store_true",
+                        help="an EmbeddingBag with sparse gradients first (SparseAdamW + AdamW as one optimizer)")
     args = parser.parse_args()
     config = TrainConfig.from_args(args)
     accelerator = config.make_accelerator()
 
-    if args.complex:
+    if args.sparse_embedding:
+        first, activation = QuantizedBag(args.hidden, sparse=True), torch.nn.ReLU()
+    elif args.complex:
         first, activation = ComplexLinear(8, args.hidden), Magnitude()
     else:
         first, activation = torch.nn.Linear(8, args.hidden), torch.nn.ReLU()
     model = torch.nn.Sequential(first, activation, torch.nn.Dropout(args.dropout), torch.nn.Linear(args.hidden, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    if args.sparse_embedding:
+        table = model[0].table.weight
+        optimizer = Optimizers(SparseAdamW([table], lr=config.lr, weight_decay=0.1),
+                               torch.optim.AdamW([p for p in model.parameters() if p is not table], lr=config.lr))
     train = DataLoader(IdDataset(args.train_size, seed=1), batch_size=config.batch_size, shuffle=True)
     val = DataLoader(IdDataset(args.val_size, seed=2), batch_size=config.batch_size)
     seen: list[list[int]] = []

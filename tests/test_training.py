@@ -46,6 +46,18 @@ def test_complex_parameters_train_the_same_on_one_and_two_processes_and_resume_b
     assert_same_weights(tmp_path / "two", tmp_path / "cut", atol=0)
 
 
+def test_sparse_embedding_gradients_train_the_same_on_one_and_two_processes_and_resume_bitwise(tmp_path):
+    # DDP all-reduces the sparse gradient of the table (gloo); SparseAdamW decays only the rows a batch touched
+    common = ["--sparse-embedding", "--epochs", 2, "--lr", "0.01", "--checkpointing-steps", 5, "--dropout", "0.2"]
+    probe(tmp_path / "one", *common[:-2], "--batch-size", 8, "--dropout", "0", nproc=1)
+    probe(tmp_path / "two", *common[:-2], "--batch-size", 4, "--dropout", "0")
+    assert_same_weights(tmp_path / "one", tmp_path / "two")
+    probe(tmp_path / "full", *common, "--batch-size", 4)
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_5", tmp_path / "cut" / "checkpoints" / "step_5")
+    probe(tmp_path / "cut", *common, "--batch-size", 4, "--resume-from-checkpoint", "latest")
+    assert_same_weights(tmp_path / "full", tmp_path / "cut", atol=0)
+
+
 def test_gradient_accumulation_matches_big_batch(tmp_path):
     probe(tmp_path / "big", "--batch-size", 8, "--epochs", 2, nproc=1)
     probe(tmp_path / "accum", "--batch-size", 4, "--gradient-accumulation-steps", 2, "--epochs", 2, nproc=1)

@@ -63,11 +63,12 @@ class NgramBag(nn.Module):
     """
 
     def __init__(self, vocab_size: int, pad_id: int = 1, dim: int = 64, ngrams: int = 1, buckets: int = 2_000_000,
-                 dropout: float = 0.0, num_classes: int = 2):
+                 dropout: float = 0.0, num_classes: int = 2, sparse: bool = False):
         super().__init__()
-        self.vocab_size, self.pad_id, self.ngrams = vocab_size, pad_id, ngrams
+        self.vocab_size, self.pad_id, self.ngrams, self.sparse = vocab_size, pad_id, ngrams, sparse
         self.buckets = buckets if ngrams > 1 else 0
-        self.embedding = nn.EmbeddingBag(vocab_size + self.buckets, dim, mode="mean", padding_idx=pad_id)
+        # sparse: the gradient holds only the rows of the batch (a few thousand of millions)
+        self.embedding = nn.EmbeddingBag(vocab_size + self.buckets, dim, mode="mean", padding_idx=pad_id, sparse=sparse)
         self.dropout = nn.Dropout(dropout)
         self.fc = nn.Linear(dim, num_classes)
         nn.init.uniform_(self.embedding.weight, -0.5 / dim, 0.5 / dim)  # fastText's init
@@ -98,5 +99,6 @@ def build_model(name: str, vocab_size: int, pad_id: int, **options) -> nn.Module
         return GCNN(vocab_size, pad_id, **{k: v for k, v in options.items()
                                            if k in ("dim", "pool", "dropout", "kernel_size", "stride")})
     if name == "bag":
-        return NgramBag(vocab_size, pad_id, **{k: v for k, v in options.items() if k in ("dim", "ngrams", "buckets", "dropout")})
+        return NgramBag(vocab_size, pad_id, **{k: v for k, v in options.items()
+                                               if k in ("dim", "ngrams", "buckets", "dropout", "sparse")})
     raise UserError(f"unknown --model {name}; choose gcnn or bag")
