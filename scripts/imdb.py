@@ -60,6 +60,8 @@ def parse_args(argv=None):
     model.add_argument("--sparse", choices=["auto", "on", "off"], default="auto",
                        help="bag: sparse gradients for the embedding table (auto: except on several GPUs, where NCCL "
                             "cannot all-reduce them)")
+    model.add_argument("--nb-weights", choices=["on", "off"], default="off",
+                       help="bag: scale each n-gram by its naive-Bayes log-count ratio, fitted on the training part (NBSVM)")
     model.add_argument("--dropout", type=probability, default=0.0, help="share of activations zeroed in training")
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--loss", choices=["ce", "bce"], default="ce", help="bce: the recipe's BCE on sigmoid(logits)")
@@ -119,14 +121,15 @@ def make_optimizer(model, args, lr: float) -> torch.optim.Optimizer:
         # dense update of the n-gram table is most of a `bag` step
         return optimizer_class(model.parameters(), lr=lr, weight_decay=args.weight_decay, fused=True)
     table = model.embedding.weight
-    rest = [parameter for parameter in model.parameters() if parameter is not table]
+    rest = [parameter for parameter in model.parameters() if parameter is not table and parameter.requires_grad]
     return Optimizers(SparseAdamW([table], lr=lr, weight_decay=args.weight_decay),
                       optimizer_class(rest, lr=lr, weight_decay=args.weight_decay, fused=True))
 
 
 def model_options(args) -> dict:
     return dict(dim=args.dim, ngrams=args.ngrams, buckets=args.buckets, pool=args.pool, dropout=args.dropout,
-                kernel_size=getattr(args, "kernel_size", KERNEL_SIZE), stride=getattr(args, "stride", STRIDE))
+                kernel_size=getattr(args, "kernel_size", KERNEL_SIZE), stride=getattr(args, "stride", STRIDE),
+                nb_weights=getattr(args, "nb_weights", "off") == "on" and args.model == "bag" and not args.recipe)
 
 
 def train(args) -> None:
@@ -141,6 +144,8 @@ def train(args) -> None:
     min_length = getattr(model, "min_length", 1)
     loader = lambda split, shuffle: make_loader(split, config.batch_size, text.vocab.pad_id, shuffle=shuffle,
                                                 seed=config.seed, min_length=min_length, workers=args.workers)
+    if getattr(model, "nb_weights", None) is not None:  # every process fits the same weights on the same reviews
+        model.fit_nb_weights(loader(text.train, False))
     optimizer = make_optimizer(model, args, config.lr)
 
     def schedule(optimizer, total_steps, steps_per_epoch):

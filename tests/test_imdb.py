@@ -220,3 +220,18 @@ def test_bag_on_real_imdb_reaches_85_percent_held_out(tmp_path):
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["eval_samples"] == 2500
     assert metrics["eval_accuracy"] > 0.85, metrics
+
+
+def test_nb_weights_favour_the_features_that_tell_the_classes_apart():
+    # token 2 only in positive reviews, 3 only in negative ones, 4 in both; padding (1) is no feature
+    bag = NgramBag(vocab_size=6, pad_id=1, dim=4, ngrams=1, nb_weights=True)
+    reviews = torch.tensor([[2, 4, 1], [2, 4, 4], [3, 4, 1], [3, 4, 1]])
+    bag.fit_nb_weights([(reviews[:2], torch.tensor([1, 1])), (reviews[2:], torch.tensor([0, 0]))])
+    weights = bag.nb_weights
+    assert weights[2] > 5 * weights[4] and weights[3] > 5 * weights[4], weights
+    assert torch.isclose(weights[2], weights[3])  # |r|: the sign is the embedding's to learn
+    occurrences = torch.tensor([2.0, 2, 4])  # reviews containing 2, 3, 4 (binarised)
+    assert torch.isclose((weights[2:5] * occurrences).sum() / occurrences.sum(), torch.tensor(1.0))
+    assert not bag.nb_weights.requires_grad and "nb_weights" in bag.state_dict()
+    # a review is the nb-weighted mean of its features: padding adds nothing
+    assert torch.allclose(bag(torch.tensor([[2, 4, 1, 1]])), bag(torch.tensor([[2, 4]])))

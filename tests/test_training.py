@@ -58,6 +58,26 @@ def test_sparse_embedding_gradients_train_the_same_on_one_and_two_processes_and_
     assert_same_weights(tmp_path / "full", tmp_path / "cut", atol=0)
 
 
+def test_sparse_adamw_is_sparse_adam_plus_decay_of_the_touched_rows():
+    from ddp_accel.optim import SparseAdamW
+    torch.manual_seed(0)
+    tables = [torch.nn.Embedding(50, 4, sparse=True) for _ in range(3)]
+    for table in tables[1:]:
+        table.load_state_dict(tables[0].state_dict())
+    ours, decayed = SparseAdamW(tables[0].parameters(), lr=0.1), SparseAdamW(tables[2].parameters(), lr=0.1, weight_decay=0.5)
+    reference = torch.optim.SparseAdam(tables[1].parameters(), lr=0.1)
+    for step in range(5):
+        ids = torch.randint(0, 20, (8, 3))  # rows 20..49 are never touched; repeated ids sum their gradients
+        for table, optimizer in zip(tables, (ours, reference, decayed)):
+            optimizer.zero_grad()
+            (table(ids) ** 2).sum().backward()
+            before = table.weight.detach().clone()
+            optimizer.step()
+        assert torch.allclose(tables[0].weight, tables[1].weight, atol=1e-6)
+        assert torch.equal(tables[2].weight[20:], before[20:])  # untouched rows: no decay either
+    assert not torch.allclose(tables[0].weight[:20], tables[2].weight[:20])
+
+
 def test_gradient_accumulation_matches_big_batch(tmp_path):
     probe(tmp_path / "big", "--batch-size", 8, "--epochs", 2, nproc=1)
     probe(tmp_path / "accum", "--batch-size", 4, "--gradient-accumulation-steps", 2, "--epochs", 2, nproc=1)

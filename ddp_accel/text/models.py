@@ -63,17 +63,40 @@ class NgramBag(nn.Module):
     """
 
     def __init__(self, vocab_size: int, pad_id: int = 1, dim: int = 64, ngrams: int = 1, buckets: int = 2_000_000,
-                 dropout: float = 0.0, num_classes: int = 2, sparse: bool = False):
+                 dropout: float = 0.0, num_classes: int = 2, sparse: bool = False, nb_weights: bool = False):
         super().__init__()
         self.vocab_size, self.pad_id, self.ngrams, self.sparse = vocab_size, pad_id, ngrams, sparse
         self.buckets = buckets if ngrams > 1 else 0
+        rows = vocab_size + self.buckets
         # sparse: the gradient holds only the rows of the batch (a few thousand of millions)
-        self.embedding = nn.EmbeddingBag(vocab_size + self.buckets, dim, mode="mean", padding_idx=pad_id, sparse=sparse)
+        self.embedding = nn.EmbeddingBag(rows, dim, mode="sum" if nb_weights else "mean", padding_idx=pad_id,
+                                         sparse=sparse)
+        # NBSVM's weighting (Wang & Manning 2012): each feature's embedding scaled by |log-count ratio| of the
+        # classes, fitted on the training part (fit_nb_weights). A frozen parameter, not a buffer: saved with the
+        # model, but DDP does not broadcast it every step as it would a buffer.
+        self.nb_weights = nn.Parameter(torch.ones(rows), requires_grad=False) if nb_weights else None
         self.dropout = nn.Dropout(dropout)
         self.fc = nn.Linear(dim, num_classes)
         nn.init.uniform_(self.embedding.weight, -0.5 / dim, 0.5 / dim)  # fastText's init
         with torch.no_grad():
             self.embedding.weight[pad_id].zero_()
+
+    @torch.no_grad()
+    def fit_nb_weights(self, batches, alpha: float = 1.0) -> None:
+        """|r|, r = log((p / |p|1) / (q / |q|1)): p and q count the positive and negative training reviews that
+        contain each feature (binarised), smoothed by `alpha`; scaled so that a feature occurrence weighs 1 on
+        average, so learning rate and weight decay keep their meaning."""
+        rows = self.nb_weights.numel()
+        counts = torch.full((2, rows), alpha, dtype=torch.float64)
+        for input_ids, labels in batches:
+            ids = self.ngram_ids(input_ids)
+            pairs = (torch.arange(len(ids))[:, None] * rows + ids)[ids != self.pad_id].unique()  # (review, feature)
+            review, feature = pairs // rows, pairs % rows
+            counts.index_put_((labels[review], feature), torch.ones(len(pairs), dtype=torch.float64), accumulate=True)
+        ratio = (counts[1] / counts[1].sum()).log() - (counts[0] / counts[0].sum()).log()
+        occurrences = counts.sum(0) - 2 * alpha
+        weights = ratio.abs()
+        self.nb_weights.copy_(weights / ((weights * occurrences).sum() / occurrences.sum()))
 
     def ngram_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids followed by hashed 2..n-gram ids; n-grams touching padding become padding."""
@@ -91,7 +114,12 @@ class NgramBag(nn.Module):
         return torch.cat(columns, dim=1)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.dropout(self.embedding(self.ngram_ids(input_ids))))
+        ids = self.ngram_ids(input_ids)
+        if self.nb_weights is None:
+            return self.fc(self.dropout(self.embedding(ids)))
+        present = ids != self.pad_id
+        weights = self.nb_weights[ids] * present / present.sum(dim=1, keepdim=True).clamp(min=1)  # weighted mean
+        return self.fc(self.dropout(self.embedding(ids, per_sample_weights=weights)))
 
 
 def build_model(name: str, vocab_size: int, pad_id: int, **options) -> nn.Module:
@@ -100,5 +128,5 @@ def build_model(name: str, vocab_size: int, pad_id: int, **options) -> nn.Module
                                            if k in ("dim", "pool", "dropout", "kernel_size", "stride")})
     if name == "bag":
         return NgramBag(vocab_size, pad_id, **{k: v for k, v in options.items()
-                                               if k in ("dim", "ngrams", "buckets", "dropout", "sparse")})
+                                               if k in ("dim", "ngrams", "buckets", "dropout", "sparse", "nb_weights")})
     raise UserError(f"unknown --model {name}; choose gcnn or bag")
