@@ -30,15 +30,15 @@ class SparseAdamW(torch.optim.Optimizer):
                     raise RuntimeError("SparseAdamW takes sparse gradients (an embedding with sparse=True)")
                 rows, values = self._rows_of(param.grad)
                 state = self.state[param]
-                if not state:
-                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
-                                 exp_avg_sq=torch.zeros_like(param))
+                if not state:  # both moments of a row side by side: one gather and one scatter for the two
+                    state.update(step=torch.tensor(0.0), moments=param.new_zeros((len(param), 2, *param.shape[1:])))
                 state["step"] += 1
                 step = state["step"].item()
-                exp_avg = state["exp_avg"].index_select(0, rows).lerp_(values, 1 - beta1)
-                exp_avg_sq = state["exp_avg_sq"].index_select(0, rows).mul_(beta2).addcmul_(values, values, value=1 - beta2)
-                state["exp_avg"].index_copy_(0, rows, exp_avg)
-                state["exp_avg_sq"].index_copy_(0, rows, exp_avg_sq)
+                moments = state["moments"].index_select(0, rows)
+                exp_avg, exp_avg_sq = moments[:, 0], moments[:, 1]
+                exp_avg.lerp_(values, 1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(values, values, value=1 - beta2)
+                state["moments"].index_copy_(0, rows, moments)
                 step_size = group["lr"] * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
                 weights = param.index_select(0, rows).mul_(1 - group["lr"] * group["weight_decay"])
                 param.index_copy_(0, rows, weights.addcdiv_(exp_avg, exp_avg_sq.sqrt_().add_(group["eps"]), value=-step_size))

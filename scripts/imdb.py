@@ -53,14 +53,14 @@ def parse_args(argv=None):
     model.add_argument("--model", choices=["bag", "gcnn"], default="bag")
     model.add_argument("--dim", type=positive_int, default=64, help="embedding (and GCNN channel) size")
     model.add_argument("--ngrams", type=positive_int, default=2, help="bag: 2 adds hashed bigrams (fastText)")
-    model.add_argument("--buckets", type=positive_int, default=100_000, help="bag: hash buckets for n-grams")
+    model.add_argument("--buckets", type=positive_int, default=1_000_000, help="bag: hash buckets for n-grams")
     model.add_argument("--pool", choices=["mean", "max"], default="max", help="gcnn: pooling over time")
     model.add_argument("--kernel-size", type=positive_int, default=KERNEL_SIZE, help="gcnn: convolution width")
     model.add_argument("--stride", type=positive_int, default=STRIDE, help="gcnn: convolution stride")
     model.add_argument("--sparse", choices=["auto", "on", "off"], default="auto",
                        help="bag: sparse gradients for the embedding table (auto: except on several GPUs, where NCCL "
                             "cannot all-reduce them)")
-    model.add_argument("--nb-weights", choices=["on", "off"], default="off",
+    model.add_argument("--nb-weights", choices=["on", "off"], default="on",
                        help="bag: scale each n-gram by its naive-Bayes log-count ratio, fitted on the training part (NBSVM)")
     model.add_argument("--dropout", type=probability, default=0.0, help="share of activations zeroed in training")
     optim = parser.add_argument_group("optimisation")

@@ -69,8 +69,7 @@ class NgramBag(nn.Module):
         self.buckets = buckets if ngrams > 1 else 0
         rows = vocab_size + self.buckets
         # sparse: the gradient holds only the rows of the batch (a few thousand of millions)
-        self.embedding = nn.EmbeddingBag(rows, dim, mode="sum" if nb_weights else "mean", padding_idx=pad_id,
-                                         sparse=sparse)
+        self.embedding = nn.EmbeddingBag(rows, dim, mode="sum", padding_idx=pad_id, sparse=sparse)
         # NBSVM's weighting (Wang & Manning 2012): each feature's embedding scaled by |log-count ratio| of the
         # classes, fitted on the training part (fit_nb_weights). A frozen parameter, not a buffer: saved with the
         # model, but DDP does not broadcast it every step as it would a buffer.
@@ -115,11 +114,18 @@ class NgramBag(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = self.ngram_ids(input_ids)
-        if self.nb_weights is None:
-            return self.fc(self.dropout(self.embedding(ids)))
         present = ids != self.pad_id
-        weights = self.nb_weights[ids] * present / present.sum(dim=1, keepdim=True).clamp(min=1)  # weighted mean
-        return self.fc(self.dropout(self.embedding(ids, per_sample_weights=weights)))
+        weights = present / present.sum(dim=1, keepdim=True).clamp(min=1)  # a mean over the real features
+        if self.nb_weights is not None:
+            weights = weights * self.nb_weights[ids]
+        if not self.sparse:
+            return self.fc(self.dropout(self.embedding(ids, per_sample_weights=weights.to(self.embedding.weight.dtype))))
+        # Look each distinct row up once: the table's sparse gradient then holds one row per distinct feature
+        # instead of one per occurrence, so DDP's all-reduce and the optimizer coalesce far fewer rows.
+        rows, position = torch.unique(ids, return_inverse=True)
+        vectors = nn.functional.embedding(rows, self.embedding.weight, padding_idx=self.pad_id, sparse=True)
+        bags = nn.functional.embedding_bag(position, vectors, per_sample_weights=weights.to(vectors.dtype), mode="sum")
+        return self.fc(self.dropout(bags))
 
 
 def build_model(name: str, vocab_size: int, pad_id: int, **options) -> nn.Module:
