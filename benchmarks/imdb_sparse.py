@@ -88,7 +88,7 @@ def main() -> None:
         size = (sparse_bytes if sparse == "on" else dense_bytes) if processes > 1 else 0
         rows.append(f"| {'sparse' if sparse == 'on' else 'dense'} | {processes} | {median['samples_per_s']:,.0f} | "
                     f"{median['train_s']:.0f} | {median['wall_s']:.0f} | {median['accuracy']:.2%} | "
-                    f"{size / 1e6:,.1f} MB |")
+                    f"{f'{size / 1e6:,.1f} MB' if size else 'none'} |")
     table = "\n".join(rows)
     print(table)
     (HERE / "results").mkdir(exist_ok=True)
