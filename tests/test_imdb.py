@@ -214,12 +214,13 @@ def test_second_run_reuses_the_encoded_cache(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not SHARED_IMDB.is_file(), reason="../shared/data/imdb_train.jsonl.gz not present")
-def test_bag_on_real_imdb_reaches_85_percent_held_out(tmp_path):
+def test_nb_weighted_bag_on_real_imdb_reaches_92_percent_held_out(tmp_path):
+    # the defaults (NB weights, 1M buckets, sparse updates) gave 93.2% after 2 epochs on this split; 91.3% without NB
     check_ok(launch("scripts/imdb.py", "--train-file", SHARED_IMDB, "--output-dir", tmp_path, "--epochs", 2,
                     launcher="python", timeout=900))
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["eval_samples"] == 2500
-    assert metrics["eval_accuracy"] > 0.85, metrics
+    assert metrics["eval_accuracy"] > 0.92, metrics
 
 
 def test_nb_weights_favour_the_features_that_tell_the_classes_apart():

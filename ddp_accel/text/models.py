@@ -69,7 +69,8 @@ class NgramBag(nn.Module):
         self.buckets = buckets if ngrams > 1 else 0
         rows = vocab_size + self.buckets
         # sparse: the gradient holds only the rows of the batch (a few thousand of millions)
-        self.embedding = nn.EmbeddingBag(rows, dim, mode="sum", padding_idx=pad_id, sparse=sparse)
+        self.embedding = nn.EmbeddingBag(rows, dim, mode="sum" if nb_weights else "mean", padding_idx=pad_id,
+                                         sparse=sparse)
         # NBSVM's weighting (Wang & Manning 2012): each feature's embedding scaled by |log-count ratio| of the
         # classes, fitted on the training part (fit_nb_weights). A frozen parameter, not a buffer: saved with the
         # model, but DDP does not broadcast it every step as it would a buffer.
@@ -114,6 +115,8 @@ class NgramBag(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = self.ngram_ids(input_ids)
+        if not self.sparse and self.nb_weights is None:  # the recipe's EmbeddingBag (mode "mean")
+            return self.fc(self.dropout(self.embedding(ids)))
         present = ids != self.pad_id
         weights = present / present.sum(dim=1, keepdim=True).clamp(min=1)  # a mean over the real features
         if self.nb_weights is not None:
