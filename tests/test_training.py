@@ -78,6 +78,26 @@ def test_sparse_adamw_is_sparse_adam_plus_decay_of_the_touched_rows():
     assert not torch.allclose(tables[0].weight[:20], tables[2].weight[:20])
 
 
+def test_one_gradient_scaler_unscales_the_sparse_and_dense_gradients_once():
+    # fp16 with two optimizers (accelerate#439): as one Optimizers, clip_grad_norm_'s unscale_ and the step's
+    # must not divide twice; the sparse table gradient is unscaled like the dense one
+    from ddp_accel.optim import Optimizers, SparseAdamW
+    torch.manual_seed(0)
+    table, head = torch.nn.Embedding(20, 4, sparse=True), torch.nn.Linear(4, 1)
+    ids = torch.tensor([1, 2, 2, 5])
+    head(table(ids)).sum().backward()
+    expected = table.weight.grad.to_dense().clone(), head.weight.grad.clone()
+    table.zero_grad(), head.zero_grad()
+    optimizer = Optimizers(SparseAdamW(table.parameters(), lr=0.1), torch.optim.AdamW(head.parameters(), lr=0.1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(head(table(ids)).sum()).backward()
+    scaler.unscale_(optimizer)  # what accelerator.clip_grad_norm_ does first
+    scaler.step(optimizer)
+    scaler.update()
+    assert torch.allclose(table.weight.grad.to_dense(), expected[0]) and torch.allclose(head.weight.grad, expected[1])
+    assert scaler.get_scale() == 1024.0  # no overflow seen, no step skipped
+
+
 def test_gradient_accumulation_matches_big_batch(tmp_path):
     probe(tmp_path / "big", "--batch-size", 8, "--epochs", 2, nproc=1)
     probe(tmp_path / "accum", "--batch-size", 4, "--gradient-accumulation-steps", 2, "--epochs", 2, nproc=1)
