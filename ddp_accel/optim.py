@@ -12,8 +12,9 @@ import torch
 class SparseAdamW(torch.optim.Optimizer):
     """Adam for sparse gradients (lazy, as torch's SparseAdam: the moments and weights of only the rows a batch
     touched change) with decoupled weight decay on those rows (`1 - lr * weight_decay`). torch's AdamW refuses
-    sparse gradients and SparseAdam has no weight decay. The update gathers the touched rows into dense blocks:
-    A step of `bag` with 1M buckets and 128 reviews: 63 ms instead of 124 ms with SparseAdam + a row decay (CPU)."""
+    sparse gradients and SparseAdam has no weight decay. The update gathers the touched rows into dense blocks, not
+    sparse-tensor arithmetic: a step of `bag` with 1M buckets and 128 reviews took 63 ms instead of 124 ms with
+    SparseAdam + a row decay (CPU)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))

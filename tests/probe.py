@@ -81,11 +81,12 @@ def main() -> None:
     else:
         first, activation = torch.nn.Linear(8, args.hidden), torch.nn.ReLU()
     model = torch.nn.Sequential(first, activation, torch.nn.Dropout(args.dropout), torch.nn.Linear(args.hidden, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     if args.sparse_embedding:
         table = model[0].table.weight
         optimizer = Optimizers(SparseAdamW([table], lr=config.lr, weight_decay=0.1),
                                torch.optim.AdamW([p for p in model.parameters() if p is not table], lr=config.lr))
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     train = DataLoader(IdDataset(args.train_size, seed=1), batch_size=config.batch_size, shuffle=True)
     val = DataLoader(IdDataset(args.val_size, seed=2), batch_size=config.batch_size)
     seen: list[list[int]] = []

