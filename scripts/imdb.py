@@ -83,6 +83,9 @@ def parse_args(argv=None):
             setattr(args, key, value)
     if args.weight_decay is None:
         args.weight_decay = 0.5 if args.model == "bag" else 0.0
+    if args.sparse == "on" and (args.model != "bag" or args.recipe):  # rather than a silently dense table
+        parser.error("--sparse on: only --model bag has a sparse table, and --recipe keeps it dense; "
+                     "drop --sparse or use --sparse auto")
     return args
 
 

@@ -110,6 +110,11 @@ def test_bad_input_from_the_command_line(tmp_path):
     assert_clean_error(result, "error: --data-dir")
     result = launch("scripts/imdb.py", "--output-dir", tmp_path / "untrained", "--predict", "hello", launcher="python")
     assert_clean_error(result, "Train first")
+    for model_choice in (["--model", "gcnn"], ["--recipe"]):  # neither has a sparse table: not a silent dense run
+        result = launch("scripts/imdb.py", "--output-dir", tmp_path / "dense", *model_choice, "--sparse", "on",
+                        launcher="python")
+        assert_clean_error(result, "--sparse on: only --model bag")
+        assert not (tmp_path / "dense").exists()
 
 
 def test_ngram_hashing_ignores_padding():
