@@ -66,8 +66,10 @@ def test_sparse_adamw_is_sparse_adam_plus_decay_of_the_touched_rows():
         table.load_state_dict(tables[0].state_dict())
     ours, decayed = SparseAdamW(tables[0].parameters(), lr=0.1), SparseAdamW(tables[2].parameters(), lr=0.1, weight_decay=0.5)
     reference = torch.optim.SparseAdam(tables[1].parameters(), lr=0.1)
-    for step in range(5):
-        ids = torch.randint(0, 20, (8, 3))  # rows 20..49 are never touched; repeated ids sum their gradients
+    for step in range(6):
+        # rows 20..49 are never touched; repeated ids sum their gradients; distinct increasing ids (what the bag's
+        # distinct-row lookup gives) are taken as they are
+        ids = torch.randint(0, 20, (8, 3)) if step % 2 else torch.randperm(20)[:12].sort().values.view(4, 3)
         for table, optimizer in zip(tables, (ours, reference, decayed)):
             optimizer.zero_grad()
             (table(ids) ** 2).sum().backward()
