@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import os
+import sys
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -34,7 +36,14 @@ class ArgumentParser(argparse.ArgumentParser):
                 if close:
                     message += f" (did you mean {close[0]}?)"
                     break
-        super().error(message)
+        # Under a launcher every process parses the same arguments: one of them says it, and torch elastic's
+        # failure report shows the message instead of 'To enable traceback see ...'
+        from ddp_accel.runtime import report_to_launcher
+        report_to_launcher(f"error: {message}")
+        if os.environ.get("RANK", "0") != "0":
+            self.exit(2)
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
     def parse_known_args(self, args=None, namespace=None):
         import sys

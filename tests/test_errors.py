@@ -120,6 +120,20 @@ def test_a_user_error_under_a_launcher_is_one_line_and_appears_in_the_launchers_
     assert "Connection closed by peer" not in output
 
 
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_a_bad_option_under_a_launcher_is_one_line_and_appears_in_the_launchers_report(tmp_path, launcher):
+    # every process parses the same arguments; one says what is wrong
+    result = launch("scripts/imdb.py", "--output-dir", tmp_path / "out", "--model", "gcnn", "--sparse", "on",
+                    launcher=launcher)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert sum(line.startswith("imdb.py: error: --sparse on") for line in output.splitlines()) == 1, output[-3000:]
+    # torch elastic's failure report shows it instead of "To enable traceback see ..." (for each process that
+    # finished before the launcher stopped the other)
+    assert re.search(r"traceback\s*:\s*error: --sparse on: only --model bag", output), output[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
 def write(path, text: str | bytes):
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
     return path
