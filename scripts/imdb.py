@@ -83,10 +83,15 @@ def parse_args(argv=None):
             setattr(args, key, value)
     if args.weight_decay is None:
         args.weight_decay = 0.5 if args.model == "bag" else 0.0
-    if args.sparse == "on" and (args.model != "bag" or args.recipe):  # rather than a silently dense table
+    if args.sparse == "on" and not our_bag(args):  # rather than a silently dense table
         parser.error("--sparse on: only --model bag has a sparse table, and --recipe keeps it dense; "
                      "drop --sparse or use --sparse auto")
     return args
+
+
+def our_bag(args) -> bool:
+    """`bag` with our additions (a sparse table, NB weights); `--recipe` keeps the classic bag."""
+    return args.model == "bag" and not args.recipe
 
 
 def loss_function(kind: str):
@@ -108,7 +113,7 @@ def eval_fn(model, batch):
 def sparse_tables(args, accelerator) -> tuple[bool, str]:
     """Sparse embedding gradients (only the rows a batch touches are all-reduced and updated) for `bag`, unless
     NCCL would have to all-reduce them: it has no sparse all-reduce, so several GPUs keep the table dense."""
-    if args.model != "bag" or args.recipe or args.sparse == "off":
+    if not our_bag(args) or args.sparse == "off":
         return False, "dense"
     if accelerator.distributed_type.name == "MULTI_GPU" or accelerator.state.backend == "nccl":
         if args.sparse == "on":
@@ -133,7 +138,7 @@ def make_optimizer(model, args, lr: float) -> torch.optim.Optimizer:
 def model_options(args) -> dict:
     return dict(dim=args.dim, ngrams=args.ngrams, buckets=args.buckets, pool=args.pool, dropout=args.dropout,
                 kernel_size=getattr(args, "kernel_size", KERNEL_SIZE), stride=getattr(args, "stride", STRIDE),
-                nb_weights=getattr(args, "nb_weights", "off") == "on" and args.model == "bag" and not args.recipe)
+                nb_weights=getattr(args, "nb_weights", "off") == "on" and our_bag(args))
 
 
 def train(args) -> None:
