@@ -42,15 +42,20 @@ def run(args, sparse: str, processes: int, work: str, name: str) -> dict:
             "train_s": metrics["train_samples"] / metrics["train_samples_per_s"]}
 
 
-def bytes_per_step(args, work: str) -> tuple[int, float]:
-    """Dense: the whole table and the head. Sparse: the rows one global batch touches (values + indices)."""
+def load_encoded(work: str):
+    """The vocabulary and the encoded training reviews the runs in `work` made (every run shares one cache)."""
     sys.path.insert(0, str(ROOT))
-    from ddp_accel.text.models import NgramBag
-    from ddp_accel.text.pipeline import make_loader
     from ddp_accel.text.vocab import Vocab
     import datasets
-    vocab = Vocab.load(Path(work, "dense_1", "vocab.json"))
-    train = datasets.Dataset.from_file(str(next(Path(work, "cache").glob("train-*-ids.arrow"))))
+    vocab = Vocab.load(Path(work, "sparse_1", "vocab.json"))
+    return vocab, datasets.Dataset.from_file(str(next(Path(work, "cache").glob("train-*-ids.arrow"))))
+
+
+def bytes_per_step(args, work: str) -> tuple[int, float]:
+    """Dense: the whole table and the head. Sparse: the rows one global batch touches (values + indices)."""
+    vocab, train = load_encoded(work)
+    from ddp_accel.text.models import NgramBag
+    from ddp_accel.text.pipeline import make_loader
     model = NgramBag(len(vocab), vocab.pad_id, dim=64, ngrams=2, buckets=args.buckets)
     loader = make_loader(train, 128, vocab.pad_id, shuffle=True, seed=0)
     rows = []
@@ -69,16 +74,12 @@ def phases_worker(work: str, buckets: int, steps: int = 60) -> None:
     DDP cannot overlap it with the backward anyway, as the table's gradient is the last one computed."""
     import torch
     import torch.distributed as dist
-    sys.path.insert(0, str(ROOT))
+    vocab, train = load_encoded(work)
     from ddp_accel.optim import SparseAdamW
     from ddp_accel.text.models import NgramBag
     from ddp_accel.text.pipeline import make_loader
-    from ddp_accel.text.vocab import Vocab
-    import datasets
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     dist.init_process_group("gloo")
-    vocab = Vocab.load(Path(work, "sparse_1", "vocab.json"))
-    train = datasets.Dataset.from_file(str(next(Path(work, "cache").glob("train-*-ids.arrow"))))
     torch.manual_seed(0)
     model = NgramBag(len(vocab), vocab.pad_id, dim=64, ngrams=2, buckets=buckets, sparse=True, nb_weights=True)
     table_optimizer = SparseAdamW([model.embedding.weight], lr=5e-3, weight_decay=0.5)
