@@ -11,6 +11,7 @@ import difflib
 import math
 import os
 import sys
+import time
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -41,6 +42,8 @@ class ArgumentParser(argparse.ArgumentParser):
         from ddp_accel.runtime import report_to_launcher
         report_to_launcher(f"error: {message}")
         if os.environ.get("RANK", "0") != "0":
+            # the launcher stops every process once one has ended: let rank 0 end first, having printed
+            time.sleep(10)
             self.exit(2)
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}\n")
