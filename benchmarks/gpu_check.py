@@ -39,8 +39,13 @@ class Runner:
         self.out, self.deadline = out, time.monotonic() + budget_s
         self.work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
         pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-        self.env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-                    "TOKENIZERS_PARALLELISM": "false"}
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": pythonpath,
+            "PYTHONUNBUFFERED": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
         self.logs = self.work / "logs"  # every command's full output; packed into OUT/logs.tar.gz
         self.logs.mkdir(parents=True, exist_ok=True)
 
@@ -51,8 +56,15 @@ class Runner:
         """Run a command; keep its output in logs/NAME.log; return rc, seconds and the output's tail."""
         timeout = max(5.0, min(timeout, self.left()))
         started = time.monotonic()
-        process = subprocess.Popen([str(part) for part in command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, cwd=ROOT, env=self.env, start_new_session=True)
+        process = subprocess.Popen(
+            [str(part) for part in command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env=self.env,
+            start_new_session=True,
+        )
         try:
             output, _ = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -60,12 +72,31 @@ class Runner:
             output, _ = process.communicate()
             output += f"\n[gpu_check: killed after {timeout:.0f} s]"
         (self.logs / f"{name}.log").write_text(output)
-        return {"rc": process.returncode, "seconds": round(time.monotonic() - started, 1), "tail": output[-1500:],
-                "output": output}
+        return {
+            "rc": process.returncode,
+            "seconds": round(time.monotonic() - started, 1),
+            "tail": output[-1500:],
+            "output": output,
+        }
 
     def accelerate(self, name: str, script: str, *args, config: Path = FSDP_YAML, timeout: float = 150) -> dict:
-        return self.run(name, [PY, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", 1,
-                               "--num_machines", 1, script, *args], timeout)
+        return self.run(
+            name,
+            [
+                PY,
+                "-m",
+                "accelerate.commands.launch",
+                "--config_file",
+                config,
+                "--num_processes",
+                1,
+                "--num_machines",
+                1,
+                script,
+                *args,
+            ],
+            timeout,
+        )
 
 
 def kill_tree(pid: int) -> None:
@@ -105,6 +136,7 @@ def max_difference(dir_a: Path, dir_b: Path) -> dict:
     """Bitwise equality and the largest absolute difference of two model.safetensors."""
     import torch
     from safetensors.torch import load_file
+
     a, b = load_file(str(dir_a / "model.safetensors")), load_file(str(dir_b / "model.safetensors"))
     if a.keys() != b.keys():
         return {"same_keys": False}
@@ -120,16 +152,29 @@ def resume_from(runner: Runner, full: Path, step: int, name: str) -> Path:
 
 def check_environment(runner: Runner) -> dict:
     import torch
-    result = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+
+    result = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+    }
     for package in ("accelerate", "torchvision", "datasets", "pyarrow", "fsspec", "safetensors"):
         try:
             result[package] = __import__(package).__version__
         except Exception as error:  # a missing or broken package is a finding, not a crash
             result[package] = f"{type(error).__name__}: {error}"
     # the first run on a fresh machine was slow once: time the first-use costs, each twice
-    for label, code in (("matplotlib_font_cache", "import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as p; p.figure()"),
-                        ("cuda_init", "import torch; torch.zeros(1, device='cuda' if torch.cuda.is_available() else 'cpu').sum().item()")):
+    for label, code in (
+        (
+            "matplotlib_font_cache",
+            "import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as p; p.figure()",
+        ),
+        (
+            "cuda_init",
+            "import torch; torch.zeros(1, device='cuda' if torch.cuda.is_available() else 'cpu').sum().item()",
+        ),
+    ):
         result[label + "_s"] = [runner.run(f"env_{label}_{i}", [PY, "-c", code], 120)["seconds"] for i in (1, 2)]
     return result
 
@@ -137,21 +182,35 @@ def check_environment(runner: Runner) -> dict:
 def check_fsdp_template(runner: Runner) -> dict:
     full, common = runner.work / "tpl_full", ["--epochs", 2, "--checkpointing-steps", 5, "--batch-size", 256]
     first = runner.accelerate("fsdp_template_full", "scripts/template.py", *common, "--output-dir", full)
-    result = {"rc": first["rc"], "seconds": first["seconds"], "distributed_type": banner_value(first["output"], "distributed_type"),
-              "metrics": {k: metrics(full).get(k) for k in ("steps", "test_accuracy", "world_size", "mixed_precision")}}
+    result = {
+        "rc": first["rc"],
+        "seconds": first["seconds"],
+        "distributed_type": banner_value(first["output"], "distributed_type"),
+        "metrics": {k: metrics(full).get(k) for k in ("steps", "test_accuracy", "world_size", "mixed_precision")},
+    }
     if first["rc"] != 0:
         return {**result, "tail": first["tail"]}
     step5 = full / "checkpoints" / "step_5"
     result["checkpoint_files"] = sorted(str(p.relative_to(step5)) for p in step5.rglob("*") if p.is_file())[:20]
     cut = resume_from(runner, full, 5, "tpl_cut")
-    second = runner.accelerate("fsdp_template_resume", "scripts/template.py", *common, "--output-dir", cut,
-                               "--resume-from-checkpoint", "latest")
+    second = runner.accelerate(
+        "fsdp_template_resume",
+        "scripts/template.py",
+        *common,
+        "--output-dir",
+        cut,
+        "--resume-from-checkpoint",
+        "latest",
+    )
     result["resume"] = {"rc": second["rc"], "resumed": "resumed from" in second["output"], **max_difference(full, cut)}
     if second["rc"] != 0:
         result["resume"]["tail"] = second["tail"]
     import torch
     from safetensors.torch import load_file
-    bare = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+
+    bare = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 3)
+    )
     state = load_file(str(full / "model.safetensors"))
     bare.load_state_dict(state, strict=True)
     result["full_weights"] = {key: list(value.shape) for key, value in state.items() if key.endswith("weight")}
@@ -162,20 +221,52 @@ def check_fsdp_imagenet(runner: Runner) -> dict:
     full = runner.work / "in_full"
     # --mixed-precision no: FSDP2's bf16 parameters with BatchNorm's fp32 running statistics fail in cuDNN's
     # backward ("Expected running_mean to have type BFloat16 but got Float"; seen on an H200, torch 2.11)
-    common = ["--dummy", "-a", "resnet18", "--image-size", 64, "--dummy-classes", 10, "-b", 32, "-j", 2, "--max-steps", 20,
-              "--checkpointing-steps", 10, "--deterministic", "--lr", 0.05, "--mixed-precision", "no"]
+    common = [
+        "--dummy",
+        "-a",
+        "resnet18",
+        "--image-size",
+        64,
+        "--dummy-classes",
+        10,
+        "-b",
+        32,
+        "-j",
+        2,
+        "--max-steps",
+        20,
+        "--checkpointing-steps",
+        10,
+        "--deterministic",
+        "--lr",
+        0.05,
+        "--mixed-precision",
+        "no",
+    ]
     first = runner.accelerate("fsdp_imagenet_full", "scripts/imagenet.py", *common, "--output-dir", full)
-    result = {"rc": first["rc"], "seconds": first["seconds"], "distributed_type": banner_value(first["output"], "distributed_type")}
+    result = {
+        "rc": first["rc"],
+        "seconds": first["seconds"],
+        "distributed_type": banner_value(first["output"], "distributed_type"),
+    }
     if first["rc"] != 0:
         return {**result, "tail": first["tail"]}
     cut = resume_from(runner, full, 10, "in_cut")
-    second = runner.accelerate("fsdp_imagenet_resume", "scripts/imagenet.py", *common, "--output-dir", cut,
-                               "--resume-from-checkpoint", "latest")
+    second = runner.accelerate(
+        "fsdp_imagenet_resume",
+        "scripts/imagenet.py",
+        *common,
+        "--output-dir",
+        cut,
+        "--resume-from-checkpoint",
+        "latest",
+    )
     result["resume"] = {"rc": second["rc"], "resumed": "resumed from" in second["output"], **max_difference(full, cut)}
     if second["rc"] != 0:
         result["resume"]["tail"] = second["tail"]
     import torchvision
     from safetensors.torch import load_file
+
     torchvision.models.resnet18(num_classes=10).load_state_dict(load_file(str(full / "model.safetensors")), strict=True)
     result["bare_model_loads"] = True
     return result
@@ -195,8 +286,20 @@ def probe_workers(agent_pid: int) -> list[int]:
 
 
 def check_nccl_restart(runner: Runner) -> dict:
-    common = ["--batch-size", 4, "--epochs", 3, "--train-size", 256, "--dropout", 0.3, "--checkpointing-steps", 5,
-              "--step-ms", 20]
+    common = [
+        "--batch-size",
+        4,
+        "--epochs",
+        3,
+        "--train-size",
+        256,
+        "--dropout",
+        0.3,
+        "--checkpointing-steps",
+        5,
+        "--step-ms",
+        20,
+    ]
     torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", 1, "--monitor_interval", 0.2]
     full, faulty = runner.work / "nccl_full", runner.work / "nccl_faulty"
     first = runner.run("nccl_full", [*torchrun, "tests/probe.py", *common, "--output-dir", full], 120)
@@ -204,10 +307,25 @@ def check_nccl_restart(runner: Runner) -> dict:
     if first["rc"] != 0:
         return {**result, "tail": first["tail"]}
     log = open(runner.logs / "nccl_faulty.log", "w")
-    command = [*torchrun, "--max_restarts", 2, "tests/probe.py", *common, "--output-dir", faulty,
-               "--resume-from-checkpoint", "latest"]
-    agent = subprocess.Popen([str(c) for c in command], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=runner.env,
-                             start_new_session=True)
+    command = [
+        *torchrun,
+        "--max_restarts",
+        2,
+        "tests/probe.py",
+        *common,
+        "--output-dir",
+        faulty,
+        "--resume-from-checkpoint",
+        "latest",
+    ]
+    agent = subprocess.Popen(
+        [str(c) for c in command],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=runner.env,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and not (faulty / "checkpoints" / "step_10" / "training_state.json").is_file():
         time.sleep(0.05)
@@ -224,13 +342,23 @@ def check_nccl_restart(runner: Runner) -> dict:
         os.killpg(agent.pid, signal.SIGKILL)
     output = (runner.logs / "nccl_faulty.log").read_text()
     resumed = [line for line in output.splitlines() if "resumed from" in line]
-    result.update({"killed_workers": len(victims), "rc_faulty": agent.returncode, "resumed_line": resumed[-1:],
-                   "kill_to_resumed_s": resumed_after, **max_difference(full, faulty),
-                   **({"tail": output[-1500:]} if agent.returncode != 0 else {})})
+    result.update(
+        {
+            "killed_workers": len(victims),
+            "rc_faulty": agent.returncode,
+            "resumed_line": resumed[-1:],
+            "kill_to_resumed_s": resumed_after,
+            **max_difference(full, faulty),
+            **({"tail": output[-1500:]} if agent.returncode != 0 else {}),
+        }
+    )
     result["preemption"] = check_gpu_preemption(runner, torchrun, common, full)
     # a loss that turns nan on the GPU (the step agreement reads it one step late there) ends the run in one line
-    nan = runner.run("nonfinite", [PY, "tests/probe.py", "--lr", "1e38", "--train-size", 256, "--output-dir",
-                                   runner.work / "nan"], 60)
+    nan = runner.run(
+        "nonfinite",
+        [PY, "tests/probe.py", "--lr", "1e38", "--train-size", 256, "--output-dir", runner.work / "nan"],
+        60,
+    )
     result["nonfinite"] = {"rc": nan["rc"], "error": [l for l in nan["output"].splitlines() if l.startswith("error:")]}
     return result
 
@@ -239,8 +367,14 @@ def check_gpu_preemption(runner: Runner, torchrun: list, common: list, reference
     """SIGUSR1 to the worker mid-epoch: checkpoint of the step reached, exit 0; the rerun ends bitwise equal."""
     out = runner.work / "preempt"
     command = [*torchrun, "tests/probe.py", *common, "--output-dir", out, "--resume-from-checkpoint", "latest"]
-    agent = subprocess.Popen([str(c) for c in command], stdout=open(runner.logs / "preempt.log", "w"),
-                             stderr=subprocess.STDOUT, cwd=ROOT, env=runner.env, start_new_session=True)
+    agent = subprocess.Popen(
+        [str(c) for c in command],
+        stdout=open(runner.logs / "preempt.log", "w"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=runner.env,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and not (out / "checkpoints" / "step_10" / "training_state.json").is_file():
         time.sleep(0.05)
@@ -258,14 +392,20 @@ def check_gpu_preemption(runner: Runner, torchrun: list, common: list, reference
         code = None
     marker = json.loads((out / "preempted.json").read_text()) if (out / "preempted.json").is_file() else None
     again = runner.run("preempt_resume", command, 120)
-    return {"rc": code, "marker": marker, "signal_to_saved_s": saved_after, "rc_resume": again["rc"],
-            "resumed_line": [l for l in again["output"].splitlines() if "resumed from" in l],
-            **max_difference(reference, out)}
+    return {
+        "rc": code,
+        "marker": marker,
+        "signal_to_saved_s": saved_after,
+        "rc_resume": again["rc"],
+        "resumed_line": [l for l in again["output"].splitlines() if "resumed from" in l],
+        **max_difference(reference, out),
+    }
 
 
 def make_image_folder(root: Path, classes: int = 6, train: int = 24, val: int = 6) -> Path:
     import numpy as np
     from PIL import Image
+
     rng = np.random.default_rng(0)
     for split, count in (("train", train), ("val", val)):
         for c in range(classes):
@@ -283,37 +423,106 @@ def loss_curve(output_dir: Path) -> list:
 
 def check_mixed_precision(runner: Runner) -> dict:
     results = {}
-    imdb = ["scripts/imdb.py", "--dataset", "synthetic", "--epochs", 3, "--batch-size", 32, "--buckets", 20000,
-            "--log-steps", 10]
+    imdb = [
+        "scripts/imdb.py",
+        "--dataset",
+        "synthetic",
+        "--epochs",
+        3,
+        "--batch-size",
+        32,
+        "--buckets",
+        20000,
+        "--log-steps",
+        10,
+    ]
     for model in ("bag", "gcnn"):
         for precision in ("fp16", "bf16"):
             name = f"imdb_{model}_{precision}"
             out = runner.work / name
             extra = ["--checkpointing-steps", 50] if precision == "fp16" else []
-            run = runner.run(name, [PY, *imdb, "--model", model, "--mixed-precision", precision, *extra, "--output-dir", out])
+            run = runner.run(
+                name, [PY, *imdb, "--model", model, "--mixed-precision", precision, *extra, "--output-dir", out]
+            )
             m = metrics(out)
-            results[name] = {"rc": run["rc"], "seconds": run["seconds"], "train_loss_per_epoch": loss_curve(out),
-                             "eval_accuracy": m.get("eval_accuracy"), "skipped_optimizer_steps": m.get("skipped_optimizer_steps"),
-                             "samples_per_s": m.get("steady_samples_per_s"), **({"tail": run["tail"]} if run["rc"] else {})}
+            results[name] = {
+                "rc": run["rc"],
+                "seconds": run["seconds"],
+                "train_loss_per_epoch": loss_curve(out),
+                "eval_accuracy": m.get("eval_accuracy"),
+                "skipped_optimizer_steps": m.get("skipped_optimizer_steps"),
+                "samples_per_s": m.get("steady_samples_per_s"),
+                **({"tail": run["tail"]} if run["rc"] else {}),
+            }
             if precision == "fp16" and run["rc"] == 0:
                 import torch
+
                 saved = torch.load(out / "checkpoints" / "step_50" / "scaler.pt", weights_only=False)
                 cut = resume_from(runner, out, 50, name + "_cut")
-                again = runner.run(name + "_resume", [PY, *imdb, "--model", model, "--mixed-precision", precision, *extra,
-                                                       "--output-dir", cut, "--resume-from-checkpoint", "latest"])
+                again = runner.run(
+                    name + "_resume",
+                    [
+                        PY,
+                        *imdb,
+                        "--model",
+                        model,
+                        "--mixed-precision",
+                        precision,
+                        *extra,
+                        "--output-dir",
+                        cut,
+                        "--resume-from-checkpoint",
+                        "latest",
+                    ],
+                )
                 line = next((l for l in again["output"].splitlines() if "resumed from" in l), "")
-                results[name]["resume"] = {"rc": again["rc"], "saved_scale": saved.get("scale"), "resumed_line": line,
-                                           **max_difference(out, cut)}
+                results[name]["resume"] = {
+                    "rc": again["rc"],
+                    "saved_scale": saved.get("scale"),
+                    "resumed_line": line,
+                    **max_difference(out, cut),
+                }
     images = make_image_folder(runner.work / "images")
     for precision in ("fp16", "bf16"):
         name, out = f"imagenet_{precision}", runner.work / f"imagenet_{precision}"
-        run = runner.run(name, [PY, "scripts/imagenet.py", images, "-a", "cifar_resnet20", "--image-size", 32, "--augment",
-                                "cifar", "-j", 2, "-b", 16, "-p", 3, "--lr", 0.05, "--epochs", 6, "--channels-last",
-                                "--mixed-precision", precision, "--output-dir", out])
+        run = runner.run(
+            name,
+            [
+                PY,
+                "scripts/imagenet.py",
+                images,
+                "-a",
+                "cifar_resnet20",
+                "--image-size",
+                32,
+                "--augment",
+                "cifar",
+                "-j",
+                2,
+                "-b",
+                16,
+                "-p",
+                3,
+                "--lr",
+                0.05,
+                "--epochs",
+                6,
+                "--channels-last",
+                "--mixed-precision",
+                precision,
+                "--output-dir",
+                out,
+            ],
+        )
         m = metrics(out)
-        results[name] = {"rc": run["rc"], "train_loss_per_epoch": loss_curve(out), "best_top1": m.get("best_top1"),
-                         "skipped_optimizer_steps": m.get("skipped_optimizer_steps"),
-                         "batches": banner_value(run["output"], "batches"), **({"tail": run["tail"]} if run["rc"] else {})}
+        results[name] = {
+            "rc": run["rc"],
+            "train_loss_per_epoch": loss_curve(out),
+            "best_top1": m.get("best_top1"),
+            "skipped_optimizer_steps": m.get("skipped_optimizer_steps"),
+            "batches": banner_value(run["output"], "batches"),
+            **({"tail": run["tail"]} if run["rc"] else {}),
+        }
     return results
 
 
@@ -321,19 +530,48 @@ def check_scaler_resume(runner: Runner) -> dict:
     """fp16 on a small ResNet, whose first steps overflow: the checkpoint's loss scale is below the initial 65536,
     and the resumed run must start from that scale, not from a fresh scaler."""
     images, full = make_image_folder(runner.work / "scaler_images"), runner.work / "scaler_full"
-    common = [PY, "scripts/imagenet.py", images, "-a", "cifar_resnet20", "--image-size", 32, "--augment", "cifar", "-j", 2,
-              "-b", 16, "-p", 3, "--lr", 0.05, "--epochs", 3, "--mixed-precision", "fp16", "--checkpointing-steps", 9,
-              "--deterministic"]
+    common = [
+        PY,
+        "scripts/imagenet.py",
+        images,
+        "-a",
+        "cifar_resnet20",
+        "--image-size",
+        32,
+        "--augment",
+        "cifar",
+        "-j",
+        2,
+        "-b",
+        16,
+        "-p",
+        3,
+        "--lr",
+        0.05,
+        "--epochs",
+        3,
+        "--mixed-precision",
+        "fp16",
+        "--checkpointing-steps",
+        9,
+        "--deterministic",
+    ]
     first = runner.run("scaler_full", [*common, "--output-dir", full])
     if first["rc"] != 0:
         return {"rc": first["rc"], "tail": first["tail"]}
     import torch
+
     saved = torch.load(full / "checkpoints" / "step_18" / "scaler.pt", weights_only=False)
     cut = resume_from(runner, full, 18, "scaler_cut")
     again = runner.run("scaler_resume", [*common, "--output-dir", cut, "--resume-from-checkpoint", "latest"])
-    return {"rc": again["rc"], "saved_scale": saved.get("scale"), "skipped_before_checkpoint": saved.get("_growth_tracker"),
-            "resumed_line": [l for l in again["output"].splitlines() if "resumed from" in l],
-            "skipped_optimizer_steps": metrics(full).get("skipped_optimizer_steps"), **max_difference(full, cut)}
+    return {
+        "rc": again["rc"],
+        "saved_scale": saved.get("scale"),
+        "skipped_before_checkpoint": saved.get("_growth_tracker"),
+        "resumed_line": [l for l in again["output"].splitlines() if "resumed from" in l],
+        "skipped_optimizer_steps": metrics(full).get("skipped_optimizer_steps"),
+        **max_difference(full, cut),
+    }
 
 
 def check_pipeline(runner: Runner, repeats: int = 2) -> dict:
@@ -343,20 +581,57 @@ def check_pipeline(runner: Runner, repeats: int = 2) -> dict:
             if runner.left() < 45:
                 break
             out = runner.work / f"r50_{where}_{repeat}"
-            run = runner.run(f"pipeline_{where}_{repeat}", [PY, "scripts/imagenet.py", "--dummy", "-a", "resnet50", "-b", 256,
-                                                             "-j", 8, "--max-steps", 100, "--channels-last", "--mixed-precision",
-                                                             "bf16", "--normalize-on", where, "--output-dir", out, "-p", 10], 150)
+            run = runner.run(
+                f"pipeline_{where}_{repeat}",
+                [
+                    PY,
+                    "scripts/imagenet.py",
+                    "--dummy",
+                    "-a",
+                    "resnet50",
+                    "-b",
+                    256,
+                    "-j",
+                    8,
+                    "--max-steps",
+                    100,
+                    "--channels-last",
+                    "--mixed-precision",
+                    "bf16",
+                    "--normalize-on",
+                    where,
+                    "--output-dir",
+                    out,
+                    "-p",
+                    10,
+                ],
+                150,
+            )
             m = metrics(out)
-            runs.append({"normalize_on": where, "rc": run["rc"], "process_s": run["seconds"], "loop_s": m.get("wall_time_s"),
-                         "steady_images_per_s": m.get("steady_samples_per_s"),
-                         "steady_data_wait_share": m.get("steady_data_wait_share"),
-                         "data_wait_share": m.get("data_wait_share"), **({"tail": run["tail"]} if run["rc"] else {})})
+            runs.append(
+                {
+                    "normalize_on": where,
+                    "rc": run["rc"],
+                    "process_s": run["seconds"],
+                    "loop_s": m.get("wall_time_s"),
+                    "steady_images_per_s": m.get("steady_samples_per_s"),
+                    "steady_data_wait_share": m.get("steady_data_wait_share"),
+                    "data_wait_share": m.get("data_wait_share"),
+                    **({"tail": run["tail"]} if run["rc"] else {}),
+                }
+            )
     return {"runs": runs}
 
 
-CHECKS = {"environment": check_environment, "fsdp_template": check_fsdp_template, "nccl_restart": check_nccl_restart,
-          "mixed_precision": check_mixed_precision, "fsdp_imagenet": check_fsdp_imagenet, "pipeline": check_pipeline,
-          "scaler_resume": check_scaler_resume}
+CHECKS = {
+    "environment": check_environment,
+    "fsdp_template": check_fsdp_template,
+    "nccl_restart": check_nccl_restart,
+    "mixed_precision": check_mixed_precision,
+    "fsdp_imagenet": check_fsdp_imagenet,
+    "pipeline": check_pipeline,
+    "scaler_resume": check_scaler_resume,
+}
 
 
 def main() -> None:
@@ -382,7 +657,10 @@ def main() -> None:
         results[name]["check_s"] = round(time.monotonic() - started, 1)
         results_path.write_text(json.dumps(results, indent=1, default=str))  # after each check: a timeout loses little
         subprocess.run(["tar", "czf", str(out / "logs.tar.gz"), "-C", str(runner.work), "logs"], check=False)
-        print(f"== {name} ({results[name]['check_s']} s)\n{json.dumps(results[name], indent=1, default=str)[:3000]}", flush=True)
+        print(
+            f"== {name} ({results[name]['check_s']} s)\n{json.dumps(results[name], indent=1, default=str)[:3000]}",
+            flush=True,
+        )
     shutil.rmtree(runner.work, ignore_errors=True)
 
 

@@ -41,8 +41,14 @@ def plain_loop(args) -> None:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}[args.precision]
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
     dataset = SyntheticImages(100 * args.batch_size, 224, 1000)
-    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
-                        pin_memory=True, persistent_workers=True)
+    loader = DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        pin_memory=True,
+        persistent_workers=True,
+    )
     model.train()
     step, start = 0, None
     while step < args.steps:  # epochs of 100 batches, like imagenet.py --dummy
@@ -70,7 +76,9 @@ def run(command: list[str], timeout: int) -> tuple[str, float]:
     tick = time.perf_counter()
     try:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout, check=False)
+        result = subprocess.run(
+            command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout, check=False
+        )
     except subprocess.TimeoutExpired:
         return "timeout", time.perf_counter() - tick
     if result.returncode != 0:
@@ -81,20 +89,51 @@ def run(command: list[str], timeout: int) -> tuple[str, float]:
 
 def ours(args, name: str, extra: list[str]) -> dict:
     out = Path(args.runs_dir or Path(args.out) / "runs") / name.replace(" ", "_")
-    command = [sys.executable, "scripts/imagenet.py", "--dummy", "-a", "resnet50", "-b", str(args.batch_size),
-               "-j", str(args.workers), "--max-steps", str(args.steps), "-p", str(WARMUP_STEPS),
-               "--output-dir", str(out), "--overwrite-output-dir", *extra]
+    command = [
+        sys.executable,
+        "scripts/imagenet.py",
+        "--dummy",
+        "-a",
+        "resnet50",
+        "-b",
+        str(args.batch_size),
+        "-j",
+        str(args.workers),
+        "--max-steps",
+        str(args.steps),
+        "-p",
+        str(WARMUP_STEPS),
+        "--output-dir",
+        str(out),
+        "--overwrite-output-dir",
+        *extra,
+    ]
     status, wall = run(command, args.timeout)
     if status in ("timeout", "failed"):
         return {"config": name, "status": status, "wall_s": wall}
     metrics = json.loads((out / "metrics.json").read_text())
-    return {"config": name, "status": "ok", "images_per_s": metrics["steady_samples_per_s"],
-            "data_wait_share": metrics["data_wait_share"], "wall_s": wall}
+    return {
+        "config": name,
+        "status": "ok",
+        "images_per_s": metrics["steady_samples_per_s"],
+        "data_wait_share": metrics["data_wait_share"],
+        "wall_s": wall,
+    }
 
 
 def plain(args, extra: list[str]) -> dict:
-    command = [sys.executable, __file__, "--plain-loop", "--batch-size", str(args.batch_size),
-               "--workers", str(args.workers), "--steps", str(args.steps), *extra]
+    command = [
+        sys.executable,
+        __file__,
+        "--plain-loop",
+        "--batch-size",
+        str(args.batch_size),
+        "--workers",
+        str(args.workers),
+        "--steps",
+        str(args.steps),
+        *extra,
+    ]
     status, wall = run(command, args.timeout)
     if status in ("timeout", "failed"):
         return {"config": "plain", "status": status, "wall_s": wall}
@@ -111,7 +150,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=240, help="seconds per run")
-    parser.add_argument("--headline-only", action="store_true", help="only the alternated plain / bf16+channels_last runs")
+    parser.add_argument(
+        "--headline-only", action="store_true", help="only the alternated plain / bf16+channels_last runs"
+    )
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--plain-loop", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="bf16", help=argparse.SUPPRESS)
@@ -121,6 +162,7 @@ def main() -> None:
         return plain_loop(args)
 
     import torch
+
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU here: this benchmark measures GPU throughput")
     card = torch.cuda.get_device_name(0)
@@ -131,10 +173,16 @@ def main() -> None:
         results.append(plain(args, ["--precision", "bf16", "--channels-last"]))
         results.append(ours(args, "bf16+channels_last", headline))
         print(json.dumps(results[-2:]), flush=True)
-    for name, extra in [] if args.headline_only else [("fp16+channels_last", ["--mixed-precision", "fp16", "--channels-last"]),
-                        ("bf16", ["--mixed-precision", "bf16"]),
-                        ("fp32 (TF32 convs)", ["--mixed-precision", "no", "--channels-last"])] + (
-                       [] if args.no_compile else [("bf16+channels_last+compile", headline + ["--compile"])]):
+    for name, extra in (
+        []
+        if args.headline_only
+        else [
+            ("fp16+channels_last", ["--mixed-precision", "fp16", "--channels-last"]),
+            ("bf16", ["--mixed-precision", "bf16"]),
+            ("fp32 (TF32 convs)", ["--mixed-precision", "no", "--channels-last"]),
+        ]
+        + ([] if args.no_compile else [("bf16+channels_last+compile", headline + ["--compile"])])
+    ):
         results.append(ours(args, name, extra))
         print(json.dumps(results[-1]), flush=True)
 
@@ -143,19 +191,25 @@ def main() -> None:
         return statistics.median(values) if values else None
 
     plain_speed, ours_speed = median("plain"), median("bf16+channels_last")
-    lines = [f"ResNet-50, synthetic 224x224, batch {args.batch_size}, {args.steps} steps per run "
-             f"(first {WARMUP_STEPS} excluded), -j {args.workers}; card: **{card}**, torch {torch.__version__}", "",
-             "| loop | settings | images/s | data wait | runs |", "|---|---|---|---|---|"]
+    lines = [
+        f"ResNet-50, synthetic 224x224, batch {args.batch_size}, {args.steps} steps per run "
+        f"(first {WARMUP_STEPS} excluded), -j {args.workers}; card: **{card}**, torch {torch.__version__}",
+        "",
+        "| loop | settings | images/s | data wait | runs |",
+        "|---|---|---|---|---|",
+    ]
     for config in dict.fromkeys(r["config"] for r in results):
         runs = [r for r in results if r["config"] == config]
         speed = median(config)
         waits = [r["data_wait_share"] for r in runs if "data_wait_share" in r]
         failed = [r["status"] for r in runs if r["status"] != "ok"]
-        lines.append(f"| {'plain PyTorch' if config == 'plain' else 'scripts/imagenet.py'} | "
-                     f"{'bf16+channels_last' if config == 'plain' else config} | "
-                     f"{f'{speed:,.0f}' if speed else '-'} | "
-                     f"{f'{statistics.median(waits):.1%}' if waits else '-'} | "
-                     f"{len(runs) - len(failed)} ok{''.join(f', 1 {status}' for status in failed)} |")
+        lines.append(
+            f"| {'plain PyTorch' if config == 'plain' else 'scripts/imagenet.py'} | "
+            f"{'bf16+channels_last' if config == 'plain' else config} | "
+            f"{f'{speed:,.0f}' if speed else '-'} | "
+            f"{f'{statistics.median(waits):.1%}' if waits else '-'} | "
+            f"{len(runs) - len(failed)} ok{''.join(f', 1 {status}' for status in failed)} |"
+        )
     if plain_speed and ours_speed:
         lines += ["", f"ddp_accel / plain: **{ours_speed / plain_speed:.3f}**"]
     table = "\n".join(lines)

@@ -57,7 +57,8 @@ def main() -> None:
         data_wait += time.perf_counter() - tick
         logits = model(input_ids)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(
-            logits, torch.nn.functional.one_hot(target, 2).float())
+            logits, torch.nn.functional.one_hot(target, 2).float()
+        )
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
@@ -70,10 +71,20 @@ def main() -> None:
     held_out = DataLoader(list(zip(split["test"]["text"], split["test"]["label"])), batch_size=256, collate_fn=collate)
     with torch.no_grad():
         correct = sum((model(ids).argmax(1) == target).sum().item() for ids, target in held_out)
-    print(json.dumps({"pipeline": "classic", "preprocess_s": preprocess_s, "epoch_s": epoch_s,
-                      "samples_per_s": samples / epoch_s, "data_wait_share": data_wait / epoch_s,
-                      "vocabulary": len(itos), "final_loss": loss.item(),
-                      "eval_accuracy": correct / len(split["test"])}))
+    print(
+        json.dumps(
+            {
+                "pipeline": "classic",
+                "preprocess_s": preprocess_s,
+                "epoch_s": epoch_s,
+                "samples_per_s": samples / epoch_s,
+                "data_wait_share": data_wait / epoch_s,
+                "vocabulary": len(itos),
+                "final_loss": loss.item(),
+                "eval_accuracy": correct / len(split["test"]),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -40,19 +40,43 @@ def run(command: list[str]) -> tuple[str, float]:
 def classic(train_file: str, model: str) -> dict:
     text, rss = run([sys.executable, str(HERE / "imdb_classic.py"), "--train-file", train_file, "--model", model])
     result = json.loads(next(line for line in text.splitlines() if line.startswith('{"pipeline"')))
-    return {"total_s": result["preprocess_s"] + result["epoch_s"], "preprocess_s": result["preprocess_s"],
-            "samples_per_s": result["samples_per_s"], "data_wait_share": result["data_wait_share"], "rss_mib": rss,
-            "eval_accuracy": result["eval_accuracy"]}
+    return {
+        "total_s": result["preprocess_s"] + result["epoch_s"],
+        "preprocess_s": result["preprocess_s"],
+        "samples_per_s": result["samples_per_s"],
+        "data_wait_share": result["data_wait_share"],
+        "rss_mib": rss,
+        "eval_accuracy": result["eval_accuracy"],
+    }
 
 
 def ours(train_file: str, model: str, output_dir: str) -> dict:
-    _, rss = run([sys.executable, "scripts/imdb.py", "--recipe", "--model", model, "--epochs", "1",
-                  "--train-file", train_file, "--output-dir", output_dir, "--overwrite-output-dir"])
+    _, rss = run(
+        [
+            sys.executable,
+            "scripts/imdb.py",
+            "--recipe",
+            "--model",
+            model,
+            "--epochs",
+            "1",
+            "--train-file",
+            train_file,
+            "--output-dir",
+            output_dir,
+            "--overwrite-output-dir",
+        ]
+    )
     metrics = json.loads(Path(output_dir, "metrics.json").read_text())
     epoch_s = metrics["train_samples"] / metrics["train_samples_per_s"]
-    return {"total_s": metrics["preprocess_s"] + epoch_s, "preprocess_s": metrics["preprocess_s"],
-            "samples_per_s": metrics["train_samples_per_s"], "data_wait_share": metrics["data_wait_share"],
-            "rss_mib": rss, "eval_accuracy": metrics["eval_accuracy"]}
+    return {
+        "total_s": metrics["preprocess_s"] + epoch_s,
+        "preprocess_s": metrics["preprocess_s"],
+        "samples_per_s": metrics["train_samples_per_s"],
+        "data_wait_share": metrics["data_wait_share"],
+        "rss_mib": rss,
+        "eval_accuracy": metrics["eval_accuracy"],
+    }
 
 
 def main() -> None:
@@ -63,8 +87,11 @@ def main() -> None:
     args = parser.parse_args()
     if not Path(args.train_file).is_file():
         raise SystemExit(f"no {args.train_file}: pass --train-file with the IMDB train split (jsonl/csv/parquet)")
-    rows = ["| model | pipeline | preprocess + 1 epoch (s) | of which preprocessing (s) | train samples/s "
-            "| data-wait share | peak RSS (MiB) | held-out accuracy | speed-up |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| model | pipeline | preprocess + 1 epoch (s) | of which preprocessing (s) | train samples/s "
+        "| data-wait share | peak RSS (MiB) | held-out accuracy | speed-up |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for model in args.models:
         runs = {"classic": [], "ours": [], "ours, cached": []}
         for repeat in range(args.repeats):
@@ -80,17 +107,22 @@ def main() -> None:
             shutil.rmtree(output_dir, ignore_errors=True)
         baseline = statistics.median(r["total_s"] for r in runs["classic"])
         for pipeline, results in runs.items():
-            median = {key: statistics.median(r[key] for r in results)
-                      for key in ("total_s", "preprocess_s", "samples_per_s", "data_wait_share", "rss_mib", "eval_accuracy")}
-            rows.append(f"| {model} | {pipeline} | {median['total_s']:.1f} | {median['preprocess_s']:.1f} "
-                        f"| {median['samples_per_s']:,.0f} | {median['data_wait_share']:.1%} "
-                        f"| {median['rss_mib']:,.0f} | {median['eval_accuracy']:.1%} | {baseline / median['total_s']:.2f}x |")
+            median = {
+                key: statistics.median(r[key] for r in results)
+                for key in ("total_s", "preprocess_s", "samples_per_s", "data_wait_share", "rss_mib", "eval_accuracy")
+            }
+            rows.append(
+                f"| {model} | {pipeline} | {median['total_s']:.1f} | {median['preprocess_s']:.1f} "
+                f"| {median['samples_per_s']:,.0f} | {median['data_wait_share']:.1%} "
+                f"| {median['rss_mib']:,.0f} | {median['eval_accuracy']:.1%} | {baseline / median['total_s']:.2f}x |"
+            )
     table = "\n".join(rows)
     print(table)
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "imdb_pipeline.md").write_text(
         f"`python benchmarks/imdb_pipeline.py --repeats {args.repeats}`, 1 process, "
-        f"{os.cpu_count()} CPU cores, medians\n\n{table}\n")
+        f"{os.cpu_count()} CPU cores, medians\n\n{table}\n"
+    )
 
 
 if __name__ == "__main__":

@@ -26,11 +26,36 @@ BIN = Path(sys.executable).parent
 
 def run(args, sparse: str, processes: int, work: str, name: str) -> dict:
     out = f"{work}/{name}"
-    script = [str(ROOT / "scripts" / "imdb.py"), "--train-file", args.train_file, "--buckets", str(args.buckets),
-              "--epochs", str(args.epochs), "--sparse", sparse, "--batch-size", str(128 // processes),
-              "--cache-dir", f"{work}/cache", "--output-dir", out, "--overwrite-output-dir"]
-    launcher = ([str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "multi_gpu.yaml"),
-                 "--num_processes", str(processes)] if processes > 1 else [sys.executable])
+    script = [
+        str(ROOT / "scripts" / "imdb.py"),
+        "--train-file",
+        args.train_file,
+        "--buckets",
+        str(args.buckets),
+        "--epochs",
+        str(args.epochs),
+        "--sparse",
+        sparse,
+        "--batch-size",
+        str(128 // processes),
+        "--cache-dir",
+        f"{work}/cache",
+        "--output-dir",
+        out,
+        "--overwrite-output-dir",
+    ]
+    launcher = (
+        [
+            str(BIN / "accelerate"),
+            "launch",
+            "--config_file",
+            str(ROOT / "accelerate_configs" / "multi_gpu.yaml"),
+            "--num_processes",
+            str(processes),
+        ]
+        if processes > 1
+        else [sys.executable]
+    )
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // processes)), "HF_HUB_OFFLINE": "1"}
     started = time.perf_counter()
     result = subprocess.run([*launcher, *script], capture_output=True, text=True, cwd=ROOT, env=env)
@@ -38,8 +63,12 @@ def run(args, sparse: str, processes: int, work: str, name: str) -> dict:
     if result.returncode != 0:
         raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
     metrics = json.loads(Path(out, "metrics.json").read_text())
-    return {"wall_s": wall, "samples_per_s": metrics["train_samples_per_s"], "accuracy": metrics["eval_accuracy"],
-            "train_s": metrics["train_samples"] / metrics["train_samples_per_s"]}
+    return {
+        "wall_s": wall,
+        "samples_per_s": metrics["train_samples_per_s"],
+        "accuracy": metrics["eval_accuracy"],
+        "train_s": metrics["train_samples"] / metrics["train_samples_per_s"],
+    }
 
 
 def load_encoded(work: str):
@@ -47,6 +76,7 @@ def load_encoded(work: str):
     sys.path.insert(0, str(ROOT))
     from ddp_accel.text.vocab import Vocab
     import datasets
+
     vocab = Vocab.load(Path(work, "sparse_1", "vocab.json"))
     return vocab, datasets.Dataset.from_file(str(next(Path(work, "cache").glob("train-*-ids.arrow"))))
 
@@ -56,6 +86,7 @@ def bytes_per_step(args, work: str) -> tuple[int, float]:
     vocab, train = load_encoded(work)
     from ddp_accel.text.models import NgramBag
     from ddp_accel.text.pipeline import make_loader
+
     model = NgramBag(len(vocab), vocab.pad_id, dim=64, ngrams=2, buckets=args.buckets)
     loader = make_loader(train, 128, vocab.pad_id, shuffle=True, seed=0)
     rows = []
@@ -74,10 +105,12 @@ def phases_worker(work: str, buckets: int, steps: int = 60) -> None:
     DDP cannot overlap it with the backward anyway, as the table's gradient is the last one computed."""
     import torch
     import torch.distributed as dist
+
     vocab, train = load_encoded(work)
     from ddp_accel.optim import SparseAdamW
     from ddp_accel.text.models import NgramBag
     from ddp_accel.text.pipeline import make_loader
+
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -118,9 +151,19 @@ PHASE_RUNS = {"1 process, 2 threads, 128 reviews": 1, "2 processes, 1 thread and
 def phases(args, work: str) -> dict[str, dict[str, float]]:
     result = {}
     for name, processes in PHASE_RUNS.items():
-        command = [str(BIN / "torchrun"), "--nproc_per_node", str(processes), "--standalone", __file__,
-                   "--phases-worker", work, "--buckets", str(args.buckets),
-                   "--train-file", args.train_file]
+        command = [
+            str(BIN / "torchrun"),
+            "--nproc_per_node",
+            str(processes),
+            "--standalone",
+            __file__,
+            "--phases-worker",
+            work,
+            "--buckets",
+            str(args.buckets),
+            "--train-file",
+            args.train_file,
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // processes))}
         output = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
         if output.returncode != 0:
@@ -150,21 +193,33 @@ def main() -> None:
                 print(f"  {name}: {results[(sparse, processes)][-1]}", file=sys.stderr, flush=True)
         dense_bytes, sparse_bytes = bytes_per_step(args, work)
         step_phases = phases(args, work)
-    rows = [f"`python benchmarks/imdb_sparse.py --train-file ... --buckets {args.buckets} --epochs {args.epochs} "
-            f"--repeats {args.repeats}` (global batch 128)", "",
-            "| embedding gradients | processes | train samples/s | training (s) | wall (s) | held-out accuracy | bytes all-reduced per step |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        f"`python benchmarks/imdb_sparse.py --train-file ... --buckets {args.buckets} --epochs {args.epochs} "
+        f"--repeats {args.repeats}` (global batch 128)",
+        "",
+        "| embedding gradients | processes | train samples/s | training (s) | wall (s) | held-out accuracy | bytes all-reduced per step |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for sparse, processes in configs:
         runs = results[(sparse, processes)]
         median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
         size = (sparse_bytes if sparse == "on" else dense_bytes) if processes > 1 else 0
-        rows.append(f"| {'sparse' if sparse == 'on' else 'dense'} | {processes} | {median['samples_per_s']:,.0f} | "
-                    f"{median['train_s']:.0f} | {median['wall_s']:.0f} | {median['accuracy']:.2%} | "
-                    f"{f'{size / 1e6:,.1f} MB' if size else 'none'} |")
-    rows += ["", "One sparse step (global batch 128), median ms", "",
-             f"| phase | {' | '.join(PHASE_RUNS)} |", "|---|" + "---|" * len(PHASE_RUNS)]
-    rows += [f"| {phase} | " + " | ".join(f"{step_phases[run][phase]:.1f}" for run in PHASE_RUNS) + " |"
-             for phase in step_phases[next(iter(PHASE_RUNS))]]
+        rows.append(
+            f"| {'sparse' if sparse == 'on' else 'dense'} | {processes} | {median['samples_per_s']:,.0f} | "
+            f"{median['train_s']:.0f} | {median['wall_s']:.0f} | {median['accuracy']:.2%} | "
+            f"{f'{size / 1e6:,.1f} MB' if size else 'none'} |"
+        )
+    rows += [
+        "",
+        "One sparse step (global batch 128), median ms",
+        "",
+        f"| phase | {' | '.join(PHASE_RUNS)} |",
+        "|---|" + "---|" * len(PHASE_RUNS),
+    ]
+    rows += [
+        f"| {phase} | " + " | ".join(f"{step_phases[run][phase]:.1f}" for run in PHASE_RUNS) + " |"
+        for phase in step_phases[next(iter(PHASE_RUNS))]
+    ]
     table = "\n".join(rows)
     print(table)
     (HERE / "results").mkdir(exist_ok=True)

@@ -31,15 +31,40 @@ def run_one(loop: str, nproc: int, epochs: int, task: str, output_dir: str) -> f
     task_args = ["--task", name] + (["--hidden", hidden] if hidden else [])
     if loop == "plain":
         script = [str(HERE / "overhead_plain.py"), "--epochs", str(epochs), *task_args]
-        command = ([str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
-                   if nproc > 1 else [sys.executable]) + script
+        command = (
+            [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+            if nproc > 1
+            else [sys.executable]
+        ) + script
     else:
-        script = [str(HERE / "overhead_accel.py"), "--epochs", str(epochs), *task_args, "--output-dir", output_dir, "--overwrite-output-dir"]
-        command = ([str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs/multi_gpu.yaml"),
-                    "--num_processes", str(nproc), "--main_process_port", str(free_port())]
-                   if nproc > 1 else [sys.executable]) + script
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc)),
-           "PYTHONPATH": str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        script = [
+            str(HERE / "overhead_accel.py"),
+            "--epochs",
+            str(epochs),
+            *task_args,
+            "--output-dir",
+            output_dir,
+            "--overwrite-output-dir",
+        ]
+        command = (
+            [
+                str(BIN / "accelerate"),
+                "launch",
+                "--config_file",
+                str(ROOT / "accelerate_configs/multi_gpu.yaml"),
+                "--num_processes",
+                str(nproc),
+                "--main_process_port",
+                str(free_port()),
+            ]
+            if nproc > 1
+            else [sys.executable]
+        ) + script
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc)),
+        "PYTHONPATH": str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, check=False)
     if result.returncode != 0:
         raise SystemExit(f"{loop} x{nproc} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
@@ -52,9 +77,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--tasks", nargs="+", default=["mlp-512", "mlp-2048", "resnet20"],
-                        help="mlp-WIDTH (mlp-512: a ~2 ms step on 2 cores, the worst case for per-step overhead) "
-                             "or resnet20 (CIFAR ResNet-20, 32x32 images)")
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        default=["mlp-512", "mlp-2048", "resnet20"],
+        help="mlp-WIDTH (mlp-512: a ~2 ms step on 2 cores, the worst case for per-step overhead) "
+        "or resnet20 (CIFAR ResNet-20, 32x32 images)",
+    )
     args = parser.parse_args()
     rows = ["| task | processes | plain DDP samples/s | ddp_accel samples/s | ratio |", "|---|---|---|---|---|"]
     for task, nproc in ((task, nproc) for task in args.tasks for nproc in args.processes):
@@ -69,7 +98,9 @@ def main() -> None:
     print(table)
     (HERE / "results").mkdir(exist_ok=True)
     name = "overhead.md" if args.tasks == parser.get_default("tasks") else f"overhead_{'_'.join(args.tasks)}.md"
-    (HERE / "results" / name).write_text(f"`python benchmarks/overhead.py --repeats {args.repeats} --tasks {' '.join(args.tasks)}`\n\n{table}\n")
+    (HERE / "results" / name).write_text(
+        f"`python benchmarks/overhead.py --repeats {args.repeats} --tasks {' '.join(args.tasks)}`\n\n{table}\n"
+    )
 
 
 if __name__ == "__main__":

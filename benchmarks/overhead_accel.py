@@ -25,8 +25,15 @@ def main() -> None:
     loader = DataLoader(dataset, batch_size=config.batch_size, shuffle=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     metrics = fit(accelerator, config, model, optimizer, loader, loss_fn)
-    accelerator.print(json.dumps({"loop": "ddp_accel", "world_size": accelerator.num_processes,
-                                  "samples_per_s": metrics["train_samples_per_s"]}))
+    accelerator.print(
+        json.dumps(
+            {
+                "loop": "ddp_accel",
+                "world_size": accelerator.num_processes,
+                "samples_per_s": metrics["train_samples_per_s"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

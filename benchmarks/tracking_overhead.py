@@ -20,11 +20,30 @@ TRACKERS = ["none", "tensorboard", "mlflow", "wandb"]
 
 
 def run_one(report_to: str, args, output_dir: str) -> float:
-    command = [sys.executable, str(HERE / "overhead_accel.py"), "--task", "mlp", "--hidden", str(args.hidden),
-               "--epochs", str(args.epochs), "--log-steps", str(args.log_steps), "--report-to", report_to,
-               "--output-dir", output_dir, "--overwrite-output-dir"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1), "WANDB_MODE": "offline", "WANDB_SILENT": "true",
-           "PYTHONPATH": str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    command = [
+        sys.executable,
+        str(HERE / "overhead_accel.py"),
+        "--task",
+        "mlp",
+        "--hidden",
+        str(args.hidden),
+        "--epochs",
+        str(args.epochs),
+        "--log-steps",
+        str(args.log_steps),
+        "--report-to",
+        report_to,
+        "--output-dir",
+        output_dir,
+        "--overwrite-output-dir",
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(os.cpu_count() or 1),
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "PYTHONPATH": str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
     env.pop("MLFLOW_TRACKING_URI", None)
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, check=False)
     if result.returncode != 0:
@@ -47,10 +66,17 @@ def main() -> None:
                 speeds[name].append(run_one(name, args, f"{work}/{name}"))
                 print(f"  {name}: {speeds[name][-1]:.0f} samples/s", file=sys.stderr, flush=True)
     baseline = statistics.median(speeds["none"])
-    rows = [f"`python benchmarks/tracking_overhead.py --repeats {args.repeats} --hidden {args.hidden} "
-            f"--log-steps {args.log_steps}`", "", "| --report-to | samples/s (median) | ratio to none |", "|---|---|---|"]
-    rows += [f"| {name} | {statistics.median(speeds[name]):,.0f} | {statistics.median(speeds[name]) / baseline:.3f} |"
-             for name in TRACKERS]
+    rows = [
+        f"`python benchmarks/tracking_overhead.py --repeats {args.repeats} --hidden {args.hidden} "
+        f"--log-steps {args.log_steps}`",
+        "",
+        "| --report-to | samples/s (median) | ratio to none |",
+        "|---|---|---|",
+    ]
+    rows += [
+        f"| {name} | {statistics.median(speeds[name]):,.0f} | {statistics.median(speeds[name]) / baseline:.3f} |"
+        for name in TRACKERS
+    ]
     table = "\n".join(rows)
     print(table)
     (HERE / "results").mkdir(exist_ok=True)

@@ -33,22 +33,28 @@ def check_config(path: str) -> str:
     except (ValueError, TypeError) as error:
         message = str(error).splitlines()[0]
         if "unknown keys" in message:
-            keys = message[message.index("(") + 1:message.index(")")]
-            raise UserError(f"{path}: unknown keys {keys}; fix or remove them "
-                            "(`accelerate config` writes a valid file)") from None
+            keys = message[message.index("(") + 1 : message.index(")")]
+            raise UserError(
+                f"{path}: unknown keys {keys}; fix or remove them (`accelerate config` writes a valid file)"
+            ) from None
         raise UserError(f"{path}: {message}") from None
     for key in ("num_processes", "num_machines"):
         value = getattr(config, key, 1)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise UserError(f"{path}: {key} must be a whole number >= 1, found {value!r}")
     if not 0 <= getattr(config, "machine_rank", 0) < config.num_machines:
-        raise UserError(f"{path}: machine_rank must be between 0 and num_machines - 1 ({config.num_machines - 1}), "
-                        f"found {config.machine_rank!r}")
+        raise UserError(
+            f"{path}: machine_rank must be between 0 and num_machines - 1 ({config.num_machines - 1}), "
+            f"found {config.machine_rank!r}"
+        )
     kind = str(config.distributed_type).split(".")[-1]
     summary = f"{path}: {kind}, {config.num_processes} process(es) on {config.num_machines} machine(s)"
     if kind in ("MULTI_GPU", "FSDP") and not has_accelerator():
-        summary += "; no GPU here: ddp_accel scripts run it as MULTI_CPU/gloo" if kind == "MULTI_GPU" \
+        summary += (
+            "; no GPU here: ddp_accel scripts run it as MULTI_CPU/gloo"
+            if kind == "MULTI_GPU"
             else "; FSDP needs GPUs, it will not run on this machine"
+        )
     return summary
 
 

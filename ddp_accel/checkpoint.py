@@ -50,16 +50,23 @@ def resolve_resume(value: str | None, root: Path, accelerator: Accelerator | Non
             if problem is None:
                 return path
             if accelerator.is_main_process:
-                print(f"warning: checkpoint {path} is damaged ({problem}); trying the one before it",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"warning: checkpoint {path} is damaged ({problem}); trying the one before it",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return None
     path = Path(value)
     if not path.exists():
-        raise UserError(f"--resume-from-checkpoint {value}: no such checkpoint. Use a folder like "
-                        f"{root}/step_N, or 'latest' to resume the newest one (or start fresh if none).")
+        raise UserError(
+            f"--resume-from-checkpoint {value}: no such checkpoint. Use a folder like "
+            f"{root}/step_N, or 'latest' to resume the newest one (or start fresh if none)."
+        )
     if not (path / TRAINING_STATE).is_file():
-        raise UserError(f"--resume-from-checkpoint {value}: not a complete ddp_accel checkpoint "
-                        f"(no {TRAINING_STATE}); pick another step_N folder.")
+        raise UserError(
+            f"--resume-from-checkpoint {value}: not a complete ddp_accel checkpoint "
+            f"(no {TRAINING_STATE}); pick another step_N folder."
+        )
     return path
 
 
@@ -67,8 +74,9 @@ def read_training_state(path: Path) -> dict[str, Any]:
     return json.loads((path / TRAINING_STATE).read_text())
 
 
-def save_checkpoint(accelerator: Accelerator, root: Path, step: int, training_state: dict[str, Any],
-                    limit: int | None = None) -> Path:
+def save_checkpoint(
+    accelerator: Accelerator, root: Path, step: int, training_state: dict[str, Any], limit: int | None = None
+) -> Path:
     """Every process calls this (save_state is collective). Returns the final folder.
 
     The state goes to `.tmp_step_N` first; the main process renames it to `step_N` only after every
@@ -87,8 +95,9 @@ def save_checkpoint(accelerator: Accelerator, root: Path, step: int, training_st
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
-        RUN["resume_hint"] = (f"The newest checkpoint is {final}; to continue, run the same command with "
-                              "--resume-from-checkpoint latest.")
+        RUN["resume_hint"] = (
+            f"The newest checkpoint is {final}; to continue, run the same command with --resume-from-checkpoint latest."
+        )
         if limit:
             for old in complete_checkpoints(root)[:-limit]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -126,8 +135,10 @@ def load_checkpoint(accelerator: Accelerator, path: Path, fingerprint: str) -> d
         raise UserError(f"checkpoint {path} is damaged ({problem}); resume another step_N folder or 'latest'")
     state = read_training_state(path)
     if state.get("model_fingerprint") != fingerprint:
-        raise UserError(f"checkpoint {path} was written by another model ({state.get('model_fingerprint')}, "
-                        f"this run builds {fingerprint}); resume with the same model options or use a new --output-dir.")
+        raise UserError(
+            f"checkpoint {path} was written by another model ({state.get('model_fingerprint')}, "
+            f"this run builds {fingerprint}); resume with the same model options or use a new --output-dir."
+        )
     try:
         accelerator.load_state(str(path))
     except (RuntimeError, FileNotFoundError, KeyError) as error:
@@ -140,12 +151,13 @@ def strip_module_prefix(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.
     """DDP saves `module.layer.weight`; the bare model wants `layer.weight`."""
     prefix = "module."
     if state_dict and all(key.startswith(prefix) for key in state_dict):
-        return {key[len(prefix):]: value for key, value in state_dict.items()}
+        return {key[len(prefix) :]: value for key, value in state_dict.items()}
     return state_dict
 
 
-def load_plain_ddp_checkpoint(path: str | Path, model: torch.nn.Module,
-                              optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+def load_plain_ddp_checkpoint(
+    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
     """Load a checkpoint written by a classic DDP script into an unwrapped model.
 
     Accepts `{'epoch', 'step', 'model_state_dict', 'optimizer_state_dict', ...}` or a bare state dict,
@@ -164,8 +176,10 @@ def load_plain_ddp_checkpoint(path: str | Path, model: torch.nn.Module,
     try:
         model.load_state_dict(strip_module_prefix(model_state))
     except RuntimeError as error:
-        raise UserError(f"{path} does not fit this model: {str(error).splitlines()[0]} "
-                        f"{str(error).splitlines()[1].strip() if len(str(error).splitlines()) > 1 else ''}") from None
+        raise UserError(
+            f"{path} does not fit this model: {str(error).splitlines()[0]} "
+            f"{str(error).splitlines()[1].strip() if len(str(error).splitlines()) > 1 else ''}"
+        ) from None
     if optimizer is not None and "optimizer_state_dict" in checkpoint:
         optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
     return {key: value for key, value in checkpoint.items() if key not in ("model_state_dict", "optimizer_state_dict")}

@@ -40,6 +40,7 @@ class ArgumentParser(argparse.ArgumentParser):
         # Under a launcher every process parses the same arguments: one of them says it, and torch elastic's
         # failure report shows the message instead of 'To enable traceback see ...'
         from ddp_accel.runtime import report_to_launcher
+
         report_to_launcher(f"error: {message}")
         if os.environ.get("RANK", "0") != "0":
             # the launcher stops every process once one has ended: let rank 0 end first, having printed
@@ -76,15 +77,24 @@ def checkpointing_steps(value: str) -> int | str:
     return steps
 
 
-def number(cast: type = float, *, low: float | None = None, high: float | None = None, low_open: bool = False,
-           high_open: bool = False):
+def number(
+    cast: type = float,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+):
     """An argparse type: an int or a finite float within [low, high] (open ends where asked). Every numeric
     option of every script is checked by one of these, before anything runs."""
+
     def convert(text: str):
         try:
             value = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if cast is int else 'a number'}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if cast is int else 'a number'}, got {text!r}"
+            ) from None
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if low is not None and (value < low or low_open and value == low):
@@ -92,6 +102,7 @@ def number(cast: type = float, *, low: float | None = None, high: float | None =
         if high is not None and (value > high or high_open and value == high):
             raise argparse.ArgumentTypeError(f"must be {'<' if high_open else '<='} {high}, got {text}")
         return value
+
     convert.__name__ = cast.__name__
     return convert
 
@@ -120,20 +131,35 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--checkpointing-steps", type=checkpointing_steps, default=None, help="N or 'epoch'")
     group.add_argument("--checkpoint-limit", type=positive_int, default=None, help="keep only the newest K")
     group.add_argument(
-        "--resume-from-checkpoint", default=None, metavar="PATH|latest",
+        "--resume-from-checkpoint",
+        default=None,
+        metavar="PATH|latest",
         help="'latest' resumes the newest complete checkpoint in OUTPUT_DIR/checkpoints, or starts fresh if none",
     )
-    group.add_argument("--overwrite-output-dir", action="store_true",
-                       help="train over an --output-dir that holds a trained model or checkpoints (they are deleted)")
+    group.add_argument(
+        "--overwrite-output-dir",
+        action="store_true",
+        help="train over an --output-dir that holds a trained model or checkpoints (they are deleted)",
+    )
     group.add_argument("--eval-steps", type=positive_int, default=None, help="also evaluate every N steps")
     group.add_argument("--log-steps", type=positive_int, default=20)
     group.add_argument("--with-tracking", action="store_true", help="log to TensorBoard in OUTPUT_DIR/tensorboard/")
-    group.add_argument("--report-to", choices=["tensorboard", "mlflow", "wandb", "all", "none"], default="none",
-                       help="experiment trackers (all: every installed one); one run across resumes and requeues")
     group.add_argument(
-        "--mixed-precision", choices=["no", "fp16", "bf16"], default=None,
+        "--report-to",
+        choices=["tensorboard", "mlflow", "wandb", "all", "none"],
+        default="none",
+        help="experiment trackers (all: every installed one); one run across resumes and requeues",
+    )
+    group.add_argument(
+        "--mixed-precision",
+        choices=["no", "fp16", "bf16"],
+        default=None,
         help="default: what the accelerate config says",
     )
-    group.add_argument("--timeout-s", type=positive_int, default=600,
-                       help="collective timeout: a dead or hung rank ends the job after this long")
+    group.add_argument(
+        "--timeout-s",
+        type=positive_int,
+        default=600,
+        help="collective timeout: a dead or hung rank ends the job after this long",
+    )
     return parser

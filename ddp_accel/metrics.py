@@ -12,8 +12,9 @@ from collections.abc import Sequence
 import torch
 
 
-def classification_values(logits: torch.Tensor, targets: torch.Tensor, *, topk: Sequence[int] = (),
-                          per_class: bool = False) -> dict[str, torch.Tensor]:
+def classification_values(
+    logits: torch.Tensor, targets: torch.Tensor, *, topk: Sequence[int] = (), per_class: bool = False
+) -> dict[str, torch.Tensor]:
     """Per-sample values of one batch: `loss` (cross-entropy) and whether the target was in the top k.
 
     With `topk=()` top-1 is called `accuracy`; with `topk=(1, 5)` the keys are `top1` and `top5` (a k that is
@@ -41,6 +42,7 @@ def classification_metrics(values: dict[str, torch.Tensor], classes: Sequence[st
         names = classes if classes is not None else [str(i) for i in range(int(values["target"].max()) + 1)]
         metrics[f"per_class_{top1}"] = {
             name: values[top1][values["target"] == index].mean().item()
-            for index, name in enumerate(names) if (values["target"] == index).any()
+            for index, name in enumerate(names)
+            if (values["target"] == index).any()
         }
     return metrics

@@ -40,9 +40,11 @@ class SparseAdamW(torch.optim.Optimizer):
                 exp_avg.lerp_(values, 1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(values, values, value=1 - beta2)
                 state["moments"].index_copy_(0, rows, moments)
-                step_size = group["lr"] * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
+                step_size = group["lr"] * math.sqrt(1 - beta2**step) / (1 - beta1**step)
                 weights = param.index_select(0, rows).mul_(1 - group["lr"] * group["weight_decay"])
-                param.index_copy_(0, rows, weights.addcdiv_(exp_avg, exp_avg_sq.sqrt_().add_(group["eps"]), value=-step_size))
+                param.index_copy_(
+                    0, rows, weights.addcdiv_(exp_avg, exp_avg_sq.sqrt_().add_(group["eps"]), value=-step_size)
+                )
         return loss
 
     @staticmethod

@@ -16,9 +16,18 @@ def plot_history(history: list[dict], path: str | Path, title: str = "") -> None
 
     epochs = [record["epoch"] for record in history]
     losses = [key for key in ("train_loss", "eval_loss") if any(key in record for record in history)]
-    scores = sorted({key for record in history for key, value in record.items()
-                     if key.startswith("eval_") and key != "eval_loss" and key != "eval_samples"
-                     and isinstance(value, float) and 0.0 <= value <= 1.0})
+    scores = sorted(
+        {
+            key
+            for record in history
+            for key, value in record.items()
+            if key.startswith("eval_")
+            and key != "eval_loss"
+            and key != "eval_samples"
+            and isinstance(value, float)
+            and 0.0 <= value <= 1.0
+        }
+    )
     figure, (loss_axis, score_axis) = plt.subplots(1, 2, figsize=(11, 4))
     for key in losses:
         loss_axis.plot(epochs, [record.get(key, float("nan")) for record in history], marker="o", label=key)

@@ -105,8 +105,13 @@ def init_elastic_process_group(cpu: bool, timeout_s: int) -> None:
     # unique per rendezvous: a node leaving uses up a restart, a node joining changes the world size (and not the
     # restart count), so the pair tells the groups of one job apart
     prefix = f"ddp_accel/restart_{restart}_world_{os.environ['WORLD_SIZE']}"
-    dist.init_process_group("gloo" if cpu else "nccl", store=dist.PrefixStore(prefix, store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    dist.init_process_group(
+        "gloo" if cpu else "nccl",
+        store=dist.PrefixStore(prefix, store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )
 
 
 def check_topology(accelerator: Accelerator) -> None:
@@ -182,6 +187,7 @@ def shutdown(clean: bool) -> None:
 def launched(function: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a training function for `notebook_launcher`/`debug_launcher`: it runs, its locals are released,
     then the distributed shutdown `run_main` does for scripts (no gloo teardown abort in the workers)."""
+
     @functools.wraps(function)
     def run(*args, **kwargs):
         try:
@@ -191,6 +197,7 @@ def launched(function: Callable[..., Any]) -> Callable[..., Any]:
             raise
         shutdown(clean=True)
         return result
+
     return run
 
 
@@ -205,9 +212,12 @@ def report_to_launcher(message: str) -> None:
 
 def _lost_peers(error: BaseException) -> bool:
     """A collective failed because another process is gone (it ended with its own error, or was killed)."""
-    return isinstance(error, getattr(dist, "DistError", ())) or bool(re.search(
-        r"Connection closed by peer|Connection reset by peer|Broken pipe|NCCL communicator was aborted|Timed out waiting",
-        str(error)))
+    return isinstance(error, getattr(dist, "DistError", ())) or bool(
+        re.search(
+            r"Connection closed by peer|Connection reset by peer|Broken pipe|NCCL communicator was aborted|Timed out waiting",
+            str(error),
+        )
+    )
 
 
 def _one_line(error: UserError) -> str:
@@ -248,9 +258,13 @@ def run_main(main: Callable[[], Any]) -> None:
                 print(message, file=sys.stderr, flush=True)
             report_to_launcher(message)
         elif _lost_peers(error):
-            print(f"error: process {_rank()} lost contact with the others: another process ended (its own message "
-                  f"says why), or no answer came within the collective timeout (--timeout-s): a machine or the network "
-                  f"between them is gone ({str(error).strip().splitlines()[0][-80:]})", file=sys.stderr, flush=True)
+            print(
+                f"error: process {_rank()} lost contact with the others: another process ended (its own message "
+                f"says why), or no answer came within the collective timeout (--timeout-s): a machine or the network "
+                f"between them is gone ({str(error).strip().splitlines()[0][-80:]})",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
             traceback.print_exc()
             report_to_launcher(f"{type(error).__name__}: {error}")

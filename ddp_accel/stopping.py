@@ -109,8 +109,9 @@ class StepAgreement:
                 flags = self._host.tolist()
             return self._verdict(step, *flags)
         previous = self._collect()
-        flags = torch.stack([self.step_nonfinite * float(count_nonfinite),
-                             torch.full((), float(signum), device=self.device)])
+        flags = torch.stack(
+            [self.step_nonfinite * float(count_nonfinite), torch.full((), float(signum), device=self.device)]
+        )
         self.step_nonfinite = torch.zeros((), device=self.device)
         if self.distributed:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)

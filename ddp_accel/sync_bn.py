@@ -25,7 +25,7 @@ class _SyncBatchNormCPU(torch.autograd.Function):
         channels, dims, shape = _per_channel(x)
         stats = torch.cat([x.sum(dims), (x * x).sum(dims), x.new_tensor([x.numel() / channels])])
         dist.all_reduce(stats, group=group)
-        total, squares, count = stats[:channels], stats[channels:2 * channels], stats[-1]
+        total, squares, count = stats[:channels], stats[channels : 2 * channels], stats[-1]
         mean = total / count
         var = (squares / count - mean * mean).clamp_min(0)
         if running_mean is not None:
@@ -69,9 +69,16 @@ class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             self.num_batches_tracked.add_(1)
         # momentum None: a cumulative average, as in nn.BatchNorm
         momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        return _SyncBatchNormCPU.apply(x, self.weight, self.bias, self.running_mean if self.track_running_stats else None,
-                                       self.running_var if self.track_running_stats else None, self.eps, momentum,
-                                       self.process_group or dist.group.WORLD)
+        return _SyncBatchNormCPU.apply(
+            x,
+            self.weight,
+            self.bias,
+            self.running_mean if self.track_running_stats else None,
+            self.running_var if self.track_running_stats else None,
+            self.eps,
+            momentum,
+            self.process_group or dist.group.WORLD,
+        )
 
 
 def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> tuple[nn.Module, int]:

@@ -30,16 +30,23 @@ def installed(name: str) -> bool:
 
 def tracker_names(report_to: str = "none", with_tracking: bool = False) -> list[str]:
     """The trackers to use; `all` is every installed one (as in Accelerate); a missing package is one line."""
-    names = [name for name in TRACKERS if installed(name)] if report_to == "all" else \
-        [] if report_to in ("none", None) else [report_to]
+    names = (
+        [name for name in TRACKERS if installed(name)]
+        if report_to == "all"
+        else []
+        if report_to in ("none", None)
+        else [report_to]
+    )
     if with_tracking and "tensorboard" not in names:  # the TensorBoard shortcut
         names.insert(0, "tensorboard")
     for name in names:
         if name not in TRACKERS:
             raise UserError(f"--report-to {name}: unknown tracker; use one of {', '.join(TRACKERS)}, all or none")
         if not installed(name):
-            raise UserError(f"--report-to {name}: the {name} package is not installed; "
-                            f"pip install -e .[tracking] (or pip install {name})")
+            raise UserError(
+                f"--report-to {name}: the {name} package is not installed; "
+                f"pip install -e .[tracking] (or pip install {name})"
+            )
     return names
 
 
@@ -66,8 +73,9 @@ def make_trackers(names: list[str], output_dir: str | Path, resuming: bool) -> l
         elif name == "mlflow":
             # MLflow's default store is ./mlruns in the current directory; Accelerate does not set one
             os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{output_dir}/mlflow.db")
-            trackers.append(MLflowTracker(project, logging_dir=str(output_dir / "mlartifacts"),
-                                          run_id=state.get("mlflow_run_id")))
+            trackers.append(
+                MLflowTracker(project, logging_dir=str(output_dir / "mlartifacts"), run_id=state.get("mlflow_run_id"))
+            )
         elif name == "wandb":
             run_id = state.get("wandb_run_id") or uuid.uuid4().hex[:12]
             trackers.append(WandBTracker(project, id=run_id, resume="allow", dir=str(output_dir)))
@@ -88,9 +96,11 @@ class TrackerLog:
         try:
             accelerator.init_trackers(Path(sys.argv[0]).stem or "ddp_accel")
         except Exception as error:  # e.g. W&B without a login: one line, before training
-            raise UserError(f"cannot start the {type(error).__module__.split('.')[0]} tracker: "
-                            f"{str(error).splitlines()[0] if str(error) else type(error).__name__} "
-                            "(W&B: `wandb login`, or WANDB_MODE=offline)") from None
+            raise UserError(
+                f"cannot start the {type(error).__module__.split('.')[0]} tracker: "
+                f"{str(error).splitlines()[0] if str(error) else type(error).__name__} "
+                "(W&B: `wandb login`, or WANDB_MODE=offline)"
+            ) from None
         for tracker in accelerator.trackers:
             if not (tracker.name == "mlflow" and state.get("mlflow_run_id")):  # MLflow refuses changed params
                 tracker.store_init_configuration(hyperparameters)
@@ -112,6 +122,7 @@ class TrackerLog:
         for tracker in self.accelerator.trackers:
             if tracker.name == "mlflow" and self.accelerator.is_main_process:
                 import mlflow
+
                 for path in artifacts:
                     if path.is_file():
                         mlflow.log_artifact(str(path))

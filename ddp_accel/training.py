@@ -18,8 +18,13 @@ from accelerate import Accelerator
 from accelerate.utils import find_batch_size
 from tqdm.auto import tqdm
 
-from ddp_accel.checkpoint import (complete_checkpoints, load_checkpoint, model_fingerprint, resolve_resume,
-                                  save_checkpoint)
+from ddp_accel.checkpoint import (
+    complete_checkpoints,
+    load_checkpoint,
+    model_fingerprint,
+    resolve_resume,
+    save_checkpoint,
+)
 from ddp_accel.errors import UserError
 from ddp_accel.files import write_json
 from ddp_accel.plots import plot_history
@@ -68,12 +73,19 @@ class TrainConfig:
         """The Accelerator, after checking --output-dir (pass check_output_dir=False when not training into it)."""
         if check_output_dir:
             self.check_output_dir()
-        trackers = make_trackers(tracker_names(self.report_to, self.with_tracking), self.output_dir,
-                                 resuming=self.resume_from_checkpoint is not None)
+        trackers = make_trackers(
+            tracker_names(self.report_to, self.with_tracking),
+            self.output_dir,
+            resuming=self.resume_from_checkpoint is not None,
+        )
         return build_accelerator(
-            seed=self.seed, output_dir=self.output_dir, mixed_precision=self.mixed_precision,
-            gradient_accumulation_steps=self.gradient_accumulation_steps, log_with=trackers or None,
-            timeout_s=self.timeout_s, **kwargs,
+            seed=self.seed,
+            output_dir=self.output_dir,
+            mixed_precision=self.mixed_precision,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            log_with=trackers or None,
+            timeout_s=self.timeout_s,
+            **kwargs,
         )
 
     def check_output_dir(self) -> None:
@@ -84,12 +96,19 @@ class TrainConfig:
             raise UserError(f"--output-dir {output_dir} is a file; pass a folder (it is created if missing)")
         if self.resume_from_checkpoint is not None or not output_dir.is_dir():
             return
-        held = ("a trained model (model.safetensors)" if (output_dir / "model.safetensors").exists() else
-                "checkpoints of an unfinished run" if complete_checkpoints(output_dir / "checkpoints") else None)
+        held = (
+            "a trained model (model.safetensors)"
+            if (output_dir / "model.safetensors").exists()
+            else "checkpoints of an unfinished run"
+            if complete_checkpoints(output_dir / "checkpoints")
+            else None
+        )
         if held and not self.overwrite_output_dir:
-            raise UserError(f"--output-dir {output_dir} already holds {held}; continue it with "
-                            "--resume-from-checkpoint latest, replace it with --overwrite-output-dir, or pick another "
-                            "--output-dir")
+            raise UserError(
+                f"--output-dir {output_dir} already holds {held}; continue it with "
+                "--resume-from-checkpoint latest, replace it with --overwrite-output-dir, or pick another "
+                "--output-dir"
+            )
         if held and int(os.environ.get("RANK", "0")) == 0:  # the old run's checkpoints must not be resumed later
             shutil.rmtree(output_dir / "checkpoints", ignore_errors=True)
             shutil.rmtree(output_dir / "tensorboard", ignore_errors=True)  # one run per directory
@@ -107,8 +126,9 @@ def mean_metrics(outputs: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 @torch.no_grad()
-def evaluate(accelerator: Accelerator, model, loader, eval_fn: EvalFn, metrics_fn: MetricsFn | None = None,
-             prefix: str = "eval") -> dict[str, float]:
+def evaluate(
+    accelerator: Accelerator, model, loader, eval_fn: EvalFn, metrics_fn: MetricsFn | None = None, prefix: str = "eval"
+) -> dict[str, float]:
     """Metrics over every sample of `loader` exactly once, whatever the world size.
 
     `gather_for_metrics` drops the samples the sharded loader repeated to give every rank equal batches.
@@ -128,7 +148,9 @@ def evaluate(accelerator: Accelerator, model, loader, eval_fn: EvalFn, metrics_f
 
 def numbers(values: dict[str, Any]) -> dict[str, float]:
     """The plain numbers of a metrics dict (per-class dicts and strings left out)."""
-    return {key: value for key, value in values.items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    return {
+        key: value for key, value in values.items() if isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
 
 
 def scalars(values: dict[str, Any]) -> dict[str, Any]:
@@ -166,10 +188,16 @@ class ThroughputMeter:
             "train_samples_per_s": self.samples / max(self.train_time, 1e-9),
             "data_wait_share": self.data_wait / max(self.train_time, 1e-9),
             # after the first log window; null when the run had a single window
-            "steady_samples_per_s": ((self.samples - steady[0]) / (self.train_time - steady[1])
-                                     if steady and self.samples > steady[0] else None),
-            "steady_data_wait_share": ((self.data_wait - steady[2]) / (self.train_time - steady[1])
-                                       if steady and self.samples > steady[0] else None),
+            "steady_samples_per_s": (
+                (self.samples - steady[0]) / (self.train_time - steady[1])
+                if steady and self.samples > steady[0]
+                else None
+            ),
+            "steady_data_wait_share": (
+                (self.data_wait - steady[2]) / (self.train_time - steady[1])
+                if steady and self.samples > steady[0]
+                else None
+            ),
         }
 
 
@@ -199,8 +227,9 @@ class ResumePosition:
     skip_batches: int = 0  # batches of `epoch` this rank already consumed
 
 
-def resume_position(accelerator: Accelerator, config: TrainConfig, fingerprint: str,
-                    steps_per_epoch: int) -> ResumePosition:
+def resume_position(
+    accelerator: Accelerator, config: TrainConfig, fingerprint: str, steps_per_epoch: int
+) -> ResumePosition:
     """Load `--resume-from-checkpoint` (if any) and say where training continues."""
     path = resolve_resume(config.resume_from_checkpoint, Path(config.output_dir) / "checkpoints", accelerator)
     if path is None:
@@ -209,7 +238,9 @@ def resume_position(accelerator: Accelerator, config: TrainConfig, fingerprint: 
     # The global sample order of an epoch depends on neither the world size nor the batch size, so a restart
     # with another global batch skips by samples.
     global_batch = config.batch_size * accelerator.num_processes
-    saved_batch = state.get("global_batch", state["samples_in_epoch"] // max(1, state["batches_in_epoch"]) or global_batch)
+    saved_batch = state.get(
+        "global_batch", state["samples_in_epoch"] // max(1, state["batches_in_epoch"]) or global_batch
+    )
     skip, leftover = divmod(state["samples_in_epoch"], global_batch)
     step = state["step"]
     if saved_batch == global_batch:
@@ -217,25 +248,39 @@ def resume_position(accelerator: Accelerator, config: TrainConfig, fingerprint: 
     else:  # steps count batches of the new size from here on
         step = state["epoch"] * steps_per_epoch + skip // config.gradient_accumulation_steps
         if accelerator.is_main_process:
-            print(f"warning: the global batch changed from {saved_batch} to {global_batch} samples: resuming after "
-                  f"{skip * global_batch} of the {state['samples_in_epoch']} samples this epoch had seen"
-                  + (f" ({leftover} of them are seen again)" if leftover else "")
-                  + f", at step {step} of the new size; the LR schedule goes on from its saved position",
-                  file=sys.stderr, flush=True)
+            print(
+                f"warning: the global batch changed from {saved_batch} to {global_batch} samples: resuming after "
+                f"{skip * global_batch} of the {state['samples_in_epoch']} samples this epoch had seen"
+                + (f" ({leftover} of them are seen again)" if leftover else "")
+                + f", at step {step} of the new size; the LR schedule goes on from its saved position",
+                file=sys.stderr,
+                flush=True,
+            )
     scale = f", fp16 loss scale {accelerator.scaler.get_scale():g}" if accelerator.scaler is not None else ""
-    accelerator.print(f"resumed from {path}: step {step}, epoch {state['epoch']}, "
-                      f"skipping {skip} batches of the epoch{scale}")
+    accelerator.print(
+        f"resumed from {path}: step {step}, epoch {state['epoch']}, skipping {skip} batches of the epoch{scale}"
+    )
     return ResumePosition(path, step, state["epoch"], skip)
 
 
-def checkpoint(accelerator: Accelerator, config: TrainConfig, step: int, epoch: int, batches_in_epoch: int,
-               fingerprint: str) -> None:
-    save_checkpoint(accelerator, Path(config.output_dir) / "checkpoints", step, {
-        "step": step, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
-        "samples_in_epoch": batches_in_epoch * config.batch_size * accelerator.num_processes,
-        "global_batch": config.batch_size * accelerator.num_processes,
-        "world_size": accelerator.num_processes, "model_fingerprint": fingerprint,
-    }, limit=config.checkpoint_limit)
+def checkpoint(
+    accelerator: Accelerator, config: TrainConfig, step: int, epoch: int, batches_in_epoch: int, fingerprint: str
+) -> None:
+    save_checkpoint(
+        accelerator,
+        Path(config.output_dir) / "checkpoints",
+        step,
+        {
+            "step": step,
+            "epoch": epoch,
+            "batches_in_epoch": batches_in_epoch,
+            "samples_in_epoch": batches_in_epoch * config.batch_size * accelerator.num_processes,
+            "global_batch": config.batch_size * accelerator.num_processes,
+            "world_size": accelerator.num_processes,
+            "model_fingerprint": fingerprint,
+        },
+        limit=config.checkpoint_limit,
+    )
 
 
 def seed_loader_generators(seed: int, *loaders) -> None:
@@ -247,8 +292,15 @@ def seed_loader_generators(seed: int, *loaders) -> None:
             loader.generator = torch.Generator().manual_seed(seed)
 
 
-def write_final_artifacts(accelerator: Accelerator, model, output_dir: Path, metrics: dict, history: EvalHistory,
-                          tracking: TrackerLog, title: str) -> None:
+def write_final_artifacts(
+    accelerator: Accelerator,
+    model,
+    output_dir: Path,
+    metrics: dict,
+    history: EvalHistory,
+    tracking: TrackerLog,
+    title: str,
+) -> None:
     """model.safetensors (unwrapped: no `module.` prefix), metrics.json, training_curves.png; closes trackers."""
     accelerator.wait_for_everyone()
     partial = output_dir / ".model_partial"  # written aside: a crash leaves the previous model.safetensors whole
@@ -310,14 +362,24 @@ class LossWindow:
         return value
 
 
-def stop_early(accelerator: Accelerator, config: TrainConfig, verdict: Verdict, step: int, epoch: int,
-               batches_in_epoch: int, fingerprint: str, last_loss: float) -> None:
+def stop_early(
+    accelerator: Accelerator,
+    config: TrainConfig,
+    verdict: Verdict,
+    step: int,
+    epoch: int,
+    batches_in_epoch: int,
+    fingerprint: str,
+    last_loss: float,
+) -> None:
     """Every rank: a loss that is not finite ends the run (no checkpoint of a broken model); a preemption
     checkpoints the step reached (unless it was just saved), leaves the marker and raises Preempted."""
     if verdict.nonfinite:
         last = f"the last logged loss was {last_loss:.4g}" if math.isfinite(last_loss) else "no loss was logged before"
-        raise UserError(f"the training loss is not finite (nan or inf) at step {verdict.step}; {last}. "
-                        "Lower --lr, set --max-grad-norm, or check the data for bad values.")
+        raise UserError(
+            f"the training loss is not finite (nan or inf) at step {verdict.step}; {last}. "
+            "Lower --lr, set --max-grad-norm, or check the data for bad values."
+        )
     started = time.perf_counter()
     path = Path(config.output_dir) / "checkpoints" / f"step_{step}"
     if not (path / "training_state.json").is_file():
@@ -325,17 +387,33 @@ def stop_early(accelerator: Accelerator, config: TrainConfig, verdict: Verdict, 
     saved_s = time.perf_counter() - started
     why = verdict.signal
     if accelerator.is_main_process:
-        write_json(Path(config.output_dir) / PREEMPTED_MARKER,
-                   {"step": step, "signal": why, "checkpoint": str(path), "save_s": round(saved_s, 2), "time": time.time()})
+        write_json(
+            Path(config.output_dir) / PREEMPTED_MARKER,
+            {"step": step, "signal": why, "checkpoint": str(path), "save_s": round(saved_s, 2), "time": time.time()},
+        )
     accelerator.wait_for_everyone()  # no process exits (and makes a launcher kill the rest) before the marker exists
-    raise Preempted(f"preempted by {why} at step {step}: checkpoint {path} saved in {saved_s:.2f} s; "
-                    "to continue, run the same command with --resume-from-checkpoint latest")
+    raise Preempted(
+        f"preempted by {why} at step {step}: checkpoint {path} saved in {saved_s:.2f} s; "
+        "to continue, run the same command with --resume-from-checkpoint latest"
+    )
 
 
-def fit(accelerator: Accelerator, config: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-        train_loader, loss_fn: LossFn, *, eval_loader=None, eval_fn: EvalFn | None = None,
-        metrics_fn: MetricsFn | None = None, make_scheduler: SchedulerFn | None = None, title: str = "ddp_accel",
-        banner: dict[str, Any] | None = None, on_eval: OnEvalFn | None = None) -> dict[str, Any]:
+def fit(
+    accelerator: Accelerator,
+    config: TrainConfig,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_loader,
+    loss_fn: LossFn,
+    *,
+    eval_loader=None,
+    eval_fn: EvalFn | None = None,
+    metrics_fn: MetricsFn | None = None,
+    make_scheduler: SchedulerFn | None = None,
+    title: str = "ddp_accel",
+    banner: dict[str, Any] | None = None,
+    on_eval: OnEvalFn | None = None,
+) -> dict[str, Any]:
     """Train `model`; checkpoint, resume, evaluate, log; write model.safetensors, metrics.json, args.json,
     history.json and training_curves.png. On SIGTERM/SIGUSR1 every rank checkpoints the step reached and fit
     raises `Preempted`; a loss that is not finite stops the run with a UserError.
@@ -355,8 +433,15 @@ def fit(accelerator: Accelerator, config: TrainConfig, model: torch.nn.Module, o
     steps_per_epoch = math.ceil(len(train_loader) / accumulation)
     total_steps = min(config.epochs * steps_per_epoch, config.max_steps or math.inf)
     scheduler = accelerator.prepare(make_scheduler(optimizer, total_steps, steps_per_epoch)) if make_scheduler else None
-    print_banner(accelerator, title, batch_size=config.batch_size, accumulation=accumulation,
-                 steps_per_epoch=steps_per_epoch, total_steps=total_steps, **(banner or {}))
+    print_banner(
+        accelerator,
+        title,
+        batch_size=config.batch_size,
+        accumulation=accumulation,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+        **(banner or {}),
+    )
     start = resume_position(accelerator, config, fingerprint, steps_per_epoch)
     step = start.step
     history = EvalHistory(output_dir / "history.json", step if start.checkpoint else None)
@@ -376,8 +461,18 @@ def fit(accelerator: Accelerator, config: TrainConfig, model: torch.nn.Module, o
 
     interactive = sys.stderr.isatty()  # in a log file, a line every 30 s instead of a redraw per step
     wall_start = time.perf_counter()
-    with tqdm(total=total_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train", unit="step",
-              dynamic_ncols=True, mininterval=0.1 if interactive else 30) as progress, PreemptionSignals() as signals:
+    with (
+        tqdm(
+            total=total_steps,
+            initial=step,
+            disable=not accelerator.is_local_main_process,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=0.1 if interactive else 30,
+        ) as progress,
+        PreemptionSignals() as signals,
+    ):
         model.train()
         for epoch in range(start.epoch, config.epochs):
             if step >= total_steps:
@@ -406,8 +501,18 @@ def fit(accelerator: Accelerator, config: TrainConfig, model: torch.nn.Module, o
                         break
                     if every(step, config.log_steps) or step == total_steps:
                         last_loss = window.mean(accelerator)
-                        log_window(accelerator, tracking, progress, meter, last_loss, step, epoch, scheduler,
-                                   agreement.skipped_steps, interactive)
+                        log_window(
+                            accelerator,
+                            tracking,
+                            progress,
+                            meter,
+                            last_loss,
+                            step,
+                            epoch,
+                            scheduler,
+                            agreement.skipped_steps,
+                            interactive,
+                        )
                     if eval_due:
                         eval_metrics, last_eval_step = run_eval(), step
                     if checkpoint_due:
@@ -429,9 +534,13 @@ def fit(accelerator: Accelerator, config: TrainConfig, model: torch.nn.Module, o
         eval_metrics = run_eval()
 
     metrics = {
-        **eval_metrics, "train_loss": last_loss, "steps": step, "skipped_optimizer_steps": agreement.skipped_steps,
+        **eval_metrics,
+        "train_loss": last_loss,
+        "steps": step,
+        "skipped_optimizer_steps": agreement.skipped_steps,
         **meter.summary(),
-        "wall_time_s": time.perf_counter() - wall_start, **topology(accelerator, config.batch_size, accumulation),
+        "wall_time_s": time.perf_counter() - wall_start,
+        **topology(accelerator, config.batch_size, accumulation),
         "resumed_from": str(start.checkpoint) if start.checkpoint else None,
     }
     write_final_artifacts(accelerator, model, output_dir, metrics, history, tracking, title)
@@ -441,14 +550,29 @@ def fit(accelerator: Accelerator, config: TrainConfig, model: torch.nn.Module, o
 
 def summary_line(metrics: dict[str, Any], output_dir: Path) -> str:
     """The last line of a run: what it reached and where its outputs are."""
-    scores = ", ".join(f"{key} {value:.4g}" for key, value in numbers(metrics).items()
-                       if key.startswith("eval_") and key != "eval_samples")
-    return (f"done: {metrics['steps']} steps in {metrics['wall_time_s']:.0f} s on {metrics['world_size']} process(es)"
-            f"{'; ' + scores if scores else ''}; model.safetensors, metrics.json and training_curves.png in {output_dir}")
+    scores = ", ".join(
+        f"{key} {value:.4g}"
+        for key, value in numbers(metrics).items()
+        if key.startswith("eval_") and key != "eval_samples"
+    )
+    return (
+        f"done: {metrics['steps']} steps in {metrics['wall_time_s']:.0f} s on {metrics['world_size']} process(es)"
+        f"{'; ' + scores if scores else ''}; model.safetensors, metrics.json and training_curves.png in {output_dir}"
+    )
 
 
-def log_window(accelerator: Accelerator, tracking: TrackerLog, progress, meter: ThroughputMeter, loss: float,
-               step: int, epoch: int, scheduler, skipped_steps: int, interactive: bool) -> None:
+def log_window(
+    accelerator: Accelerator,
+    tracking: TrackerLog,
+    progress,
+    meter: ThroughputMeter,
+    loss: float,
+    step: int,
+    epoch: int,
+    scheduler,
+    skipped_steps: int,
+    interactive: bool,
+) -> None:
     """The loss averaged over all processes, the throughput of the last log window (global samples), and with
     fp16 the gradient scaler's state: its skipped steps are never silent."""
     speed, wait = meter.window()

@@ -33,38 +33,74 @@ from ddp_accel.vision.models import build_model, list_archs
 def parse_args(argv=None):
     parser = add_training_args(ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("data", nargs="?", help="DATA_DIR with train/ and val/ ImageFolder trees")
-    parser.add_argument("-a", "--arch", default="resnet18",
-                        help="any torchvision classification model, or cifar_resnet9[_w16/24/32], cifar_resnet20/32/56")
+    parser.add_argument(
+        "-a",
+        "--arch",
+        default="resnet18",
+        help="any torchvision classification model, or cifar_resnet9[_w16/24/32], cifar_resnet20/32/56",
+    )
     parser.add_argument("--list-archs", action="store_true", help="print the architectures and exit")
     parser.add_argument("-j", "--workers", type=nonnegative_int, default=4, help="DataLoader workers per process")
-    parser.add_argument("-b", dest="batch_size", type=positive_int, default=argparse.SUPPRESS, help="= --batch-size (per process)")
+    parser.add_argument(
+        "-b", dest="batch_size", type=positive_int, default=argparse.SUPPRESS, help="= --batch-size (per process)"
+    )
     parser.add_argument("--momentum", type=probability, default=0.9, help="SGD momentum")
     parser.add_argument("--wd", "--weight-decay", dest="weight_decay", type=nonnegative, default=1e-4)
-    parser.add_argument("-p", "--print-freq", dest="log_steps", type=positive_int, default=argparse.SUPPRESS, help="= --log-steps")
+    parser.add_argument(
+        "-p", "--print-freq", dest="log_steps", type=positive_int, default=argparse.SUPPRESS, help="= --log-steps"
+    )
     parser.add_argument("--resume", help="= --resume-from-checkpoint (a checkpoint, 'latest'), or a .safetensors file")
     parser.add_argument("-e", "--evaluate", action="store_true", help="validate the --resume model and exit")
-    parser.add_argument("--pretrained", nargs="?", const="default", metavar="PATH",
-                        help="torchvision's weights (cached or downloaded), or a local state-dict file")
-    parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (GPUs, and CPU processes over gloo)")
-    parser.add_argument("--lr-schedule", choices=["step", "cosine"], default="step",
-                        help="step: x0.1 every --lr-step-epochs (main.py); cosine: to 0 at the end")
-    parser.add_argument("--lr-step-epochs", type=positive_int, default=30, help="step schedule: x0.1 every this many epochs")
+    parser.add_argument(
+        "--pretrained",
+        nargs="?",
+        const="default",
+        metavar="PATH",
+        help="torchvision's weights (cached or downloaded), or a local state-dict file",
+    )
+    parser.add_argument(
+        "--sync-bn", action="store_true", help="SyncBatchNorm across processes (GPUs, and CPU processes over gloo)"
+    )
+    parser.add_argument(
+        "--lr-schedule",
+        choices=["step", "cosine"],
+        default="step",
+        help="step: x0.1 every --lr-step-epochs (main.py); cosine: to 0 at the end",
+    )
+    parser.add_argument(
+        "--lr-step-epochs", type=positive_int, default=30, help="step schedule: x0.1 every this many epochs"
+    )
     parser.add_argument("--warmup-epochs", type=nonnegative, default=0.0, help="linear warmup from 0")
-    parser.add_argument("--label-smoothing", type=probability, default=0.0, help="share of the target spread over all classes")
+    parser.add_argument(
+        "--label-smoothing", type=probability, default=0.0, help="share of the target spread over all classes"
+    )
     parser.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster convs on GPUs)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--image-size", type=positive_int, default=224, help="training and validation crop size")
-    parser.add_argument("--augment", choices=["imagenet", "cifar"], default="imagenet",
-                        help="imagenet: RandomResizedCrop; cifar: pad-4 random crop (small images)")
-    parser.add_argument("--mean", type=number(float), nargs=3, default=list(IMAGENET_MEAN), help="per-channel normalisation")
+    parser.add_argument(
+        "--augment",
+        choices=["imagenet", "cifar"],
+        default="imagenet",
+        help="imagenet: RandomResizedCrop; cifar: pad-4 random crop (small images)",
+    )
+    parser.add_argument(
+        "--mean", type=number(float), nargs=3, default=list(IMAGENET_MEAN), help="per-channel normalisation"
+    )
     parser.add_argument("--std", type=positive, nargs=3, default=list(IMAGENET_STD))
     parser.add_argument("--dummy", action="store_true", help="synthetic images (throughput runs, no data needed)")
     parser.add_argument("--dummy-classes", type=number(int, low=2), default=1000, help="--dummy: number of classes")
-    parser.add_argument("--normalize-on", choices=["auto", "device", "loader"], default="auto",
-                        help="device: the loader sends uint8 images, normalised on the GPU (4x fewer bytes to "
-                             "collate, pin and copy); loader: float images from the workers; auto: device on a GPU")
-    parser.add_argument("--deterministic", action="store_true",
-                        help="deterministic cuDNN/cuBLAS kernels (bitwise-repeatable GPU runs, somewhat slower)")
+    parser.add_argument(
+        "--normalize-on",
+        choices=["auto", "device", "loader"],
+        default="auto",
+        help="device: the loader sends uint8 images, normalised on the GPU (4x fewer bytes to "
+        "collate, pin and copy); loader: float images from the workers; auto: device on a GPU",
+    )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic cuDNN/cuBLAS kernels (bitwise-repeatable GPU runs, somewhat slower)",
+    )
     parser.set_defaults(output_dir="outputs/imagenet", epochs=90, batch_size=32, lr=0.1, log_steps=10)
     args = parser.parse_args(argv)
     if args.resume and not args.resume.endswith(".safetensors"):
@@ -77,23 +113,31 @@ def parse_args(argv=None):
 
 def datasets_for(args):
     if args.dummy:
-        return (SyntheticImages(100 * args.batch_size, args.image_size, args.dummy_classes, args.uint8),
-                SyntheticImages(10 * args.batch_size, args.image_size, args.dummy_classes, args.uint8),
-                [str(i) for i in range(args.dummy_classes)])
+        return (
+            SyntheticImages(100 * args.batch_size, args.image_size, args.dummy_classes, args.uint8),
+            SyntheticImages(10 * args.batch_size, args.image_size, args.dummy_classes, args.uint8),
+            [str(i) for i in range(args.dummy_classes)],
+        )
     return image_folders(args.data, args.image_size, args.mean, args.std, args.augment, args.uint8)
 
 
 def loader(dataset, args, shuffle: bool) -> DataLoader:
     # workers are not persistent: new workers each epoch take that epoch's seed, which keeps augmentations
     # exact across a resume (ddp_accel.vision.data.seed_augmentation); starting them costs ~1 s an epoch
-    return DataLoader(dataset, batch_size=args.batch_size, shuffle=shuffle, num_workers=args.workers,
-                      pin_memory=torch.cuda.is_available())
+    return DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        shuffle=shuffle,
+        num_workers=args.workers,
+        pin_memory=torch.cuda.is_available(),
+    )
 
 
 def make_eval_fn(model_input: DeviceNormalize):
     def eval_fn(model, batch):
         images, targets = batch
         return classification_values(model(model_input(images)), targets, topk=(1, 5), per_class=True)
+
     return eval_fn
 
 
@@ -106,6 +150,7 @@ def lr_lambda(args, steps_per_epoch: int, total_steps: int):
         if args.lr_schedule == "cosine":
             return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
         return 0.1 ** (step // (args.lr_step_epochs * steps_per_epoch))
+
     return factor
 
 
@@ -134,12 +179,16 @@ def main() -> None:
         try:
             weights = load_file(args.resume)
         except Exception as error:  # safetensors' own error type: truncated or not a safetensors file
-            raise UserError(f"--resume {args.resume}: not a readable .safetensors file ({str(error).splitlines()[0]})") from None
+            raise UserError(
+                f"--resume {args.resume}: not a readable .safetensors file ({str(error).splitlines()[0]})"
+            ) from None
         try:
             model.load_state_dict(weights)
         except RuntimeError as error:
-            raise UserError(f"--resume {args.resume} holds weights of another model than -a {args.arch} "
-                            f"({str(error).splitlines()[1].strip() if len(str(error).splitlines()) > 1 else error})") from None
+            raise UserError(
+                f"--resume {args.resume} holds weights of another model than -a {args.arch} "
+                f"({str(error).splitlines()[1].strip() if len(str(error).splitlines()) > 1 else error})"
+            ) from None
     model_input = DeviceNormalize(args.mean, args.std, args.channels_last)
     eval_fn = make_eval_fn(model_input)
     metrics_fn = lambda values: classification_metrics(values, classes)
@@ -155,8 +204,11 @@ def main() -> None:
                 raise UserError(f"--evaluate --resume latest: no complete checkpoint in {output_dir / 'checkpoints'}")
             load_checkpoint(accelerator, path, model_fingerprint(accelerator.unwrap_model(model)))
         metrics = evaluate(accelerator, model, accelerator.prepare(loader(val_set, args, False)), eval_fn, metrics_fn)
-        accelerator.print(f"top1 {metrics['eval_top1']:.4f}" + (f" top5 {metrics['eval_top5']:.4f}" if "eval_top5" in metrics else "")
-                          + f" on {metrics['eval_samples']} images")
+        accelerator.print(
+            f"top1 {metrics['eval_top1']:.4f}"
+            + (f" top5 {metrics['eval_top5']:.4f}" if "eval_top5" in metrics else "")
+            + f" on {metrics['eval_samples']} images"
+        )
         if accelerator.is_main_process:
             output_dir.mkdir(parents=True, exist_ok=True)
             write_json(output_dir / "evaluate.json", metrics)
@@ -164,12 +216,15 @@ def main() -> None:
 
     if args.compile:
         model = torch.compile(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=config.lr, momentum=args.momentum, weight_decay=args.weight_decay
+    )
 
     def loss_fn(model, batch):
         images, targets = batch
-        return torch.nn.functional.cross_entropy(model(model_input(images)), targets,
-                                                 label_smoothing=args.label_smoothing)
+        return torch.nn.functional.cross_entropy(
+            model(model_input(images)), targets, label_smoothing=args.label_smoothing
+        )
 
     def schedule(optimizer, total_steps, steps_per_epoch):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, steps_per_epoch, total_steps))
@@ -184,12 +239,32 @@ def main() -> None:
                 with replaced_atomically(output_dir / "model_best.safetensors") as partial:
                     save_file({k: v.contiguous() for k, v in state.items()}, str(partial))
 
-    banner = {"arch": args.arch, "classes": len(classes), "train/val images": f"{len(train_set)}/{len(val_set)}",
-              "data": "SYNTHETIC (--dummy)" if args.dummy else args.data, "image_size": args.image_size,
-              "channels_last": args.channels_last, "batches": "uint8, normalised on the device" if args.uint8 else "float", "sync_bn_layers": sync_bn_layers, "parameters": sum(p.numel() for p in model.parameters())}
-    metrics = fit(accelerator, config, model, optimizer, loader(train_set, args, True), loss_fn,
-                  eval_loader=loader(val_set, args, False), eval_fn=eval_fn, metrics_fn=metrics_fn,
-                  make_scheduler=schedule, title="imagenet", banner=banner, on_eval=keep_best)
+    banner = {
+        "arch": args.arch,
+        "classes": len(classes),
+        "train/val images": f"{len(train_set)}/{len(val_set)}",
+        "data": "SYNTHETIC (--dummy)" if args.dummy else args.data,
+        "image_size": args.image_size,
+        "channels_last": args.channels_last,
+        "batches": "uint8, normalised on the device" if args.uint8 else "float",
+        "sync_bn_layers": sync_bn_layers,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    metrics = fit(
+        accelerator,
+        config,
+        model,
+        optimizer,
+        loader(train_set, args, True),
+        loss_fn,
+        eval_loader=loader(val_set, args, False),
+        eval_fn=eval_fn,
+        metrics_fn=metrics_fn,
+        make_scheduler=schedule,
+        title="imagenet",
+        banner=banner,
+        on_eval=keep_best,
+    )
     metrics["best_top1"] = best["top1"]
     if accelerator.is_main_process:
         write_json(output_dir / "metrics.json", metrics)

@@ -30,16 +30,34 @@ from ddp_accel.text.pipeline import make_loader, prepare_text_data
 from ddp_accel.text.tokenizer import basic_english
 from ddp_accel.text.vocab import Vocab
 
-RECIPE = dict(loss="bce", optimizer="adam", lr=1e-3, weight_decay=0.0, max_grad_norm=0.1, batch_size=128,
-              min_freq=20, dim=64, ngrams=1, pool="mean", dropout=0.0, warmup=0.0, schedule="constant",
-              kernel_size=KERNEL_SIZE, stride=STRIDE)
+RECIPE = dict(
+    loss="bce",
+    optimizer="adam",
+    lr=1e-3,
+    weight_decay=0.0,
+    max_grad_norm=0.1,
+    batch_size=128,
+    min_freq=20,
+    dim=64,
+    ngrams=1,
+    pool="mean",
+    dropout=0.0,
+    warmup=0.0,
+    schedule="constant",
+    kernel_size=KERNEL_SIZE,
+    stride=STRIDE,
+)
 
 
 def parse_args(argv=None):
     parser = add_training_args(ArgumentParser(description=__doc__.splitlines()[0]))
     data = parser.add_argument_group("data")
-    data.add_argument("--dataset", choices=["imdb", "synthetic"], default="imdb",
-                      help="'imdb' from the Hugging Face hub (falls back to synthetic offline)")
+    data.add_argument(
+        "--dataset",
+        choices=["imdb", "synthetic"],
+        default="imdb",
+        help="'imdb' from the Hugging Face hub (falls back to synthetic offline)",
+    )
     data.add_argument("--data-dir", help="the aclImdb folder of the Stanford tarball (train/, test/)")
     data.add_argument("--train-file", help="jsonl/csv/parquet with text and label columns")
     data.add_argument("--test-file", help="jsonl/csv/parquet evaluated at the end")
@@ -57,25 +75,44 @@ def parse_args(argv=None):
     model.add_argument("--pool", choices=["mean", "max"], default="max", help="gcnn: pooling over time")
     model.add_argument("--kernel-size", type=positive_int, default=KERNEL_SIZE, help="gcnn: convolution width")
     model.add_argument("--stride", type=positive_int, default=STRIDE, help="gcnn: convolution stride")
-    model.add_argument("--sparse", choices=["auto", "on", "off"], default="auto",
-                       help="bag: sparse gradients for the embedding table (auto: except on several GPUs, where NCCL "
-                            "cannot all-reduce them)")
-    model.add_argument("--nb-weights", choices=["on", "off"], default="on",
-                       help="bag: scale each n-gram by its naive-Bayes log-count ratio, fitted on the training part (NBSVM)")
+    model.add_argument(
+        "--sparse",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="bag: sparse gradients for the embedding table (auto: except on several GPUs, where NCCL "
+        "cannot all-reduce them)",
+    )
+    model.add_argument(
+        "--nb-weights",
+        choices=["on", "off"],
+        default="on",
+        help="bag: scale each n-gram by its naive-Bayes log-count ratio, fitted on the training part (NBSVM)",
+    )
     model.add_argument("--dropout", type=probability, default=0.0, help="share of activations zeroed in training")
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--loss", choices=["ce", "bce"], default="ce", help="bce: the recipe's BCE on sigmoid(logits)")
     optim.add_argument("--optimizer", choices=["adamw", "adam"], default="adamw")
-    optim.add_argument("--weight-decay", type=nonnegative, default=None,
-                       help="AdamW weight decay; default 0.5 for bag (regularises the n-gram table: +0.5 points "
-                            "held out), 0 for gcnn (where 0.5 costs 1 point)")
-    optim.add_argument("--schedule", choices=["linear", "constant"], default="linear",
-                       help="linear: warmup then linear decay to 0")
+    optim.add_argument(
+        "--weight-decay",
+        type=nonnegative,
+        default=None,
+        help="AdamW weight decay; default 0.5 for bag (regularises the n-gram table: +0.5 points "
+        "held out), 0 for gcnn (where 0.5 costs 1 point)",
+    )
+    optim.add_argument(
+        "--schedule", choices=["linear", "constant"], default="linear", help="linear: warmup then linear decay to 0"
+    )
     optim.add_argument("--warmup", type=probability, default=0.05, help="share of steps spent warming up")
     optim.add_argument("--recipe", action="store_true", help="the classic recipe's hyper-parameters")
-    parser.add_argument("--predict", nargs="+", metavar="TEXT", help="classify these texts with the model in --output-dir")
-    parser.add_argument("--predict-file", nargs="+", metavar="FILE",
-                        help="classify each non-empty line of these UTF-8 files with the model in --output-dir")
+    parser.add_argument(
+        "--predict", nargs="+", metavar="TEXT", help="classify these texts with the model in --output-dir"
+    )
+    parser.add_argument(
+        "--predict-file",
+        nargs="+",
+        metavar="FILE",
+        help="classify each non-empty line of these UTF-8 files with the model in --output-dir",
+    )
     parser.set_defaults(output_dir="outputs/imdb", epochs=3, batch_size=64, lr=5e-3, log_steps=20)
     args = parser.parse_args(argv)
     if args.recipe:
@@ -84,8 +121,10 @@ def parse_args(argv=None):
     if args.weight_decay is None:
         args.weight_decay = 0.5 if args.model == "bag" else 0.0
     if args.sparse == "on" and not our_bag(args):  # rather than a silently dense table
-        parser.error("--sparse on: only --model bag has a sparse table, and --recipe keeps it dense; "
-                     "drop --sparse or use --sparse auto")
+        parser.error(
+            "--sparse on: only --model bag has a sparse table, and --recipe keeps it dense; "
+            "drop --sparse or use --sparse auto"
+        )
     return args
 
 
@@ -100,8 +139,10 @@ def loss_function(kind: str):
         logits = model(input_ids)
         if kind == "bce":  # the recipe: sigmoid + BCE against one-hot labels
             return torch.nn.functional.binary_cross_entropy_with_logits(
-                logits, torch.nn.functional.one_hot(labels, 2).to(logits.dtype))
+                logits, torch.nn.functional.one_hot(labels, 2).to(logits.dtype)
+            )
         return torch.nn.functional.cross_entropy(logits, labels)
+
     return loss_fn
 
 
@@ -131,28 +172,54 @@ def make_optimizer(model, args, lr: float) -> torch.optim.Optimizer:
         return optimizer_class(trainable, lr=lr, weight_decay=args.weight_decay, fused=True)
     table = model.embedding.weight
     rest = [parameter for parameter in trainable if parameter is not table]
-    return Optimizers(SparseAdamW([table], lr=lr, weight_decay=args.weight_decay),
-                      optimizer_class(rest, lr=lr, weight_decay=args.weight_decay, fused=True))
+    return Optimizers(
+        SparseAdamW([table], lr=lr, weight_decay=args.weight_decay),
+        optimizer_class(rest, lr=lr, weight_decay=args.weight_decay, fused=True),
+    )
 
 
 def model_options(args) -> dict:
-    return dict(dim=args.dim, ngrams=args.ngrams, buckets=args.buckets, pool=args.pool, dropout=args.dropout,
-                kernel_size=getattr(args, "kernel_size", KERNEL_SIZE), stride=getattr(args, "stride", STRIDE),
-                nb_weights=getattr(args, "nb_weights", "off") == "on" and our_bag(args))
+    return dict(
+        dim=args.dim,
+        ngrams=args.ngrams,
+        buckets=args.buckets,
+        pool=args.pool,
+        dropout=args.dropout,
+        kernel_size=getattr(args, "kernel_size", KERNEL_SIZE),
+        stride=getattr(args, "stride", STRIDE),
+        nb_weights=getattr(args, "nb_weights", "off") == "on" and our_bag(args),
+    )
 
 
 def train(args) -> None:
     config = TrainConfig.from_args(args)
     accelerator = config.make_accelerator()
-    text = prepare_text_data(accelerator, output_dir=config.output_dir, dataset=args.dataset, data_dir=args.data_dir,
-                             train_file=args.train_file, test_file=args.test_file, val_fraction=args.val_fraction,
-                             min_freq=args.min_freq, max_vocab=args.max_vocab, max_length=args.max_length,
-                             seed=config.seed, cache_dir=args.cache_dir)
+    text = prepare_text_data(
+        accelerator,
+        output_dir=config.output_dir,
+        dataset=args.dataset,
+        data_dir=args.data_dir,
+        train_file=args.train_file,
+        test_file=args.test_file,
+        val_fraction=args.val_fraction,
+        min_freq=args.min_freq,
+        max_vocab=args.max_vocab,
+        max_length=args.max_length,
+        seed=config.seed,
+        cache_dir=args.cache_dir,
+    )
     sparse, embedding_gradients = sparse_tables(args, accelerator)
     model = build_model(args.model, len(text.vocab), text.vocab.pad_id, **model_options(args), sparse=sparse)
     min_length = getattr(model, "min_length", 1)
-    loader = lambda split, shuffle: make_loader(split, config.batch_size, text.vocab.pad_id, shuffle=shuffle,
-                                                seed=config.seed, min_length=min_length, workers=args.workers)
+    loader = lambda split, shuffle: make_loader(
+        split,
+        config.batch_size,
+        text.vocab.pad_id,
+        shuffle=shuffle,
+        seed=config.seed,
+        min_length=min_length,
+        workers=args.workers,
+    )
     if getattr(model, "nb_weights", None) is not None:  # every process fits the same weights on the same reviews
         model.fit_nb_weights(loader(text.train, False))
     optimizer = make_optimizer(model, args, config.lr)
@@ -162,20 +229,45 @@ def train(args) -> None:
         if args.schedule == "constant":
             return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: min((step + 1) / warmup, max(0.0, (total_steps - step) / max(1, total_steps - warmup))))
+            optimizer,
+            lambda step: min((step + 1) / warmup, max(0.0, (total_steps - step) / max(1, total_steps - warmup))),
+        )
 
-    banner = {"data": ("SYNTHETIC corpus (offline fallback)" if text.synthetic else text.source),
-              "train/val/test reviews": f"{len(text.train)}/{len(text.val)}/{len(text.test) if text.test else 0}",
-              "vocabulary": len(text.vocab), "truncated_reviews": text.truncated,
-              "preprocess_s": round(text.preprocess_s, 1), "model": args.model,
-              "parameters": sum(p.numel() for p in model.parameters()), "embedding_gradients": embedding_gradients}
-    metrics = fit(accelerator, config, model, optimizer, loader(text.train, True), loss_function(args.loss),
-                  eval_loader=loader(text.val, False), eval_fn=eval_fn, make_scheduler=schedule, banner=banner,
-                  title="imdb (SYNTHETIC data)" if text.synthetic else "imdb")
-    metrics.update({"data": banner["data"], "synthetic_data": text.synthetic, "preprocess_s": text.preprocess_s,
-                    "vocabulary": len(text.vocab)})
+    banner = {
+        "data": ("SYNTHETIC corpus (offline fallback)" if text.synthetic else text.source),
+        "train/val/test reviews": f"{len(text.train)}/{len(text.val)}/{len(text.test) if text.test else 0}",
+        "vocabulary": len(text.vocab),
+        "truncated_reviews": text.truncated,
+        "preprocess_s": round(text.preprocess_s, 1),
+        "model": args.model,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "embedding_gradients": embedding_gradients,
+    }
+    metrics = fit(
+        accelerator,
+        config,
+        model,
+        optimizer,
+        loader(text.train, True),
+        loss_function(args.loss),
+        eval_loader=loader(text.val, False),
+        eval_fn=eval_fn,
+        make_scheduler=schedule,
+        banner=banner,
+        title="imdb (SYNTHETIC data)" if text.synthetic else "imdb",
+    )
+    metrics.update(
+        {
+            "data": banner["data"],
+            "synthetic_data": text.synthetic,
+            "preprocess_s": text.preprocess_s,
+            "vocabulary": len(text.vocab),
+        }
+    )
     if text.test is not None:
-        metrics.update(evaluate(accelerator, model, accelerator.prepare(loader(text.test, False)), eval_fn, prefix="test"))
+        metrics.update(
+            evaluate(accelerator, model, accelerator.prepare(loader(text.test, False)), eval_fn, prefix="test")
+        )
         accelerator.print(f"test accuracy {metrics['test_accuracy']:.4f} on {metrics['test_samples']} reviews")
     if accelerator.is_main_process:
         write_json(Path(config.output_dir, "metrics.json"), metrics)
@@ -187,8 +279,10 @@ def predict(args) -> None:
     needed = [output_dir / name for name in ("vocab.json", "args.json", "model.safetensors")]
     missing = [path.name for path in needed if not path.is_file()]
     if missing:
-        raise UserError(f"--predict needs a trained --output-dir; {output_dir} lacks {', '.join(missing)}. "
-                        f"Train first: python scripts/imdb.py --output-dir {output_dir}")
+        raise UserError(
+            f"--predict needs a trained --output-dir; {output_dir} lacks {', '.join(missing)}. "
+            f"Train first: python scripts/imdb.py --output-dir {output_dir}"
+        )
     trained = json.loads((output_dir / "args.json").read_text())
     vocab = Vocab.load(output_dir / "vocab.json")
     model = build_model(trained["model"], len(vocab), vocab.pad_id, **model_options(argparse.Namespace(**trained)))
@@ -199,7 +293,9 @@ def predict(args) -> None:
         if not text.strip():
             raise UserError("--predict got an empty text; give the review itself")
         if Path(text).exists() or re.fullmatch(r"\S+\.(txt|jsonl?|csv|tsv|gz)", text):
-            raise UserError(f"--predict {text!r} looks like a file name; --predict takes texts, use --predict-file {text}")
+            raise UserError(
+                f"--predict {text!r} looks like a file name; --predict takes texts, use --predict-file {text}"
+            )
         texts.append(text)
     for name in args.predict_file or []:
         path = Path(name)
@@ -208,12 +304,16 @@ def predict(args) -> None:
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
         except UnicodeDecodeError as error:
-            line = path.read_bytes()[:error.start].count(b"\n") + 1
+            line = path.read_bytes()[: error.start].count(b"\n") + 1
             raise UserError(f"--predict-file {name}: line {line} is not UTF-8 text (byte {error.start})") from None
         texts += [line for line in lines if line.strip()]
-    if (output_dir / "metrics.json").is_file() and json.loads((output_dir / "metrics.json").read_text()).get("synthetic_data"):
-        print(f"note: the model in {output_dir} was trained on the built-in SYNTHETIC corpus, not on real reviews",
-              file=sys.stderr)
+    if (output_dir / "metrics.json").is_file() and json.loads((output_dir / "metrics.json").read_text()).get(
+        "synthetic_data"
+    ):
+        print(
+            f"note: the model in {output_dir} was trained on the built-in SYNTHETIC corpus, not on real reviews",
+            file=sys.stderr,
+        )
     min_length = getattr(model, "min_length", 1)
     with torch.no_grad():
         for text in texts:

@@ -25,7 +25,9 @@ def main() -> None:
     accelerator = config.make_accelerator()
 
     data = torch.Generator().manual_seed(config.seed)
-    dataset = TensorDataset(torch.randn(args.samples, 10, generator=data), torch.randn(args.samples, 10, generator=data))
+    dataset = TensorDataset(
+        torch.randn(args.samples, 10, generator=data), torch.randn(args.samples, 10, generator=data)
+    )
     model = torch.nn.Linear(10, 10)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
     loader = DataLoader(dataset, batch_size=config.batch_size, shuffle=True)
@@ -38,12 +40,23 @@ def main() -> None:
         inputs, targets = batch
         return {"mse": ((model(inputs) - targets) ** 2).mean(dim=1)}
 
-    metrics = fit(accelerator, config, model, optimizer, loader, mse,
-                  eval_loader=DataLoader(dataset, batch_size=config.batch_size), eval_fn=per_sample_mse)
+    metrics = fit(
+        accelerator,
+        config,
+        model,
+        optimizer,
+        loader,
+        mse,
+        eval_loader=DataLoader(dataset, batch_size=config.batch_size),
+        eval_fn=per_sample_mse,
+    )
 
     state = accelerator.state
-    print(f"rank {state.process_index} local_rank {state.local_process_index} "
-          f"world_size {state.num_processes} device {accelerator.device}", flush=True)
+    print(
+        f"rank {state.process_index} local_rank {state.local_process_index} "
+        f"world_size {state.num_processes} device {accelerator.device}",
+        flush=True,
+    )
     ranks = gather_object([{"rank": state.process_index, "final_mse": round(metrics["eval_mse"], 6)}])
     accelerator.print(f"all_gather_object: {ranks}")
 

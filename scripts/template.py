@@ -71,9 +71,19 @@ class Trainer:
             return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
 
         loader = lambda data, shuffle: DataLoader(data, batch_size=self.config.batch_size, shuffle=shuffle)
-        metrics = fit(accelerator, self.config, model, optimizer, loader(train_set, True), self.loss,
-                      eval_loader=None if args.no_val else loader(val_set, False), eval_fn=self.eval_outputs,
-                      metrics_fn=self.metrics, make_scheduler=cosine, title="template")
+        metrics = fit(
+            accelerator,
+            self.config,
+            model,
+            optimizer,
+            loader(train_set, True),
+            self.loss,
+            eval_loader=None if args.no_val else loader(val_set, False),
+            eval_fn=self.eval_outputs,
+            metrics_fn=self.metrics,
+            make_scheduler=cosine,
+            title="template",
+        )
         test = self.test(model, accelerator.prepare(loader(test_set, False)))
         metrics.update(test)
         if accelerator.is_main_process:
@@ -91,7 +101,9 @@ def main() -> None:
     parser = add_training_args(ArgumentParser(description="Trainer template: train / validate / test"))
     parser.add_argument("--eval-interval", type=positive_int, default=1, help="validate every N epochs")
     parser.add_argument("--no-val", action="store_true", help="skip validation (test still runs at the end)")
-    parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (GPUs, and CPU processes over gloo)")
+    parser.add_argument(
+        "--sync-bn", action="store_true", help="SyncBatchNorm across processes (GPUs, and CPU processes over gloo)"
+    )
     parser.set_defaults(output_dir="outputs/template", epochs=10, batch_size=256, lr=0.1, log_steps=10)
     Trainer(parser.parse_args()).run()
 

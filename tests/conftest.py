@@ -22,10 +22,28 @@ def launch(script, *args, nproc: int = 2, launcher: str = "accelerate", timeout:
     script = str(ROOT / script) if not os.path.isabs(str(script)) else str(script)
     args = [str(arg) for arg in args]
     if launcher == "accelerate":
-        command = [str(BIN / "accelerate"), "launch", "--config_file", str(MULTI_GPU_YAML),
-                   "--num_processes", str(nproc), "--main_process_port", str(free_port()), script, *args]
+        command = [
+            str(BIN / "accelerate"),
+            "launch",
+            "--config_file",
+            str(MULTI_GPU_YAML),
+            "--num_processes",
+            str(nproc),
+            "--main_process_port",
+            str(free_port()),
+            script,
+            *args,
+        ]
     elif launcher == "torchrun":
-        command = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), script, *args]
+        command = [
+            str(BIN / "torchrun"),
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+            script,
+            *args,
+        ]
     elif launcher == "python":
         command = [sys.executable, script, *args]
     else:

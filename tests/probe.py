@@ -24,7 +24,9 @@ class ComplexLinear(torch.nn.Module):
     def __init__(self, inputs: int, outputs: int):
         super().__init__()
         generator = torch.Generator().manual_seed(0)
-        self.weight = torch.nn.Parameter(torch.randn(outputs, inputs, dtype=torch.complex64, generator=generator) / inputs ** 0.5)
+        self.weight = torch.nn.Parameter(
+            torch.randn(outputs, inputs, dtype=torch.complex64, generator=generator) / inputs**0.5
+        )
         self.bias = torch.nn.Parameter(torch.zeros(outputs, dtype=torch.complex64))
 
     def forward(self, x):
@@ -68,8 +70,11 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.2)
     parser.add_argument("--step-ms", type=float, default=0, help="stand-in for a real step's compute time")
     parser.add_argument("--complex", action="store_true", help="a complex-valued first layer (|z| feeds the rest)")
-    parser.add_argument("--sparse-embedding", action="store_true",
-                        help="an EmbeddingBag with sparse gradients first (SparseAdamW + AdamW as one optimizer)")
+    parser.add_argument(
+        "--sparse-embedding",
+        action="store_true",
+        help="an EmbeddingBag with sparse gradients first (SparseAdamW + AdamW as one optimizer)",
+    )
     args = parser.parse_args()
     config = TrainConfig.from_args(args)
     accelerator = config.make_accelerator()
@@ -83,8 +88,10 @@ def main() -> None:
     model = torch.nn.Sequential(first, activation, torch.nn.Dropout(args.dropout), torch.nn.Linear(args.hidden, 2))
     if args.sparse_embedding:
         table = model[0].table.weight
-        optimizer = Optimizers(SparseAdamW([table], lr=config.lr, weight_decay=0.1),
-                               torch.optim.AdamW([p for p in model.parameters() if p is not table], lr=config.lr))
+        optimizer = Optimizers(
+            SparseAdamW([table], lr=config.lr, weight_decay=0.1),
+            torch.optim.AdamW([p for p in model.parameters() if p is not table], lr=config.lr),
+        )
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     train = DataLoader(IdDataset(args.train_size, seed=1), batch_size=config.batch_size, shuffle=True)
@@ -106,14 +113,29 @@ def main() -> None:
         return {**classification_metrics(outputs), "id_sum": sum(ids), "unique_ids": len(set(ids))}
 
     def warmup_then_decay(optimizer, total_steps, steps_per_epoch):
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3) * (1 - step / (total_steps + 1)))
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / 3) * (1 - step / (total_steps + 1))
+        )
 
-    fit(accelerator, config, model, optimizer, train, loss_fn, eval_loader=val, eval_fn=eval_fn,
-        metrics_fn=metrics_fn, make_scheduler=warmup_then_decay)
+    fit(
+        accelerator,
+        config,
+        model,
+        optimizer,
+        train,
+        loss_fn,
+        eval_loader=val,
+        eval_fn=eval_fn,
+        metrics_fn=metrics_fn,
+        make_scheduler=warmup_then_decay,
+    )
     Path(config.output_dir, f"seen_rank{accelerator.process_index}.json").write_text(json.dumps(seen))
     # where each rank ran (the SLURM tests check the machine ranks)
-    print(f"probe rank {accelerator.process_index} machine_rank {os.environ.get('GROUP_RANK', 0)} "
-          f"node {os.environ.get('SLURMD_NODENAME', '-')}", flush=True)
+    print(
+        f"probe rank {accelerator.process_index} machine_rank {os.environ.get('GROUP_RANK', 0)} "
+        f"node {os.environ.get('SLURMD_NODENAME', '-')}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

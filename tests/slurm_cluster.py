@@ -52,9 +52,11 @@ class LocalSlurm:
     def _write_conf(self) -> None:
         ctld_port, *node_ports = _free_ports(1 + len(self.NODES))
         memory = 1000
-        nodes = "\n".join(f"NodeName={name} NodeHostname=localhost NodeAddr=localhost Port={port} CPUs={self.cpus} "
-                          f"Sockets=1 CoresPerSocket={self.cpus} ThreadsPerCore=1 RealMemory={memory} State=UNKNOWN"
-                          for name, port in zip(self.NODES, node_ports))
+        nodes = "\n".join(
+            f"NodeName={name} NodeHostname=localhost NodeAddr=localhost Port={port} CPUs={self.cpus} "
+            f"Sockets=1 CoresPerSocket={self.cpus} ThreadsPerCore=1 RealMemory={memory} State=UNKNOWN"
+            for name, port in zip(self.NODES, node_ports)
+        )
         for name in self.NODES:
             (self.root / "spool" / name).mkdir(parents=True, exist_ok=True)
         (self.root / "state").mkdir(exist_ok=True)
@@ -124,8 +126,9 @@ PartitionName=urgent Nodes={",".join(self.NODES)} MaxTime=INFINITE State=UP Prio
 
     def _spawn(self, command: list[str], log: str) -> None:
         out = open(self.root / log, "w")
-        self.processes.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                               start_new_session=True))
+        self.processes.append(
+            subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        )
 
     def stop(self) -> None:
         for job in self.squeue_ids():
@@ -159,8 +162,7 @@ PartitionName=urgent Nodes={",".join(self.NODES)} MaxTime=INFINITE State=UP Prio
     def sbatch(self, script: str | Path | None, *options: str, env: dict | None = None, cwd: Path | None = None) -> str:
         """Submit `script` (None with a --wrap option); returns the job id."""
         command = ["sbatch", "--parsable", *options, *([str(script)] if script else [])]
-        result = subprocess.run(command, env={**self.env, **(env or {})},
-                                capture_output=True, text=True, cwd=cwd)
+        result = subprocess.run(command, env={**self.env, **(env or {})}, capture_output=True, text=True, cwd=cwd)
         if result.returncode != 0:
             raise RuntimeError(f"sbatch failed: {result.stderr}")
         return result.stdout.strip().split(";")[0]
@@ -192,7 +194,9 @@ PartitionName=urgent Nodes={",".join(self.NODES)} MaxTime=INFINITE State=UP Prio
         deadline = time.monotonic() + timeout
         while self.scontrol("show", "nodes", check=False).count("State=IDLE ") < len(self.NODES):
             if time.monotonic() > deadline:
-                raise AssertionError(f"nodes not idle after {timeout} s:\n{self.scontrol('show', 'nodes', check=False)}")
+                raise AssertionError(
+                    f"nodes not idle after {timeout} s:\n{self.scontrol('show', 'nodes', check=False)}"
+                )
             time.sleep(0.2)
 
     def logs(self) -> str:

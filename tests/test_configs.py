@@ -22,17 +22,32 @@ def test_config_loads_and_documents_itself(path):
     assert config.num_processes >= 1
     first_lines = path.read_text().splitlines()[:3]
     assert all(line.startswith("#") for line in first_lines), "each YAML opens with a comment block"
-    result = subprocess.run([sys.executable, "-m", "ddp_accel", "check-config", str(path)],
-                            capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "ddp_accel", "check-config", str(path)], capture_output=True, text=True, cwd=ROOT
+    )
     assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize("name,world_size", [("cpu", 1), ("single_gpu", 1), ("multi_gpu", 2)])
 def test_cpu_runnable_configs_launch(tmp_path, name, world_size):
     result = subprocess.run(
-        [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / f"{name}.yaml"),
-         "--main_process_port", str(free_port()), str(ROOT / "scripts" / "minimal.py"), "--output-dir", str(tmp_path),
-         "--epochs", "1"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300)
+        [
+            str(BIN / "accelerate"),
+            "launch",
+            "--config_file",
+            str(ROOT / "accelerate_configs" / f"{name}.yaml"),
+            "--main_process_port",
+            str(free_port()),
+            str(ROOT / "scripts" / "minimal.py"),
+            "--output-dir",
+            str(tmp_path),
+            "--epochs",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     check_ok(result)
     assert json.loads((tmp_path / "metrics.json").read_text())["world_size"] == world_size

@@ -36,8 +36,12 @@ def test_every_relative_link_resolves(page):
 
 
 def test_docs_and_code_do_not_depend_on_files_outside_the_project():
-    readable = PAGES + [*ROOT.glob("ddp_accel/**/*.py"), *ROOT.glob("scripts/*"), *ROOT.glob("accelerate_configs/*"),
-                        *ROOT.glob("slurm/*")]
+    readable = PAGES + [
+        *ROOT.glob("ddp_accel/**/*.py"),
+        *ROOT.glob("scripts/*"),
+        *ROOT.glob("accelerate_configs/*"),
+        *ROOT.glob("slurm/*"),
+    ]
     for path in readable:
         text = path.read_text()
         for outside in ("DESIGN.md", "../shared"):

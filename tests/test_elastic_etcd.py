@@ -22,11 +22,27 @@ def etcd_endpoint(tmp_path):
     pytest.importorskip("etcd", reason="python-etcd is not installed")
     client, peer = free_port(), free_port()
     server = subprocess.Popen(
-        [ETCD, "--enable-v2", "--name", "test", "--data-dir", str(tmp_path / "etcd"),
-         "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
-         "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"test=http://127.0.0.1:{peer}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            ETCD,
+            "--enable-v2",
+            "--name",
+            "test",
+            "--data-dir",
+            str(tmp_path / "etcd"),
+            "--listen-client-urls",
+            f"http://127.0.0.1:{client}",
+            "--advertise-client-urls",
+            f"http://127.0.0.1:{client}",
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-cluster",
+            f"test=http://127.0.0.1:{peer}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -44,9 +60,24 @@ def etcd_endpoint(tmp_path):
 
 
 def test_two_nodes_rendezvous_through_etcd(tmp_path, etcd_endpoint):
-    command = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "etcd-v2",
-               "--rdzv_endpoint", etcd_endpoint, "--rdzv_id", "ddp-accel-test", "scripts/minimal.py",
-               "--output-dir", str(tmp_path / "out")]
+    command = [
+        str(BIN / "torchrun"),
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "1",
+        "--rdzv_backend",
+        "etcd-v2",
+        "--rdzv_endpoint",
+        etcd_endpoint,
+        "--rdzv_id",
+        "ddp-accel-test",
+        "scripts/minimal.py",
+        "--output-dir",
+        str(tmp_path / "out"),
+    ]
     outputs = wait_nodes([start_node(command) for _ in range(2)])
-    ranks = sorted(int(rank) for out in outputs for rank in re.findall(r"^rank (\d+) local_rank 0 world_size 2", out, re.M))
+    ranks = sorted(
+        int(rank) for out in outputs for rank in re.findall(r"^rank (\d+) local_rank 0 world_size 2", out, re.M)
+    )
     assert ranks == [0, 1], outputs

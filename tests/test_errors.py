@@ -12,23 +12,50 @@ from ddp_accel.runtime import check_topology
 
 
 def test_resume_path_that_does_not_exist(tmp_path):
-    result = launch("scripts/minimal.py", "--output-dir", tmp_path, "--resume-from-checkpoint",
-                    tmp_path / "nope", launcher="python")
+    result = launch(
+        "scripts/minimal.py", "--output-dir", tmp_path, "--resume-from-checkpoint", tmp_path / "nope", launcher="python"
+    )
     assert_clean_error(result, "no such checkpoint", "latest")
 
 
 def test_resume_path_that_is_not_a_checkpoint(tmp_path):
     (tmp_path / "empty").mkdir()
-    result = launch("scripts/minimal.py", "--output-dir", tmp_path, "--resume-from-checkpoint",
-                    tmp_path / "empty", launcher="python")
+    result = launch(
+        "scripts/minimal.py",
+        "--output-dir",
+        tmp_path,
+        "--resume-from-checkpoint",
+        tmp_path / "empty",
+        launcher="python",
+    )
     assert_clean_error(result, "not a complete ddp_accel checkpoint")
 
 
 def test_checkpoint_of_another_model(tmp_path):
-    check_ok(launch("tests/probe.py", "--output-dir", tmp_path, "--max-steps", 2, "--checkpointing-steps", 2,
-                    "--hidden", 8, launcher="python"))
-    result = launch("tests/probe.py", "--output-dir", tmp_path / "other", "--hidden", 16,
-                    "--resume-from-checkpoint", tmp_path / "checkpoints" / "step_2", launcher="python")
+    check_ok(
+        launch(
+            "tests/probe.py",
+            "--output-dir",
+            tmp_path,
+            "--max-steps",
+            2,
+            "--checkpointing-steps",
+            2,
+            "--hidden",
+            8,
+            launcher="python",
+        )
+    )
+    result = launch(
+        "tests/probe.py",
+        "--output-dir",
+        tmp_path / "other",
+        "--hidden",
+        16,
+        "--resume-from-checkpoint",
+        tmp_path / "checkpoints" / "step_2",
+        launcher="python",
+    )
     assert_clean_error(result, "another model")
 
 
@@ -41,14 +68,16 @@ def test_output_dir_that_is_a_file(tmp_path):
 def test_unknown_yaml_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text((ROOT / "accelerate_configs" / "multi_gpu.yaml").read_text() + "num_proceses: 4\n")
-    result = subprocess.run([sys.executable, "-m", "ddp_accel", "check-config", str(bad)],
-                            capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "ddp_accel", "check-config", str(bad)], capture_output=True, text=True, cwd=ROOT
+    )
     assert_clean_error(result, "unknown keys", "num_proceses")
 
 
 def test_two_process_bad_input_exits_nonzero(tmp_path):
-    result = launch("scripts/minimal.py", "--output-dir", tmp_path, "--resume-from-checkpoint",
-                    tmp_path / "nope", nproc=2)
+    result = launch(
+        "scripts/minimal.py", "--output-dir", tmp_path, "--resume-from-checkpoint", tmp_path / "nope", nproc=2
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert sum(line.startswith("error: ") for line in output.splitlines()) == 1, output[-3000:]
@@ -66,29 +95,35 @@ def test_world_size_guard(monkeypatch):
     check_topology(OneProcess())
 
 
-@pytest.mark.parametrize("script,args,fragment", [
-    ("scripts/template.py", ["--max-grad-norm", "-1"], "--max-grad-norm: must be > 0"),
-    ("scripts/template.py", ["--lr", "nan"], "--lr: must be a finite number"),
-    ("scripts/imdb.py", ["--max-length", "0"], "--max-length: must be >= 1"),
-    ("scripts/imdb.py", ["--ngrams", "0"], "--ngrams: must be >= 1"),
-    ("scripts/imdb.py", ["--val-fraction", "1.5"], "--val-fraction: must be < 1"),
-    ("scripts/imdb.py", ["--buckets", "0"], "--buckets: must be >= 1"),
-    ("scripts/imagenet.py", ["--dummy", "-b", "0"], "-b: must be >= 1"),
-    ("scripts/imagenet.py", ["--dummy", "--label-smoothing", "inf"], "--label-smoothing: must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "script,args,fragment",
+    [
+        ("scripts/template.py", ["--max-grad-norm", "-1"], "--max-grad-norm: must be > 0"),
+        ("scripts/template.py", ["--lr", "nan"], "--lr: must be a finite number"),
+        ("scripts/imdb.py", ["--max-length", "0"], "--max-length: must be >= 1"),
+        ("scripts/imdb.py", ["--ngrams", "0"], "--ngrams: must be >= 1"),
+        ("scripts/imdb.py", ["--val-fraction", "1.5"], "--val-fraction: must be < 1"),
+        ("scripts/imdb.py", ["--buckets", "0"], "--buckets: must be >= 1"),
+        ("scripts/imagenet.py", ["--dummy", "-b", "0"], "-b: must be >= 1"),
+        ("scripts/imagenet.py", ["--dummy", "--label-smoothing", "inf"], "--label-smoothing: must be a finite number"),
+    ],
+)
 def test_bad_option_values_are_refused_before_anything_runs(tmp_path, script, args, fragment):
     assert_clean_error(launch(script, *args, "--output-dir", tmp_path, launcher="python"), fragment)
     assert not tmp_path.joinpath("args.json").exists()
 
 
 def test_an_empty_vocabulary_is_refused(tmp_path):
-    result = launch("scripts/imdb.py", "--dataset", "synthetic", "--min-freq", "100000", "--output-dir", tmp_path,
-                    launcher="python")
+    result = launch(
+        "scripts/imdb.py", "--dataset", "synthetic", "--min-freq", "100000", "--output-dir", tmp_path, launcher="python"
+    )
     assert_clean_error(result, "vocabulary is empty", "--min-freq")
 
 
 def test_a_loss_that_becomes_infinite_stops_every_rank_with_one_line(tmp_path):
-    result = launch("tests/probe.py", "--lr", "1e38", "--train-size", "256", "--batch-size", "4", "--output-dir", tmp_path)
+    result = launch(
+        "tests/probe.py", "--lr", "1e38", "--train-size", "256", "--batch-size", "4", "--output-dir", tmp_path
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
@@ -97,21 +132,31 @@ def test_a_loss_that_becomes_infinite_stops_every_rank_with_one_line(tmp_path):
 
 
 def test_a_trained_output_dir_is_not_overwritten_by_accident(tmp_path):
-    check_ok(launch("tests/probe.py", "--max-steps", 4, "--checkpointing-steps", 2, "--output-dir", tmp_path,
-                    launcher="python"))
+    check_ok(
+        launch(
+            "tests/probe.py", "--max-steps", 4, "--checkpointing-steps", 2, "--output-dir", tmp_path, launcher="python"
+        )
+    )
     before = (tmp_path / "model.safetensors").read_bytes()
-    assert_clean_error(launch("tests/probe.py", "--output-dir", tmp_path, launcher="python"),
-                       "already holds a trained model", "--overwrite-output-dir")
+    assert_clean_error(
+        launch("tests/probe.py", "--output-dir", tmp_path, launcher="python"),
+        "already holds a trained model",
+        "--overwrite-output-dir",
+    )
     assert (tmp_path / "model.safetensors").read_bytes() == before
-    check_ok(launch("tests/probe.py", "--max-steps", 3, "--output-dir", tmp_path, "--overwrite-output-dir",
-                    launcher="python"))
+    check_ok(
+        launch(
+            "tests/probe.py", "--max-steps", 3, "--output-dir", tmp_path, "--overwrite-output-dir", launcher="python"
+        )
+    )
     assert not (tmp_path / "checkpoints").exists()  # the old run's checkpoints cannot be resumed by mistake
 
 
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
 def test_a_user_error_under_a_launcher_is_one_line_and_appears_in_the_launchers_report(tmp_path, launcher):
-    result = launch("scripts/minimal.py", "--output-dir", tmp_path, "--resume-from-checkpoint", tmp_path / "nope",
-                    launcher=launcher)
+    result = launch(
+        "scripts/minimal.py", "--output-dir", tmp_path, "--resume-from-checkpoint", tmp_path / "nope", launcher=launcher
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert sum(line.startswith("error: ") for line in output.splitlines()) == 1, output[-3000:]
@@ -123,8 +168,9 @@ def test_a_user_error_under_a_launcher_is_one_line_and_appears_in_the_launchers_
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
 def test_a_bad_option_under_a_launcher_is_one_line_and_appears_in_the_launchers_report(tmp_path, launcher):
     # every process parses the same arguments; one says what is wrong
-    result = launch("scripts/imdb.py", "--output-dir", tmp_path / "out", "--model", "gcnn", "--sparse", "on",
-                    launcher=launcher)
+    result = launch(
+        "scripts/imdb.py", "--output-dir", tmp_path / "out", "--model", "gcnn", "--sparse", "on", launcher=launcher
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert sum(line.startswith("imdb.py: error: --sparse on") for line in output.splitlines()) == 1, output[-3000:]
@@ -147,8 +193,20 @@ def test_bad_data_and_files_give_one_line_naming_them(tmp_path):
     assert_clean_error(imdb("--train-file", number), "number.jsonl", "must hold strings")
     one = write(tmp_path / "one.jsonl", '{"text": "fine", "label": 1}\n')
     assert_clean_error(imdb("--train-file", one), "1 review(s) cannot be split")
-    check_ok(launch("scripts/imdb.py", "--dataset", "synthetic", "--max-steps", 2, "--buckets", 100, "--output-dir",
-                    tmp_path / "out", launcher="python"))
+    check_ok(
+        launch(
+            "scripts/imdb.py",
+            "--dataset",
+            "synthetic",
+            "--max-steps",
+            2,
+            "--buckets",
+            100,
+            "--output-dir",
+            tmp_path / "out",
+            launcher="python",
+        )
+    )
     assert_clean_error(imdb("--predict", "reviews.txt"), "looks like a file name", "--predict-file")
     assert_clean_error(imdb("--predict", " "), "empty text")
     latin1 = write(tmp_path / "latin1.txt", b"a fine film\nun film \xe9mouvant\n")
@@ -163,35 +221,75 @@ def test_bad_data_and_files_give_one_line_naming_them(tmp_path):
 def test_bad_weights_for_imagenet_resume_are_one_line(tmp_path):
     from safetensors.torch import save_file
     import torch
+
     save_file({"weight": torch.zeros(3)}, str(tmp_path / "other.safetensors"))
     write(tmp_path / "cut.safetensors", (tmp_path / "other.safetensors").read_bytes()[:40])
-    run = lambda path: launch("scripts/imagenet.py", "--dummy", "-a", "resnet18", "--image-size", "32", "-j", "0", "-e",
-                              "--resume", path, "--output-dir", tmp_path / "out", launcher="python")
+    run = lambda path: launch(
+        "scripts/imagenet.py",
+        "--dummy",
+        "-a",
+        "resnet18",
+        "--image-size",
+        "32",
+        "-j",
+        "0",
+        "-e",
+        "--resume",
+        path,
+        "--output-dir",
+        tmp_path / "out",
+        launcher="python",
+    )
     assert_clean_error(run(tmp_path / "other.safetensors"), "weights of another model than -a resnet18")
     assert_clean_error(run(tmp_path / "cut.safetensors"), "not a readable .safetensors file")
 
 
-@pytest.mark.parametrize("content,fragment", [("num_processes: two\n", "num_processes must be a whole number"),
-                                              ("num_processes: 0\n", "num_processes must be a whole number"),
-                                              ("", "is empty")])
+@pytest.mark.parametrize(
+    "content,fragment",
+    [
+        ("num_processes: two\n", "num_processes must be a whole number"),
+        ("num_processes: 0\n", "num_processes must be a whole number"),
+        ("", "is empty"),
+    ],
+)
 def test_check_config_refuses_invalid_values(tmp_path, content, fragment):
     base = (ROOT / "accelerate_configs" / "multi_gpu.yaml").read_text()
-    text = "" if not content else "\n".join(l for l in base.splitlines() if not l.startswith("num_processes")) + "\n" + content
+    text = (
+        ""
+        if not content
+        else "\n".join(l for l in base.splitlines() if not l.startswith("num_processes")) + "\n" + content
+    )
     path = write(tmp_path / "c.yaml", text)
-    result = subprocess.run([sys.executable, "-m", "ddp_accel", "check-config", str(path)], capture_output=True, text=True,
-                            cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "ddp_accel", "check-config", str(path)], capture_output=True, text=True, cwd=ROOT
+    )
     assert_clean_error(result, fragment)
-    result = subprocess.run([sys.executable, "-m", "ddp_accel", "check-config", str(tmp_path)], capture_output=True,
-                            text=True, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "ddp_accel", "check-config", str(tmp_path)], capture_output=True, text=True, cwd=ROOT
+    )
     assert_clean_error(result, "is a directory")
 
 
 def test_an_unreadable_image_in_a_dataloader_worker_is_one_line(tmp_path):
     from test_imagenet import make_image_folder
+
     data = make_image_folder(tmp_path / "images", classes=3, train=2, val=1)
     (data / "train" / "class0" / "0.jpg").write_bytes(b"not a jpeg")
-    result = launch("scripts/imagenet.py", data, "-a", "cifar_resnet20", "--image-size", "16", "-j", "1", "-b", "2",
-                    "--output-dir", tmp_path / "out", launcher="python")
+    result = launch(
+        "scripts/imagenet.py",
+        data,
+        "-a",
+        "cifar_resnet20",
+        "--image-size",
+        "16",
+        "-j",
+        "1",
+        "-b",
+        "2",
+        "--output-dir",
+        tmp_path / "out",
+        launcher="python",
+    )
     assert_clean_error(result, "cannot read image", "0.jpg")
     assert "Caught UserError in DataLoader worker" not in result.stdout + result.stderr
 
@@ -200,10 +298,31 @@ def test_ctrl_c_says_where_the_newest_checkpoint_is(tmp_path):
     import os
     import signal
     import time
-    command = [sys.executable, str(ROOT / "tests" / "probe.py"), "--output-dir", str(tmp_path), "--train-size", "256",
-               "--batch-size", "4", "--epochs", "5", "--step-ms", "20", "--checkpointing-steps", "5"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    command = [
+        sys.executable,
+        str(ROOT / "tests" / "probe.py"),
+        "--output-dir",
+        str(tmp_path),
+        "--train-size",
+        "256",
+        "--batch-size",
+        "4",
+        "--epochs",
+        "5",
+        "--step-ms",
+        "20",
+        "--checkpointing-steps",
+        "5",
+    ]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     deadline = time.monotonic() + 120
     while not (tmp_path / "checkpoints" / "step_5" / "training_state.json").is_file():
         assert time.monotonic() < deadline and process.poll() is None

@@ -23,8 +23,20 @@ COMMON = ["--batch-size", "4", "--epochs", "3", "--train-size", "256", "--dropou
 def torchrun(output_dir: Path, *args, max_restarts: int = 0) -> subprocess.Popen:
     log = open(output_dir.with_suffix(".log"), "w")
     # --standalone: the classic single-machine elastic recipe (a c10d rendezvous on localhost)
-    command = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "--max_restarts", str(max_restarts),
-               "--monitor_interval", "0.2", PROBE, "--output-dir", str(output_dir), *args]
+    command = [
+        str(BIN / "torchrun"),
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "--max_restarts",
+        str(max_restarts),
+        "--monitor_interval",
+        "0.2",
+        PROBE,
+        "--output-dir",
+        str(output_dir),
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
 
@@ -97,8 +109,11 @@ def test_sigkill_a_worker_mid_epoch_restart_resumes_to_identical_weights(uninter
     resumed_step = int(line.split("step ")[1].split(",")[0])
     assert resumed and resumed_step >= latest_at_kill  # nothing older than the newest complete checkpoint
     assert_bitwise_equal(uninterrupted, output_dir)
-    print(f"\nkill -> resumed training: {resume_delay:.1f} s; resumed from step {resumed_step} "
-          f"(at most {5 - 1} steps redone with --checkpointing-steps 5)", file=sys.stderr)
+    print(
+        f"\nkill -> resumed training: {resume_delay:.1f} s; resumed from step {resumed_step} "
+        f"(at most {5 - 1} steps redone with --checkpointing-steps 5)",
+        file=sys.stderr,
+    )
 
 
 def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(uninterrupted, tmp_path):
@@ -177,8 +192,11 @@ def test_preemption_signal_saves_the_step_reached_and_resume_loses_nothing(unint
     assert f"resumed from {output_dir / 'checkpoints' / f'step_{stopped_at}'}: step {stopped_at}," in log
     assert read_marker(output_dir) is None, "a finished run must not look preempted"
     assert_bitwise_equal(uninterrupted, output_dir)
-    print(f"\n{target}: signal -> checkpoint of step {stopped_at} complete in {signal_to_saved:.2f} s "
-          f"(save itself {marker['save_s']} s); steps redone after resume: 0", file=sys.stderr)
+    print(
+        f"\n{target}: signal -> checkpoint of step {stopped_at} complete in {signal_to_saved:.2f} s "
+        f"(save itself {marker['save_s']} s); steps redone after resume: 0",
+        file=sys.stderr,
+    )
 
 
 def test_a_stopped_job_resumes_at_another_world_size(tmp_path):
@@ -186,7 +204,18 @@ def test_a_stopped_job_resumes_at_another_world_size(tmp_path):
     docs/launching.md): stop the job (SIGTERM: it checkpoints the step reached), relaunch at the new size with
     --resume-from-checkpoint latest. 2 processes x 4 samples, then 1 x 8: the same global batch, so the weights end
     as an uninterrupted run's (within float rounding: the gradient is summed in another order)."""
-    common = ["--batch-size", "4", "--epochs", "2", "--train-size", "256", "--dropout", "0", "--checkpointing-steps", "100"]
+    common = [
+        "--batch-size",
+        "4",
+        "--epochs",
+        "2",
+        "--train-size",
+        "256",
+        "--dropout",
+        "0",
+        "--checkpointing-steps",
+        "100",
+    ]
     reference = tmp_path / "reference"
     code, log = finish(torchrun(reference, *common), reference)
     assert code == 0, log[-3000:]
@@ -197,11 +226,24 @@ def test_a_stopped_job_resumes_at_another_world_size(tmp_path):
     agent.send_signal(signal.SIGTERM)
     marker = wait_for(lambda: read_marker(output_dir), timeout=60)
     finish(agent, output_dir)
-    command = [sys.executable, PROBE, "--output-dir", str(output_dir), *common, "--batch-size", "8",
-               "--resume-from-checkpoint", "latest"]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [
+        sys.executable,
+        PROBE,
+        "--output-dir",
+        str(output_dir),
+        *common,
+        "--batch-size",
+        "8",
+        "--resume-from-checkpoint",
+        "latest",
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"resumed from {output_dir / 'checkpoints' / ('step_' + str(marker['step']))}" in result.stdout + result.stderr
+    assert (
+        f"resumed from {output_dir / 'checkpoints' / ('step_' + str(marker['step']))}" in result.stdout + result.stderr
+    )
     a, b = weights(reference), weights(output_dir)
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-5)

@@ -33,9 +33,26 @@ def make_image_folder(root: Path, classes: int = 6, train: int = 8, val: int = 3
 def test_two_processes_train_count_every_val_image_once_and_evaluate_reproduces_the_best(tmp_path):
     data = make_image_folder(tmp_path / "images", val=3)  # 18 val images: 2 ranks x batch 4 do not divide them
     out = tmp_path / "out"
-    output = check_ok(launch("scripts/imagenet.py", data, *SMALL, "--epochs", "2", "--checkpointing-steps", "epoch",
-                             "--lr-schedule", "cosine", "--warmup-epochs", "0.5", "--label-smoothing", "0.1",
-                             "--sync-bn", "--output-dir", out))
+    output = check_ok(
+        launch(
+            "scripts/imagenet.py",
+            data,
+            *SMALL,
+            "--epochs",
+            "2",
+            "--checkpointing-steps",
+            "epoch",
+            "--lr-schedule",
+            "cosine",
+            "--warmup-epochs",
+            "0.5",
+            "--label-smoothing",
+            "0.1",
+            "--sync-bn",
+            "--output-dir",
+            out,
+        )
+    )
     assert re.search(r"sync_bn_layers\s+21\b", output)  # ResNet-20: stem + 18 in blocks + 2 shortcuts
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["eval_samples"] == 18
@@ -47,18 +64,27 @@ def test_two_processes_train_count_every_val_image_once_and_evaluate_reproduces_
     for name in ("model_best.safetensors", "model.safetensors", "training_curves.png"):
         assert (out / name).is_file(), name
 
-    best = check_ok(launch("scripts/imagenet.py", data, *SMALL, "-e", "--resume", out / "model_best.safetensors",
-                           "--output-dir", out))
+    best = check_ok(
+        launch(
+            "scripts/imagenet.py", data, *SMALL, "-e", "--resume", out / "model_best.safetensors", "--output-dir", out
+        )
+    )
     assert json.loads((out / "evaluate.json").read_text())["eval_top1"] == pytest.approx(metrics["best_top1"], abs=1e-6)
     assert "on 18 images" in best
-    check_ok(launch("scripts/imagenet.py", data, *SMALL, "-e", "--resume", "latest", "--output-dir", out, launcher="python"))
+    check_ok(
+        launch("scripts/imagenet.py", data, *SMALL, "-e", "--resume", "latest", "--output-dir", out, launcher="python")
+    )
     assert json.loads((out / "evaluate.json").read_text())["eval_top1"] == pytest.approx(metrics["eval_top1"], abs=1e-6)
 
 
 def test_top1_top5_and_per_class_match_a_hand_computed_case():
-    logits = torch.tensor([[0.0, 1, 2, 3, 4, 5],    # target 5: top-1 hit
-                           [5.0, 4, 3, 2, 1, 0],    # target 4: 5th best -> top-5 hit only
-                           [5.0, 4, 3, 2, 1, 0]])   # target 5: worst -> neither
+    logits = torch.tensor(
+        [
+            [0.0, 1, 2, 3, 4, 5],  # target 5: top-1 hit
+            [5.0, 4, 3, 2, 1, 0],  # target 4: 5th best -> top-5 hit only
+            [5.0, 4, 3, 2, 1, 0],
+        ]
+    )  # target 5: worst -> neither
     targets = torch.tensor([5, 4, 5])
     values = classification_values(logits, targets, topk=(1, 5), per_class=True)
     assert values["top1"].tolist() == [1, 0, 0] and values["top5"].tolist() == [1, 1, 0]
@@ -73,9 +99,30 @@ def test_top1_top5_and_per_class_match_a_hand_computed_case():
 
 
 def test_dummy_data_and_torchvision_arch_run(tmp_path):
-    out = check_ok(launch("scripts/imagenet.py", "--dummy", "-a", "resnet18", "--image-size", "32", "--dummy-classes", "10",
-                          "-b", "4", "-j", "0", "--max-steps", "6", "-p", "2", "--channels-last", "--output-dir", tmp_path,
-                          launcher="python"))
+    out = check_ok(
+        launch(
+            "scripts/imagenet.py",
+            "--dummy",
+            "-a",
+            "resnet18",
+            "--image-size",
+            "32",
+            "--dummy-classes",
+            "10",
+            "-b",
+            "4",
+            "-j",
+            "0",
+            "--max-steps",
+            "6",
+            "-p",
+            "2",
+            "--channels-last",
+            "--output-dir",
+            tmp_path,
+            launcher="python",
+        )
+    )
     assert "SYNTHETIC" in out
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["steps"] == 6 and metrics["train_samples"] == 24
@@ -84,7 +131,9 @@ def test_dummy_data_and_torchvision_arch_run(tmp_path):
 
 def test_bad_input_gives_one_clear_line(tmp_path):
     data = make_image_folder(tmp_path / "images", classes=3, train=2, val=1)
-    run = lambda *args: launch("scripts/imagenet.py", *args, "-j", "0", "--output-dir", tmp_path / "out", launcher="python")
+    run = lambda *args: launch(
+        "scripts/imagenet.py", *args, "-j", "0", "--output-dir", tmp_path / "out", launcher="python"
+    )
     assert "did you mean resnet18" in assert_clean_error(run(data, "-a", "resnet19"))
     assert "no complete checkpoint" in assert_clean_error(run(data, "-e", "--resume", "latest"))
     (tmp_path / "no_val" / "train" / "a").mkdir(parents=True)
@@ -93,16 +142,21 @@ def test_bad_input_gives_one_clear_line(tmp_path):
     assert "train/empty has no images" in assert_clean_error(run(data))
     (data / "train" / "empty").rmdir()
     (data / "train" / "class0" / "0.jpg").write_bytes(b"not a jpeg")
-    assert "cannot read image" in assert_clean_error(run(data, *SMALL, "--epochs", "1")) and "0.jpg" in assert_clean_error(run(data, *SMALL))
+    assert "cannot read image" in assert_clean_error(
+        run(data, *SMALL, "--epochs", "1")
+    ) and "0.jpg" in assert_clean_error(run(data, *SMALL))
 
 
 def test_pretrained_offline_says_how_to_get_the_weights(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # an empty cache
     import torchvision
+
     def offline(*args, **kwargs):
         raise OSError("network unreachable")
+
     monkeypatch.setattr(torchvision.models.WeightsEnum, "get_state_dict", offline)
     from ddp_accel.errors import UserError
+
     with pytest.raises(UserError, match="curl -L -o .*resnet18"):
         build_model("resnet18", 10, pretrained="default")
     torch.save(build_model("resnet18", 1000).state_dict(), tmp_path / "r18.pth")
@@ -135,16 +189,53 @@ SHARED_CIFAR = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar1
 @pytest.mark.skipif(not SHARED_CIFAR.is_file(), reason="../shared/data/cifar10_mini.tar.gz not present")
 def test_two_processes_learn_real_cifar10_mini(tmp_path):
     import tarfile
+
     with tarfile.open(SHARED_CIFAR) as archive:
         # filter= exists from Python 3.11.4 (and 3.10.12); Debian 12's 3.11.2 lacks it
         archive.extractall(tmp_path, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     data = next(path.parent for path in tmp_path.rglob("train") if (path.parent / "val").is_dir())
     out = tmp_path / "out"
-    check_ok(launch("scripts/imagenet.py", data, "-a", "cifar_resnet9_w16", "--image-size", "32", "--augment", "cifar",
-                    "--mean", 0.4914, 0.4822, 0.4465, "--std", 0.247, 0.243, 0.261, "-j", "1", "-b", "64", "--lr", "0.1",
-                    "--wd", "5e-4", "--lr-schedule", "cosine", "--warmup-epochs", "0.5", "--label-smoothing", "0.1",
-                    "--epochs", "4", "--channels-last", *(["--mixed-precision", "bf16"] if cpu_has_fast_bf16() else []),
-                    "--output-dir", out, timeout=900))
+    check_ok(
+        launch(
+            "scripts/imagenet.py",
+            data,
+            "-a",
+            "cifar_resnet9_w16",
+            "--image-size",
+            "32",
+            "--augment",
+            "cifar",
+            "--mean",
+            0.4914,
+            0.4822,
+            0.4465,
+            "--std",
+            0.247,
+            0.243,
+            0.261,
+            "-j",
+            "1",
+            "-b",
+            "64",
+            "--lr",
+            "0.1",
+            "--wd",
+            "5e-4",
+            "--lr-schedule",
+            "cosine",
+            "--warmup-epochs",
+            "0.5",
+            "--label-smoothing",
+            "0.1",
+            "--epochs",
+            "4",
+            "--channels-last",
+            *(["--mixed-precision", "bf16"] if cpu_has_fast_bf16() else []),
+            "--output-dir",
+            out,
+            timeout=900,
+        )
+    )
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["eval_samples"] == 2000
     assert len(metrics["eval_per_class_top1"]) == 10
@@ -155,14 +246,41 @@ def test_resume_mid_epoch_with_augmenting_workers_is_exact_with_another_worker_c
     # random crops and flips drawn in DataLoader workers: each sample's augmentation has a seed of its own (the
     # epoch's loader seed and its index), so neither the worker that gets it nor a restart changes it
     data = make_image_folder(tmp_path / "images", classes=3, train=8, val=2)  # 24 images: 6 steps an epoch
-    args = [data, "-a", "cifar_resnet20", "--image-size", "16", "--augment", "cifar", "-b", "4", "--lr", "0.05",
-            "--epochs", "3", "--checkpointing-steps", "4"]
+    args = [
+        data,
+        "-a",
+        "cifar_resnet20",
+        "--image-size",
+        "16",
+        "--augment",
+        "cifar",
+        "-b",
+        "4",
+        "--lr",
+        "0.05",
+        "--epochs",
+        "3",
+        "--checkpointing-steps",
+        "4",
+    ]
     check_ok(launch("scripts/imagenet.py", *args, "-j", "1", "--output-dir", tmp_path / "full", launcher="python"))
     import shutil
+
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step_8", tmp_path / "cut" / "checkpoints" / "step_8")
     shutil.copy(tmp_path / "full" / "history.json", tmp_path / "cut" / "history.json")
-    output = check_ok(launch("scripts/imagenet.py", *args, "-j", "2", "--output-dir", tmp_path / "cut", "--resume", "latest",
-                             launcher="python"))
+    output = check_ok(
+        launch(
+            "scripts/imagenet.py",
+            *args,
+            "-j",
+            "2",
+            "--output-dir",
+            tmp_path / "cut",
+            "--resume",
+            "latest",
+            launcher="python",
+        )
+    )
     assert "step 8, epoch 1, skipping 2 batches" in output
     full, cut = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("full", "cut"))
     assert all(torch.equal(full[key], cut[key]) for key in full)
@@ -175,16 +293,19 @@ def test_resume_right_after_an_evaluation_does_not_evaluate_again(tmp_path):
     args = [data, *SMALL, "--epochs", "2", "--checkpointing-steps", "6"]  # step 6 ends epoch 1, evaluated there
     check_ok(launch("scripts/imagenet.py", *args, "--output-dir", tmp_path / "full", launcher="python"))
     import shutil
+
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step_6", tmp_path / "cut" / "checkpoints" / "step_6")
     shutil.copy(tmp_path / "full" / "history.json", tmp_path / "cut" / "history.json")
-    output = check_ok(launch("scripts/imagenet.py", *args, "--output-dir", tmp_path / "cut", "--resume", "latest",
-                             launcher="python"))
+    output = check_ok(
+        launch("scripts/imagenet.py", *args, "--output-dir", tmp_path / "cut", "--resume", "latest", launcher="python")
+    )
     assert "step 6: eval_loss" not in output
     assert [r["step"] for r in json.loads((tmp_path / "cut" / "history.json").read_text())] == [6, 12]
 
 
 def test_uint8_batches_normalised_on_the_device_equal_the_loader_path():
     from ddp_accel.vision.data import DeviceNormalize, image_transforms
+
     image = Image.fromarray((np.random.default_rng(0).random((40, 48, 3)) * 255).astype("uint8"))
     mean, std = (0.4914, 0.4822, 0.4465), (0.247, 0.243, 0.261)
     _, float_val = image_transforms(32, mean, std, "imagenet", uint8=False)

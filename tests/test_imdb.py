@@ -19,9 +19,20 @@ SHARED_IMDB = Path(__file__).resolve().parents[2] / "shared" / "data" / "imdb_tr
 
 
 def test_tokenizer_matches_basic_english():
-    assert basic_english("Great movie!<br /><br />I LOVED it, (really).") == \
-        ["great", "movie", "!", "i", "loved", "it", ",", "(", "really", ")", "."]
-    assert basic_english("Don't \"quote\" me; ok: fine?") == ["don", "'", "t", "quote", "me", "ok", "fine", "?"]
+    assert basic_english("Great movie!<br /><br />I LOVED it, (really).") == [
+        "great",
+        "movie",
+        "!",
+        "i",
+        "loved",
+        "it",
+        ",",
+        "(",
+        "really",
+        ")",
+        ".",
+    ]
+    assert basic_english('Don\'t "quote" me; ok: fine?') == ["don", "'", "t", "quote", "me", "ok", "fine", "?"]
     assert basic_english("Amélie était très BELLE") == ["amélie", "était", "très", "belle"]
 
 
@@ -52,7 +63,9 @@ def test_bucketing_keeps_every_sample_once_and_groups_lengths(epoch):
 
 
 def write_sources(root: Path) -> dict:
-    rows = [{"text": f"{'great wonderful' if i % 2 else 'awful boring'} film number {i}", "label": i % 2} for i in range(40)]
+    rows = [
+        {"text": f"{'great wonderful' if i % 2 else 'awful boring'} film number {i}", "label": i % 2} for i in range(40)
+    ]
     paths = {}
     with open(root / "reviews.jsonl", "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
@@ -61,6 +74,7 @@ def write_sources(root: Path) -> dict:
         f.writelines(json.dumps(row) + "\n" for row in rows)
     paths["jsonl.gz"] = root / "reviews.jsonl.gz"
     import datasets
+
     table = datasets.Dataset.from_list([{**row, "label": "pos" if row["label"] else "neg"} for row in rows])
     table.to_csv(root / "reviews.csv")
     paths["csv"] = root / "reviews.csv"
@@ -93,11 +107,14 @@ def test_aclimdb_folder_layout(tmp_path):
         sources.load_aclimdb(tmp_path / "aclImdb" / "train", "train")
 
 
-@pytest.mark.parametrize("content,message", [
-    ('{"review": "x", "label": 1}\n', "needs columns 'text' and 'label'"),
-    ('{"text": "x", "label": 3}\n', "labels must be 0/1 or pos/neg"),
-    ('', "empty file"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ('{"review": "x", "label": 1}\n', "needs columns 'text' and 'label'"),
+        ('{"text": "x", "label": 3}\n', "labels must be 0/1 or pos/neg"),
+        ("", "empty file"),
+    ],
+)
 def test_bad_files_are_clear_errors(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
@@ -111,8 +128,9 @@ def test_bad_input_from_the_command_line(tmp_path):
     result = launch("scripts/imdb.py", "--output-dir", tmp_path / "untrained", "--predict", "hello", launcher="python")
     assert_clean_error(result, "Train first")
     for model_choice in (["--model", "gcnn"], ["--recipe"]):  # neither has a sparse table: not a silent dense run
-        result = launch("scripts/imdb.py", "--output-dir", tmp_path / "dense", *model_choice, "--sparse", "on",
-                        launcher="python")
+        result = launch(
+            "scripts/imdb.py", "--output-dir", tmp_path / "dense", *model_choice, "--sparse", "on", launcher="python"
+        )
         assert_clean_error(result, "--sparse on: only --model bag")
         assert not (tmp_path / "dense").exists()
 
@@ -124,7 +142,6 @@ def test_ngram_hashing_ignores_padding():
     bigrams = ids[0, 4:].tolist()
     assert bigrams[0] >= 10 and bigrams[1:] == [1, 1]  # (2,3) hashed; (3,pad), (pad,pad) are padding
     assert GCNN(vocab_size=10)(torch.ones(2, GCNN(10).min_length, dtype=torch.long)).shape == (2, 2)
-
 
 
 def test_ngram_hash_spreads_bigrams_over_the_buckets():
@@ -141,11 +158,23 @@ def test_ngram_hash_spreads_bigrams_over_the_buckets():
 def test_arrow_encoding_matches_the_python_tokenizer_and_vocab(tmp_path, max_length):
     from accelerate import Accelerator
     from ddp_accel.text.pipeline import prepare_text_data
-    texts = ["Great movie!<br />I LOVED it.", "Awful, awful film; zzz-unknown words", "Don't \"quote\" me", "a b c d e f g"]
+
+    texts = [
+        "Great movie!<br />I LOVED it.",
+        "Awful, awful film; zzz-unknown words",
+        'Don\'t "quote" me',
+        "a b c d e f g",
+    ]
     rows = [{"text": f"{texts[i % 4]} {i}", "label": i % 2} for i in range(20)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    text = prepare_text_data(Accelerator(cpu=True), output_dir=str(tmp_path / "out"), val_fraction=0.2, min_freq=2,
-                             train_file=str(tmp_path / "train.jsonl"), max_length=max_length)
+    text = prepare_text_data(
+        Accelerator(cpu=True),
+        output_dir=str(tmp_path / "out"),
+        val_fraction=0.2,
+        min_freq=2,
+        train_file=str(tmp_path / "train.jsonl"),
+        max_length=max_length,
+    )
     split = sources.load_file(str(tmp_path / "train.jsonl")).train_test_split(test_size=0.2, seed=0)
     vocab = Vocab.build([basic_english(t) for t in split["train"]["text"]], min_freq=2)
     assert text.vocab.itos == vocab.itos
@@ -156,12 +185,18 @@ def test_arrow_encoding_matches_the_python_tokenizer_and_vocab(tmp_path, max_len
         assert encoded["label"][:] == raw["label"][:]
     assert text.truncated == (sum(len(basic_english(t)) > 4 for t in split["train"]["text"]) if max_length else 0)
 
+
 def test_encoded_reviews_read_the_arrow_buffers_of_every_chunk(tmp_path):
     import datasets
     from ddp_accel.text.pipeline import EncodedReviews, PadCollate
+
     rows = [list(range(2, 2 + n)) for n in range(1, 30)]
-    parts = [datasets.Dataset.from_dict({"input_ids": rows[i::3], "label": [i % 2] * len(rows[i::3]),
-                                         "length": [len(r) for r in rows[i::3]]}) for i in range(3)]
+    parts = [
+        datasets.Dataset.from_dict(
+            {"input_ids": rows[i::3], "label": [i % 2] * len(rows[i::3]), "length": [len(r) for r in rows[i::3]]}
+        )
+        for i in range(3)
+    ]
     combined = datasets.concatenate_datasets(parts)  # several arrow chunks
     for dataset in (combined, combined.select([5, 0, 17, 3])):  # also an index view
         reviews = EncodedReviews(dataset)
@@ -171,13 +206,30 @@ def test_encoded_reviews_read_the_arrow_buffers_of_every_chunk(tmp_path):
             assert ids.tolist() == dataset[i]["input_ids"] and label == dataset[i]["label"]
         input_ids, labels = PadCollate(pad_id=1, min_length=3)(reviews.__getitems__([0, 1]))
         assert input_ids.shape == (2, max(3, *(len(dataset[i]["input_ids"]) for i in (0, 1))))
-        assert input_ids[0, len(dataset[0]["input_ids"]):].eq(1).all() and labels.tolist() == dataset["label"][:2]
+        assert input_ids[0, len(dataset[0]["input_ids"]) :].eq(1).all() and labels.tolist() == dataset["label"][:2]
+
 
 @pytest.mark.parametrize("model", ["bag", "gcnn"])
 def test_two_processes_learn_synthetic_sentiment_and_count_each_review_once(tmp_path, model):
     epochs = 3 if model == "bag" else 4
-    output = check_ok(launch("scripts/imdb.py", "--dataset", "synthetic", "--model", model, "--output-dir", tmp_path,
-                             "--epochs", epochs, "--batch-size", 32, "--buckets", 20_000, env={"HF_HUB_OFFLINE": "1"}))
+    output = check_ok(
+        launch(
+            "scripts/imdb.py",
+            "--dataset",
+            "synthetic",
+            "--model",
+            model,
+            "--output-dir",
+            tmp_path,
+            "--epochs",
+            epochs,
+            "--batch-size",
+            32,
+            "--buckets",
+            20_000,
+            env={"HF_HUB_OFFLINE": "1"},
+        )
+    )
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     # 3600 training reviews = 113 batches of 32, 57 per rank: every epoch runs to its end
     assert metrics["steps"] == epochs * 57, metrics["steps"]
@@ -186,8 +238,15 @@ def test_two_processes_learn_synthetic_sentiment_and_count_each_review_once(tmp_
     assert metrics["test_accuracy"] > 0.8, metrics
     assert "SYNTHETIC" in output
     assert (tmp_path / "vocab.json").is_file()
-    predicted = launch("scripts/imdb.py", "--output-dir", tmp_path, "--predict", "a wonderful superb film",
-                       "an awful boring mess", launcher="python")
+    predicted = launch(
+        "scripts/imdb.py",
+        "--output-dir",
+        tmp_path,
+        "--predict",
+        "a wonderful superb film",
+        "an awful boring mess",
+        launcher="python",
+    )
     lines = [line for line in check_ok(predicted).splitlines() if line.startswith(("positive", "negative"))]
     assert "trained on the built-in SYNTHETIC corpus" in predicted.stderr
     assert lines[0].startswith("positive") and lines[1].startswith("negative"), lines
@@ -198,8 +257,18 @@ def test_offline_imdb_falls_back_to_synthetic_with_one_line(tmp_path, offline):
     # 2 processes: both fail to reach the hub, neither hangs in the download barrier. Without HF_HUB_OFFLINE the
     # hub client used to retry for ~40 s ("Retrying in 1s ... 8s"); one short connection attempt decides now.
     env = {"HF_HUB_OFFLINE": "1"} if offline == "HF_HUB_OFFLINE" else {"HF_ENDPOINT": "http://127.0.0.1:9"}
-    output = check_ok(launch("scripts/imdb.py", "--output-dir", tmp_path, "--max-steps", 3, "--buckets", 1000,
-                             env=env if offline == "HF_HUB_OFFLINE" else {**env, "HF_HUB_OFFLINE": ""}))
+    output = check_ok(
+        launch(
+            "scripts/imdb.py",
+            "--output-dir",
+            tmp_path,
+            "--max-steps",
+            3,
+            "--buckets",
+            1000,
+            env=env if offline == "HF_HUB_OFFLINE" else {**env, "HF_HUB_OFFLINE": ""},
+        )
+    )
     assert sum("IMDB cannot be reached" in line for line in output.splitlines()) == 1, output[-3000:]
     assert "Retrying" not in output, output[-3000:]
     # the run ends with one summary line: what it reached and where the outputs are
@@ -221,8 +290,19 @@ def test_second_run_reuses_the_encoded_cache(tmp_path):
 @pytest.mark.skipif(not SHARED_IMDB.is_file(), reason="../shared/data/imdb_train.jsonl.gz not present")
 def test_nb_weighted_bag_on_real_imdb_reaches_92_percent_held_out(tmp_path):
     # the defaults (NB weights, 1M buckets, sparse updates) gave 93.2% after 2 epochs on this split; 91.3% without NB
-    check_ok(launch("scripts/imdb.py", "--train-file", SHARED_IMDB, "--output-dir", tmp_path, "--epochs", 2,
-                    launcher="python", timeout=900))
+    check_ok(
+        launch(
+            "scripts/imdb.py",
+            "--train-file",
+            SHARED_IMDB,
+            "--output-dir",
+            tmp_path,
+            "--epochs",
+            2,
+            launcher="python",
+            timeout=900,
+        )
+    )
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["eval_samples"] == 2500
     assert metrics["eval_accuracy"] > 0.92, metrics

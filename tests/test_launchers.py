@@ -21,12 +21,22 @@ def run_with(launcher: str, output_dir) -> str:
     if launcher in ("accelerate", "torchrun"):
         return check_ok(launch("tests/probe.py", *args, launcher=launcher))
     if launcher in ("torch.distributed.run", "torch.distributed.launch"):  # launch: legacy, passes --local-rank
-        command = [sys.executable, "-m", launcher, "--nproc_per_node", "2",
-                   "--master_port", str(free_port()), "tests/probe.py", *args]
+        command = [
+            sys.executable,
+            "-m",
+            launcher,
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "tests/probe.py",
+            *args,
+        ]
     else:  # notebook / debug
         command = [sys.executable, "tests/launcher_driver.py", launcher, *args]
-    return check_ok(subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                                   env={**os.environ, **env}))
+    return check_ok(
+        subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, **env})
+    )
 
 
 def test_all_launchers_give_bitwise_identical_weights(tmp_path):
@@ -46,8 +56,9 @@ def test_notebook_runs_two_processes_in_a_real_kernel(tmp_path):
     nbclient = pytest.importorskip("nbclient")
     shutil.copy(ROOT / "scripts" / "notebook_launcher.ipynb", tmp_path)
     notebook = nbformat.read(tmp_path / "notebook_launcher.ipynb", as_version=4)
-    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    nbclient.NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     text = "\n".join(output.get("text", "") for cell in notebook.cells for output in cell.get("outputs", []))
     assert "world size 2 (MULTI_CPU), eval accuracy 1.000 on 200 samples" in text, text[-2000:]
     # (accelerate's own line says "Launching training on 2 CUDAs" with a CUDA build of torch even without a

@@ -26,10 +26,25 @@ def test_two_machines_on_one_host(tmp_path, rdzv_backend, per_machine):
     port = free_port()
     machines = []
     for machine_rank in (0, 1):
-        command = [str(BIN / "accelerate"), "launch", "--config_file", str(MULTI_NODE_YAML),
-                   "--machine_rank", str(machine_rank), "--main_process_ip", "127.0.0.1",
-                   "--main_process_port", str(port), "--num_processes", str(2 * per_machine),
-                   "--rdzv_backend", rdzv_backend, "scripts/minimal.py", "--output-dir", str(tmp_path / "out")]
+        command = [
+            str(BIN / "accelerate"),
+            "launch",
+            "--config_file",
+            str(MULTI_NODE_YAML),
+            "--machine_rank",
+            str(machine_rank),
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            str(port),
+            "--num_processes",
+            str(2 * per_machine),
+            "--rdzv_backend",
+            rdzv_backend,
+            "scripts/minimal.py",
+            "--output-dir",
+            str(tmp_path / "out"),
+        ]
         machines.append(start_node(command))
         if machine_rank == 0:
             # machine 0's `accelerate launch` checks that the port is free; with c10d the other machine could

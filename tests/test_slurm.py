@@ -14,9 +14,13 @@ import torch
 from conftest import ROOT, weights
 from slurm_cluster import LocalSlurm, missing_binaries
 
-pytestmark = pytest.mark.skipif(bool(missing_binaries()), reason=(
-    f"SLURM is not installed ({', '.join(missing_binaries())} missing): "
-    "apt-get install slurmctld slurmd slurm-client munge"))
+pytestmark = pytest.mark.skipif(
+    bool(missing_binaries()),
+    reason=(
+        f"SLURM is not installed ({', '.join(missing_binaries())} missing): "
+        "apt-get install slurmctld slurmd slurm-client munge"
+    ),
+)
 
 # 256 samples, 2 nodes x 1 process x batch 4: 32 steps an epoch; a checkpoint every 5 steps; dropout on
 PROBE_ARGS = "--batch-size 4 --epochs 3 --train-size 256 --dropout 0.3 --checkpointing-steps 5 --step-ms 40"
@@ -32,8 +36,15 @@ def slurm(tmp_path_factory):
 
 def submit(slurm: LocalSlurm, output_dir: Path) -> tuple[str, Path]:
     log = output_dir.parent / f"{output_dir.name}.slurm.log"
-    env = {"SCRIPT": "tests/probe.py", "SCRIPT_ARGS": PROBE_ARGS, "OUTPUT_DIR": str(output_dir), "PROCESSES_PER_NODE": "1",
-           "VENV": str(Path(sys.executable).parent.parent), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {
+        "SCRIPT": "tests/probe.py",
+        "SCRIPT_ARGS": PROBE_ARGS,
+        "OUTPUT_DIR": str(output_dir),
+        "PROCESSES_PER_NODE": "1",
+        "VENV": str(Path(sys.executable).parent.parent),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     job = slurm.sbatch(ROOT / "slurm" / "train.sbatch", *SBATCH_OPTIONS, f"--output={log}", env=env, cwd=ROOT)
     return job, log
 
@@ -43,7 +54,9 @@ def finish(slurm: LocalSlurm, job: str, log: Path, requeues: int = 0) -> str:
     for restart in range(1, requeues + 1):
         deadline = time.monotonic() + 120
         while int(slurm.job(job).get("Restarts", 0)) < restart:  # the job state passes through transient ones
-            assert time.monotonic() < deadline, f"job {job} was not requeued: {slurm.job(job)}\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, (
+                f"job {job} was not requeued: {slurm.job(job)}\n{log.read_text()[-3000:]}"
+            )
             time.sleep(0.1)
         if slurm.wait_state(job, "PENDING", "RUNNING")["JobState"] == "PENDING":
             # SLURM holds a requeued job ~120 s; starting it before the nodes have cleaned up the previous run
@@ -108,11 +121,19 @@ def test_signal_checkpoint_requeue_resume_loses_nothing(slurm, uninterrupted, tm
     assert resumed and int(resumed.group(1)) == stopped, text[-3000:]  # no step redone, none skipped
     assert not (output_dir / "preempted.json").exists()
     reference, final = weights(uninterrupted[0]), weights(output_dir)
-    assert all(torch.equal(reference[key], final[key]) for key in reference), "weights differ from the uninterrupted run"
+    assert all(torch.equal(reference[key], final[key]) for key in reference), (
+        "weights differ from the uninterrupted run"
+    )
     rerun = re.search(r"(\d\d):(\d\d):(\d\d) job \d+ run 2:", text)
     local = time.localtime(signalled_at)  # the script's `date +%T` is local time, to the second
-    rerun_s = (int(rerun.group(1)) * 3600 + int(rerun.group(2)) * 60 + int(rerun.group(3))
-               - (local.tm_hour * 3600 + local.tm_min * 60 + local.tm_sec)) % 86400
-    print(f"\n{how}: stopped at step {stopped}, checkpoint complete {signal_to_saved:.1f} s after the signal; "
-          f"the requeued run started {rerun_s:.0f} s after the signal (the test starts it once the nodes are idle)",
-          file=sys.stderr)
+    rerun_s = (
+        int(rerun.group(1)) * 3600
+        + int(rerun.group(2)) * 60
+        + int(rerun.group(3))
+        - (local.tm_hour * 3600 + local.tm_min * 60 + local.tm_sec)
+    ) % 86400
+    print(
+        f"\n{how}: stopped at step {stopped}, checkpoint complete {signal_to_saved:.1f} s after the signal; "
+        f"the requeued run started {rerun_s:.0f} s after the signal (the test starts it once the nodes are idle)",
+        file=sys.stderr,
+    )

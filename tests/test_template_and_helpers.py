@@ -11,8 +11,19 @@ from ddp_accel.checkpoint import load_plain_ddp_checkpoint
 
 
 def test_template_trains_validates_and_tests_on_two_processes(tmp_path):
-    output = check_ok(launch("scripts/template.py", "--output-dir", tmp_path, "--epochs", 4, "--eval-interval", 2,
-                             "--checkpointing-steps", "epoch"))
+    output = check_ok(
+        launch(
+            "scripts/template.py",
+            "--output-dir",
+            tmp_path,
+            "--epochs",
+            4,
+            "--eval-interval",
+            2,
+            "--checkpointing-steps",
+            "epoch",
+        )
+    )
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["world_size"] == 2
     assert metrics["test_samples"] == 500 and metrics["eval_samples"] == 500
@@ -23,10 +34,34 @@ def test_template_trains_validates_and_tests_on_two_processes(tmp_path):
 
 
 def test_template_no_val_then_resume(tmp_path):
-    check_ok(launch("scripts/template.py", "--output-dir", tmp_path, "--epochs", 2, "--no-val",
-                    "--checkpointing-steps", "epoch", launcher="python"))
-    output = check_ok(launch("scripts/template.py", "--output-dir", tmp_path, "--epochs", 3, "--no_val",
-                             "--checkpointing_steps", "epoch", "--resume_from_checkpoint", "latest", launcher="python"))
+    check_ok(
+        launch(
+            "scripts/template.py",
+            "--output-dir",
+            tmp_path,
+            "--epochs",
+            2,
+            "--no-val",
+            "--checkpointing-steps",
+            "epoch",
+            launcher="python",
+        )
+    )
+    output = check_ok(
+        launch(
+            "scripts/template.py",
+            "--output-dir",
+            tmp_path,
+            "--epochs",
+            3,
+            "--no_val",
+            "--checkpointing_steps",
+            "epoch",
+            "--resume_from_checkpoint",
+            "latest",
+            launcher="python",
+        )
+    )
     assert "resumed from" in output and "eval_accuracy" not in output
     assert json.loads((tmp_path / "metrics.json").read_text())["test_samples"] == 500
 
@@ -65,8 +100,16 @@ def test_load_checkpoint_of_a_plain_ddp_script(tmp_path, prefix):
     source(torch.randn(2, 10)).sum().backward()
     optimizer.step()
     state = {prefix + key: value for key, value in source.state_dict().items()}
-    torch.save({"epoch": 3, "step": 500, "model_state_dict": state,
-                "optimizer_state_dict": optimizer.state_dict(), "loss": 0.25}, tmp_path / "ckpt.pt")
+    torch.save(
+        {
+            "epoch": 3,
+            "step": 500,
+            "model_state_dict": state,
+            "optimizer_state_dict": optimizer.state_dict(),
+            "loss": 0.25,
+        },
+        tmp_path / "ckpt.pt",
+    )
     target = torch.nn.Linear(10, 10)
     target_optimizer = torch.optim.SGD(target.parameters(), lr=0.1, momentum=0.9)
     extra = load_plain_ddp_checkpoint(tmp_path / "ckpt.pt", target, target_optimizer)

@@ -16,12 +16,15 @@ from conftest import BIN, ROOT, assert_clean_error, launch
 from ddp_accel import tracking
 from ddp_accel.errors import UserError
 
-needs_trackers = pytest.mark.skipif(not (tracking.installed("mlflow") and tracking.installed("wandb")),
-                                    reason="mlflow and wandb not installed: pip install -e .[tracking]")
+needs_trackers = pytest.mark.skipif(
+    not (tracking.installed("mlflow") and tracking.installed("wandb")),
+    reason="mlflow and wandb not installed: pip install -e .[tracking]",
+)
 
 
 def tensorboard_steps(directory: Path, tag: str) -> list[int]:
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
     steps = []
     for events in sorted(directory.glob("events.out.tfevents.*")):  # one file per process start, in time order
         for event in EventFileLoader(str(events)).Load():
@@ -39,8 +42,8 @@ def wandb_records(run_file: Path) -> list[bytes]:
         if left < 7:  # block padding
             position += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[position:position + 7])
-        pending += data[position + 7:position + 7 + length]
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        pending += data[position + 7 : position + 7 + length]
         position += 7 + length
         if kind in (1, 4):
             records.append(pending)
@@ -52,6 +55,7 @@ def wandb_records(run_file: Path) -> list[bytes]:
 
 def wandb_history_steps(run_file: Path) -> list[int]:
     from wandb.proto import wandb_internal_pb2
+
     steps = []
     for data in wandb_records(run_file):
         record = wandb_internal_pb2.Record()
@@ -66,12 +70,42 @@ def wandb_history_steps(run_file: Path) -> list[int]:
 @needs_trackers
 def test_every_tracker_keeps_one_run_across_a_kill_and_resume(tmp_path):
     output_dir = tmp_path / "run"
-    command = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "--max_restarts", "1",
-               "--monitor_interval", "0.2", str(ROOT / "tests" / "probe.py"), "--output-dir", str(output_dir),
-               "--batch-size", "4", "--train-size", "256", "--epochs", "2", "--step-ms", "30", "--log-steps", "1",
-               "--checkpointing-steps", "10", "--report-to", "all", "--resume-from-checkpoint", "latest"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
-           "MLFLOW_TRACKING_URI": ""}
+    command = [
+        str(BIN / "torchrun"),
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "--max_restarts",
+        "1",
+        "--monitor_interval",
+        "0.2",
+        str(ROOT / "tests" / "probe.py"),
+        "--output-dir",
+        str(output_dir),
+        "--batch-size",
+        "4",
+        "--train-size",
+        "256",
+        "--epochs",
+        "2",
+        "--step-ms",
+        "30",
+        "--log-steps",
+        "1",
+        "--checkpointing-steps",
+        "10",
+        "--report-to",
+        "all",
+        "--resume-from-checkpoint",
+        "latest",
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "MLFLOW_TRACKING_URI": "",
+    }
     env.pop("MLFLOW_TRACKING_URI")
     log = open(tmp_path / "torchrun.log", "w")
     agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
@@ -83,8 +117,12 @@ def test_every_tracker_keeps_one_run_across_a_kill_and_resume(tmp_path):
     logged_before_kill = tracking.read_state(output_dir)["last_logged_step"]
     # rank 1 dies: the main process (the one that talks to the trackers) ends through its error path, so that
     # W&B, which buffers in a process of its own, writes what it holds (a SIGKILLed main process loses that part)
-    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()]
-    rank1 = next(pid for pid in workers if b"RANK=1\x00" in Path(f"/proc/{pid}/environ").read_bytes().replace(b"LOCAL_RANK", b""))
+    workers = [
+        int(p) for p in subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
+    ]
+    rank1 = next(
+        pid for pid in workers if b"RANK=1\x00" in Path(f"/proc/{pid}/environ").read_bytes().replace(b"LOCAL_RANK", b"")
+    )
     os.kill(rank1, signal.SIGKILL)
     assert agent.wait(timeout=240) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
     text = (tmp_path / "torchrun.log").read_text()
@@ -100,6 +138,7 @@ def test_every_tracker_keeps_one_run_across_a_kill_and_resume(tmp_path):
 
     # MLflow: one run in the experiment, its metric history every step once
     from mlflow.tracking import MlflowClient
+
     client = MlflowClient(tracking_uri=f"sqlite:///{output_dir.resolve()}/mlflow.db")
     experiment = client.get_experiment_by_name("probe")
     runs = client.search_runs([experiment.experiment_id])
@@ -118,13 +157,18 @@ def test_every_tracker_keeps_one_run_across_a_kill_and_resume(tmp_path):
     # not yet written is lost with it (it is in the workers' process group, which torch elastic signals)
     assert wandb_steps == sorted(set(wandb_steps)) and wandb_steps[-1] == total, wandb_steps
     assert set(range(logged_before_kill + 1, total + 1)) <= set(wandb_steps), wandb_steps
-    print(f"\nkilled after step {logged_before_kill} was logged; resumed from step 10; TensorBoard and MLflow hold "
-          f"steps 1..{total} once, W&B steps {wandb_steps[0]}..{total} once", file=sys.stderr)
+    print(
+        f"\nkilled after step {logged_before_kill} was logged; resumed from step 10; TensorBoard and MLflow hold "
+        f"steps 1..{total} once, W&B steps {wandb_steps[0]}..{total} once",
+        file=sys.stderr,
+    )
 
 
 def test_a_missing_tracker_package_is_one_line_before_training(tmp_path, monkeypatch):
     monkeypatch.setattr(tracking, "installed", lambda name: name == "tensorboard")
-    with pytest.raises(UserError, match=r"--report-to mlflow: the mlflow package is not installed; pip install -e \.\[tracking\]"):
+    with pytest.raises(
+        UserError, match=r"--report-to mlflow: the mlflow package is not installed; pip install -e \.\[tracking\]"
+    ):
         tracking.tracker_names("mlflow")
     assert tracking.tracker_names("all") == ["tensorboard"]  # all: every installed tracker
     assert tracking.tracker_names("none", with_tracking=True) == ["tensorboard"]

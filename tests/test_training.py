@@ -12,8 +12,18 @@ PROBE = "tests/probe.py"
 
 
 def probe(output_dir, *args, nproc=2, launcher="accelerate"):
-    return check_ok(launch(PROBE, "--output-dir", output_dir, "--dropout", "0", *args, nproc=nproc,
-                           launcher=launcher if nproc > 1 else "python"))
+    return check_ok(
+        launch(
+            PROBE,
+            "--output-dir",
+            output_dir,
+            "--dropout",
+            "0",
+            *args,
+            nproc=nproc,
+            launcher=launcher if nproc > 1 else "python",
+        )
+    )
 
 
 def assert_same_weights(dir_a, dir_b, atol=1e-6):
@@ -41,8 +51,20 @@ def test_complex_parameters_train_the_same_on_one_and_two_processes_and_resume_b
     assert trained.dtype == torch.complex64 and (trained - initial).imag.abs().max() > 1e-3  # trained, not stuck
     assert_same_weights(tmp_path / "one", tmp_path / "two")
     shutil.copytree(tmp_path / "two" / "checkpoints" / "step_5", tmp_path / "cut" / "checkpoints" / "step_5")
-    probe(tmp_path / "cut", "--complex", "--batch-size", 4, "--epochs", 2, "--lr", "0.01", "--checkpointing-steps", 5,
-          "--resume-from-checkpoint", "latest")
+    probe(
+        tmp_path / "cut",
+        "--complex",
+        "--batch-size",
+        4,
+        "--epochs",
+        2,
+        "--lr",
+        "0.01",
+        "--checkpointing-steps",
+        5,
+        "--resume-from-checkpoint",
+        "latest",
+    )
     assert_same_weights(tmp_path / "two", tmp_path / "cut", atol=0)
 
 
@@ -60,11 +82,15 @@ def test_sparse_embedding_gradients_train_the_same_on_one_and_two_processes_and_
 
 def test_sparse_adamw_is_sparse_adam_plus_decay_of_the_touched_rows():
     from ddp_accel.optim import SparseAdamW
+
     torch.manual_seed(0)
     tables = [torch.nn.Embedding(50, 4, sparse=True) for _ in range(3)]
     for table in tables[1:]:
         table.load_state_dict(tables[0].state_dict())
-    ours, decayed = SparseAdamW(tables[0].parameters(), lr=0.1), SparseAdamW(tables[2].parameters(), lr=0.1, weight_decay=0.5)
+    ours, decayed = (
+        SparseAdamW(tables[0].parameters(), lr=0.1),
+        SparseAdamW(tables[2].parameters(), lr=0.1, weight_decay=0.5),
+    )
     reference = torch.optim.SparseAdam(tables[1].parameters(), lr=0.1)
     for step in range(6):
         # rows 20..49 are never touched; repeated ids sum their gradients; distinct increasing ids (what the bag's
@@ -84,6 +110,7 @@ def test_one_gradient_scaler_unscales_the_sparse_and_dense_gradients_once():
     # fp16 with two optimizers (accelerate#439): as one Optimizers, clip_grad_norm_'s unscale_ and the step's
     # must not divide twice; the sparse table gradient is unscaled like the dense one
     from ddp_accel.optim import Optimizers, SparseAdamW
+
     torch.manual_seed(0)
     table, head = torch.nn.Embedding(20, 4, sparse=True), torch.nn.Linear(4, 1)
     ids = torch.tensor([1, 2, 2, 5])
@@ -115,11 +142,13 @@ def test_ranks_see_disjoint_shards_and_epochs_reshuffle(tmp_path):
     per_epoch = 40 // (4 * 2)  # batches per rank per epoch
     epochs = []
     for epoch in range(2):
-        shards = [{i for batch in rank_batches[epoch * per_epoch:(epoch + 1) * per_epoch] for i in batch}
-                  for rank_batches in seen]
+        shards = [
+            {i for batch in rank_batches[epoch * per_epoch : (epoch + 1) * per_epoch] for i in batch}
+            for rank_batches in seen
+        ]
         assert not shards[0] & shards[1], "ranks saw the same sample in one epoch"
         assert shards[0] | shards[1] == set(range(40)), "an epoch did not cover the dataset"
-        epochs.append([i for batch in seen[0][epoch * per_epoch:(epoch + 1) * per_epoch] for i in batch])
+        epochs.append([i for batch in seen[0][epoch * per_epoch : (epoch + 1) * per_epoch] for i in batch])
     assert epochs[0] != epochs[1], "epoch 2 repeated epoch 1's order: set_epoch not applied"
 
 
@@ -180,8 +209,17 @@ def test_a_damaged_newest_checkpoint_falls_back_and_an_explicit_one_is_an_error(
             shutil.rmtree(later)
     damaged = tmp_path / "cut" / "checkpoints" / "step_8" / "random_states_0.pkl"
     damaged.write_bytes(damaged.read_bytes()[:100])  # truncated: Accelerate alone would only log it
-    result = launch(PROBE, "--output-dir", tmp_path / "cut", "--dropout", "0", *common, "--resume-from-checkpoint",
-                    tmp_path / "cut" / "checkpoints" / "step_8", launcher="python")
+    result = launch(
+        PROBE,
+        "--output-dir",
+        tmp_path / "cut",
+        "--dropout",
+        "0",
+        *common,
+        "--resume-from-checkpoint",
+        tmp_path / "cut" / "checkpoints" / "step_8",
+        launcher="python",
+    )
     assert_clean_error(result, "step_8 is damaged", "random_states_0.pkl")
     output = probe(tmp_path / "cut", *common, "--resume-from-checkpoint", "latest", nproc=1)
     assert "step_8 is damaged (random_states_0.pkl has 100 bytes" in output and "resumed from" in output

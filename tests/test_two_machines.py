@@ -15,8 +15,22 @@ import torch
 from conftest import BIN, ROOT, check_ok, free_port, launch, weights
 
 MULTI_NODE_YAML = ROOT / "accelerate_configs" / "multi_node.yaml"
-PROBE_ARGS = ["--batch-size", "4", "--epochs", "3", "--train-size", "256", "--dropout", "0.3", "--checkpointing-steps", "5",
-              "--step-ms", "30", "--timeout-s", "15"]
+PROBE_ARGS = [
+    "--batch-size",
+    "4",
+    "--epochs",
+    "3",
+    "--train-size",
+    "256",
+    "--dropout",
+    "0.3",
+    "--checkpointing-steps",
+    "5",
+    "--step-ms",
+    "30",
+    "--timeout-s",
+    "15",
+]
 
 
 def namespaces_available() -> str | None:
@@ -59,14 +73,33 @@ def two_machines():
 
 def start_machine(machines, rank: int, output_dir: Path, port: int, log: Path) -> subprocess.Popen:
     space, veth = machines["namespaces"][rank], machines["veths"][rank]
-    command = ["ip", "netns", "exec", space, str(BIN / "accelerate"), "launch", "--config_file", str(MULTI_NODE_YAML),
-               "--machine_rank", str(rank), "--main_process_ip", machines["address"], "--main_process_port", str(port),
-               str(ROOT / "tests" / "probe.py"), *PROBE_ARGS, "--output-dir", str(output_dir),
-               "--resume-from-checkpoint", "latest"]
+    command = [
+        "ip",
+        "netns",
+        "exec",
+        space,
+        str(BIN / "accelerate"),
+        "launch",
+        "--config_file",
+        str(MULTI_NODE_YAML),
+        "--machine_rank",
+        str(rank),
+        "--main_process_ip",
+        machines["address"],
+        "--main_process_port",
+        str(port),
+        str(ROOT / "tests" / "probe.py"),
+        *PROBE_ARGS,
+        "--output-dir",
+        str(output_dir),
+        "--resume-from-checkpoint",
+        "latest",
+    ]
     # gloo picks the interface its host name resolves to (loopback here): name the one between the machines
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": veth}
-    return subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env,
-                            start_new_session=True)
+    return subprocess.Popen(
+        command, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
+    )
 
 
 def run_both(machines, output_dir: Path, tmp_path: Path, attempt: str, cut_after_step: int | None = None):
@@ -113,5 +146,8 @@ def test_two_machines_with_their_own_addresses_survive_a_cut_link(two_machines, 
     check_ok(launch("tests/probe.py", *PROBE_ARGS, "--output-dir", reference))
     a, b = weights(reference), weights(output_dir)
     assert all(torch.equal(a[key], b[key]) for key in a)
-    print(f"\nlink cut after step 5: both machines ended {ended_s:.1f} s later (--timeout-s 15); resumed from "
-          f"{[l for l in logs[0].splitlines() if 'resumed from' in l][0].split(': ')[1]}", file=__import__('sys').stderr)
+    print(
+        f"\nlink cut after step 5: both machines ended {ended_s:.1f} s later (--timeout-s 15); resumed from "
+        f"{[l for l in logs[0].splitlines() if 'resumed from' in l][0].split(': ')[1]}",
+        file=__import__("sys").stderr,
+    )

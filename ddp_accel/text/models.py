@@ -31,8 +31,18 @@ class GCNN(nn.Module):
     `dropout` are our options.
     """
 
-    def __init__(self, vocab_size: int, pad_id: int = 1, dim: int = 64, kernel_size: int = KERNEL_SIZE, stride: int = STRIDE,
-                 hidden: int = 128, pool: str = "mean", dropout: float = 0.0, num_classes: int = 2):
+    def __init__(
+        self,
+        vocab_size: int,
+        pad_id: int = 1,
+        dim: int = 64,
+        kernel_size: int = KERNEL_SIZE,
+        stride: int = STRIDE,
+        hidden: int = 128,
+        pool: str = "mean",
+        dropout: float = 0.0,
+        num_classes: int = 2,
+    ):
         super().__init__()
         self.embedding = nn.Embedding(vocab_size, dim, padding_idx=pad_id)
         nn.init.xavier_uniform_(self.embedding.weight)
@@ -62,15 +72,26 @@ class NgramBag(nn.Module):
     pipeline is the same for every model.
     """
 
-    def __init__(self, vocab_size: int, pad_id: int = 1, dim: int = 64, ngrams: int = 1, buckets: int = 2_000_000,
-                 dropout: float = 0.0, num_classes: int = 2, sparse: bool = False, nb_weights: bool = False):
+    def __init__(
+        self,
+        vocab_size: int,
+        pad_id: int = 1,
+        dim: int = 64,
+        ngrams: int = 1,
+        buckets: int = 2_000_000,
+        dropout: float = 0.0,
+        num_classes: int = 2,
+        sparse: bool = False,
+        nb_weights: bool = False,
+    ):
         super().__init__()
         self.vocab_size, self.pad_id, self.ngrams, self.sparse = vocab_size, pad_id, ngrams, sparse
         self.buckets = buckets if ngrams > 1 else 0
         rows = vocab_size + self.buckets
         # sparse: the gradient holds only the rows of the batch (about 21,000 of 1.05M for 128 reviews)
-        self.embedding = nn.EmbeddingBag(rows, dim, mode="sum" if nb_weights else "mean", padding_idx=pad_id,
-                                         sparse=sparse)
+        self.embedding = nn.EmbeddingBag(
+            rows, dim, mode="sum" if nb_weights else "mean", padding_idx=pad_id, sparse=sparse
+        )
         # NBSVM's weighting (Wang & Manning 2012): each feature's embedding scaled by |log-count ratio| of the
         # classes, fitted on the training part (fit_nb_weights). A frozen parameter, not a buffer: saved with the
         # model, but DDP does not broadcast it every step as it would a buffer.
@@ -122,7 +143,9 @@ class NgramBag(nn.Module):
         if self.nb_weights is not None:
             weights = weights * self.nb_weights[ids]
         if not self.sparse:
-            return self.fc(self.dropout(self.embedding(ids, per_sample_weights=weights.to(self.embedding.weight.dtype))))
+            return self.fc(
+                self.dropout(self.embedding(ids, per_sample_weights=weights.to(self.embedding.weight.dtype)))
+            )
         # Look each distinct row up once: the table's sparse gradient then holds one row per distinct feature
         # instead of one per occurrence, so DDP's all-reduce and the optimizer coalesce far fewer rows.
         rows, position = torch.unique(ids, return_inverse=True)
@@ -133,9 +156,17 @@ class NgramBag(nn.Module):
 
 def build_model(name: str, vocab_size: int, pad_id: int, **options) -> nn.Module:
     if name == "gcnn":
-        return GCNN(vocab_size, pad_id, **{k: v for k, v in options.items()
-                                           if k in ("dim", "pool", "dropout", "kernel_size", "stride")})
+        return GCNN(
+            vocab_size,
+            pad_id,
+            **{k: v for k, v in options.items() if k in ("dim", "pool", "dropout", "kernel_size", "stride")},
+        )
     if name == "bag":
-        return NgramBag(vocab_size, pad_id, **{k: v for k, v in options.items()
-                                               if k in ("dim", "ngrams", "buckets", "dropout", "sparse", "nb_weights")})
+        return NgramBag(
+            vocab_size,
+            pad_id,
+            **{
+                k: v for k, v in options.items() if k in ("dim", "ngrams", "buckets", "dropout", "sparse", "nb_weights")
+            },
+        )
     raise UserError(f"unknown --model {name}; choose gcnn or bag")

@@ -44,10 +44,21 @@ def _source_key(source: str) -> list:
     return [source, path.stat().st_size, path.stat().st_mtime_ns] if path.is_file() else [source]
 
 
-def prepare_text_data(accelerator: Accelerator, *, output_dir: str, dataset: str = "imdb", data_dir: str | None = None,
-                      train_file: str | None = None, test_file: str | None = None, val_fraction: float = 0.1,
-                      min_freq: int = 20, max_vocab: int | None = None, max_length: int | None = None,
-                      seed: int = 0, cache_dir: str | None = None) -> TextData:
+def prepare_text_data(
+    accelerator: Accelerator,
+    *,
+    output_dir: str,
+    dataset: str = "imdb",
+    data_dir: str | None = None,
+    train_file: str | None = None,
+    test_file: str | None = None,
+    val_fraction: float = 0.1,
+    min_freq: int = 20,
+    max_vocab: int | None = None,
+    max_length: int | None = None,
+    seed: int = 0,
+    cache_dir: str | None = None,
+) -> TextData:
     """Load, split, tokenise, build the vocabulary (main process first) and encode, with an on-disk cache.
 
     The second run with the same inputs reads the encoded arrow files instead of tokenising again.
@@ -57,8 +68,10 @@ def prepare_text_data(accelerator: Accelerator, *, output_dir: str, dataset: str
     try:
         split = train.train_test_split(test_size=val_fraction, seed=seed, stratify_by_column=None)
     except ValueError:  # too few reviews for a held-out part
-        raise UserError(f"{source}: {len(train)} review(s) cannot be split into training and validation parts "
-                        f"with --val-fraction {val_fraction}; give more reviews") from None
+        raise UserError(
+            f"{source}: {len(train)} review(s) cannot be split into training and validation parts "
+            f"with --val-fraction {val_fraction}; give more reviews"
+        ) from None
     train, val = split["train"], split["test"]
     cache = Path(cache_dir or Path(output_dir) / "cache")
     key = cache_key(_source_key(source), len(train), val_fraction, seed, PIPELINE_VERSION)
@@ -70,16 +83,24 @@ def prepare_text_data(accelerator: Accelerator, *, output_dir: str, dataset: str
     vocab_path = Path(output_dir) / "vocab.json"
     with accelerator.main_process_first():
         cache.mkdir(parents=True, exist_ok=True)
-        tokens = train.map(tokenize, batched=True, num_proc=num_proc, remove_columns=["text"], desc="tokenize",
-                           cache_file_name=str(cache / f"train-{key}-tokens.arrow"))
+        tokens = train.map(
+            tokenize,
+            batched=True,
+            num_proc=num_proc,
+            remove_columns=["text"],
+            desc="tokenize",
+            cache_file_name=str(cache / f"train-{key}-tokens.arrow"),
+        )
         if accelerator.is_main_process:
             vocab = Vocab.from_counts(_token_counts(tokens), min_freq, max_vocab)
             vocab_path.parent.mkdir(parents=True, exist_ok=True)
             vocab.save(vocab_path)
     vocab = Vocab.load(vocab_path)
     if len(vocab) <= 2:  # every rank raises: the vocabulary is read by all of them
-        raise UserError(f"the vocabulary is empty: no token occurs at least --min-freq {min_freq} times in the "
-                        f"{len(train)} training reviews; lower --min-freq")
+        raise UserError(
+            f"the vocabulary is empty: no token occurs at least --min-freq {min_freq} times in the "
+            f"{len(train)} training reviews; lower --min-freq"
+        )
     vocab_tokens = pa.array(vocab.itos)
 
     def encode(batch: pa.Table) -> pa.Table:
@@ -91,17 +112,41 @@ def prepare_text_data(accelerator: Accelerator, *, output_dir: str, dataset: str
         input_ids = pa.ListArray.from_arrays(offsets, ids)
         if max_length:
             input_ids = pc.list_slice(input_ids, 0, max_length)
-        return pa.table({"input_ids": input_ids, "label": batch.column("label"),  # an arrow result replaces the row
-                         "length": pc.list_value_length(input_ids), "full_length": full_length})
+        return pa.table(
+            {
+                "input_ids": input_ids,
+                "label": batch.column("label"),  # an arrow result replaces the row
+                "length": pc.list_value_length(input_ids),
+                "full_length": full_length,
+            }
+        )
 
     def encode_split(split_data: datasets.Dataset, name: str) -> datasets.Dataset:
         split_key = cache_key(key, name, vocab.itos[:50], len(vocab), max_length)
-        tokenized = tokens if name == "train" else split_data.map(
-            tokenize, batched=True, num_proc=num_proc, remove_columns=["text"], desc=f"tokenize {name}",
-            cache_file_name=str(cache / f"{name}-{split_key}-tokens.arrow"))
-        return tokenized.with_format("arrow").map(
-            encode, batched=True, batch_size=5000, remove_columns=["tokens"], desc=f"encode {name}",
-            cache_file_name=str(cache / f"{name}-{split_key}-ids.arrow")).with_format(None)
+        tokenized = (
+            tokens
+            if name == "train"
+            else split_data.map(
+                tokenize,
+                batched=True,
+                num_proc=num_proc,
+                remove_columns=["text"],
+                desc=f"tokenize {name}",
+                cache_file_name=str(cache / f"{name}-{split_key}-tokens.arrow"),
+            )
+        )
+        return (
+            tokenized.with_format("arrow")
+            .map(
+                encode,
+                batched=True,
+                batch_size=5000,
+                remove_columns=["tokens"],
+                desc=f"encode {name}",
+                cache_file_name=str(cache / f"{name}-{split_key}-ids.arrow"),
+            )
+            .with_format(None)
+        )
 
     with accelerator.main_process_first():
         train_ids, val_ids = encode_split(train, "train"), encode_split(val, "val")
@@ -138,7 +183,7 @@ class EncodedReviews(torch.utils.data.Dataset):
     def __getitem__(self, index: int):
         chunk = int(np.searchsorted(self.chunk_starts, index, side="right")) - 1
         offsets, row = self.offsets[chunk], index - self.chunk_starts[chunk]
-        return self.values[chunk][offsets[row]:offsets[row + 1]], int(self.labels[index])
+        return self.values[chunk][offsets[row] : offsets[row + 1]], int(self.labels[index])
 
     def __getitems__(self, indices: list[int]):
         return [self[index] for index in indices]
@@ -154,17 +199,30 @@ class PadCollate:
         width = max(self.min_length, max(len(ids) for ids, _ in samples))
         input_ids = np.full((len(samples), width), self.pad_id, dtype=np.int64)
         for row, (ids, _) in enumerate(samples):
-            input_ids[row, :len(ids)] = ids
+            input_ids[row, : len(ids)] = ids
         labels = torch.tensor([label for _, label in samples], dtype=torch.long)
         return torch.from_numpy(input_ids), labels
 
 
-def make_loader(encoded: datasets.Dataset, batch_size: int, pad_id: int, *, shuffle: bool, seed: int,
-                min_length: int = 1, workers: int = 0) -> DataLoader:
+def make_loader(
+    encoded: datasets.Dataset,
+    batch_size: int,
+    pad_id: int,
+    *,
+    shuffle: bool,
+    seed: int,
+    min_length: int = 1,
+    workers: int = 0,
+) -> DataLoader:
     reviews = EncodedReviews(encoded)
     batches = BucketBatchSampler(reviews.lengths, batch_size, shuffle=shuffle, seed=seed)
-    return DataLoader(reviews, batch_sampler=batches, collate_fn=PadCollate(pad_id, min_length),
-                      num_workers=workers, persistent_workers=workers > 0)
+    return DataLoader(
+        reviews,
+        batch_sampler=batches,
+        collate_fn=PadCollate(pad_id, min_length),
+        num_workers=workers,
+        persistent_workers=workers > 0,
+    )
 
 
 def cache_key(*parts) -> str:
@@ -180,8 +238,9 @@ class BucketBatchSampler(Sampler[list[int]]):
     Accelerate shards these batches across processes (process i takes batches i, i+N, ...).
     """
 
-    def __init__(self, lengths: list[int], batch_size: int, shuffle: bool = True, seed: int = 0,
-                 pool_batches: int = 50):
+    def __init__(
+        self, lengths: list[int], batch_size: int, shuffle: bool = True, seed: int = 0, pool_batches: int = 50
+    ):
         self.lengths, self.batch_size, self.shuffle = lengths, batch_size, shuffle
         self.seed, self.pool_batches, self.epoch = seed, pool_batches, 0
         self.drop_last = False
@@ -205,15 +264,15 @@ class BucketBatchSampler(Sampler[list[int]]):
         pool_size, size = self.batch_size * self.pool_batches, self.batch_size
         batches, leftovers = [], []
         for start in range(0, len(indices), pool_size):
-            pool = sorted(indices[start:start + pool_size], key=self.lengths.__getitem__)
+            pool = sorted(indices[start : start + pool_size], key=self.lengths.__getitem__)
             full = len(pool) - len(pool) % size
-            batches += [pool[i:i + size] for i in range(0, full, size)]
+            batches += [pool[i : i + size] for i in range(0, full, size)]
             leftovers += pool[full:]
         leftovers.sort(key=self.lengths.__getitem__)
-        batches += [leftovers[i:i + size] for i in range(0, len(leftovers) - len(leftovers) % size, size)]
+        batches += [leftovers[i : i + size] for i in range(0, len(leftovers) - len(leftovers) % size, size)]
         if self.shuffle:
             rng.shuffle(batches)
         # The one short batch goes last: Accelerate's batch sharding assumes only the last batch is short
         # (a short batch mid-epoch makes it drop a whole round of batches).
-        short = leftovers[len(leftovers) - len(leftovers) % size:]
+        short = leftovers[len(leftovers) - len(leftovers) % size :]
         return iter(batches + ([short] if short else []))

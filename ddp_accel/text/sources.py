@@ -25,8 +25,9 @@ _FORMATS = {".jsonl": "json", ".json": "json", ".gz": "json", ".csv": "csv", ".p
 def _normalise_labels(dataset: datasets.Dataset, source: str) -> datasets.Dataset:
     missing = {"text", "label"} - set(dataset.column_names)
     if missing:
-        raise UserError(f"{source}: needs columns 'text' and 'label', missing {sorted(missing)} "
-                        f"(found {dataset.column_names})")
+        raise UserError(
+            f"{source}: needs columns 'text' and 'label', missing {sorted(missing)} (found {dataset.column_names})"
+        )
     if len(dataset) == 0:
         raise UserError(f"{source}: no rows")
     text = dataset.data.table.column("text")
@@ -57,8 +58,10 @@ def load_file(path: str | Path) -> datasets.Dataset:
         dataset = datasets.load_dataset(_FORMATS[suffix], data_files=str(path), split="train")
     except Exception as error:
         detail = next((line for line in str(error).splitlines() if "row" in line or "line" in line), "")
-        raise UserError(f"{path}: cannot be read as {_FORMATS[suffix]} ({type(error).__name__}"
-                        f"{': ' + detail.strip()[:200] if detail else ''})") from None
+        raise UserError(
+            f"{path}: cannot be read as {_FORMATS[suffix]} ({type(error).__name__}"
+            f"{': ' + detail.strip()[:200] if detail else ''})"
+        ) from None
     return _normalise_labels(dataset, str(path))
 
 
@@ -69,8 +72,10 @@ def load_aclimdb(data_dir: str | Path, split: str) -> datasets.Dataset:
         root = root / "aclImdb"
     folders = [root / split / "pos", root / split / "neg"]
     if not all(folder.is_dir() for folder in folders):
-        raise UserError(f"--data-dir {data_dir}: expected {split}/pos and {split}/neg folders of .txt reviews "
-                        "(the aclImdb_v1.tar.gz layout)")
+        raise UserError(
+            f"--data-dir {data_dir}: expected {split}/pos and {split}/neg folders of .txt reviews "
+            "(the aclImdb_v1.tar.gz layout)"
+        )
     texts, labels = [], []
     for folder, label in zip(folders, (1, 0)):
         for file in sorted(folder.glob("*.txt")):
@@ -106,12 +111,68 @@ def load_hub_imdb() -> tuple[datasets.Dataset, datasets.Dataset]:
     return imdb["train"].select_columns(["text", "label"]), imdb["test"].select_columns(["text", "label"])
 
 
-POSITIVE = ["great", "excellent", "wonderful", "loved", "brilliant", "superb", "moving", "funny", "beautiful",
-            "masterpiece", "enjoyable", "best", "charming", "perfect", "touching", "gripping"]
-NEGATIVE = ["awful", "terrible", "boring", "waste", "worst", "dull", "poor", "stupid", "horrible", "mess",
-            "annoying", "weak", "pointless", "bad", "disappointing", "lame"]
-NEUTRAL = ["the", "movie", "film", "plot", "actor", "scene", "story", "was", "is", "and", "a", "of", "it",
-           "director", "ending", "character", "music", "i", "this", "with", "script", "camera", "but", "very"]
+POSITIVE = [
+    "great",
+    "excellent",
+    "wonderful",
+    "loved",
+    "brilliant",
+    "superb",
+    "moving",
+    "funny",
+    "beautiful",
+    "masterpiece",
+    "enjoyable",
+    "best",
+    "charming",
+    "perfect",
+    "touching",
+    "gripping",
+]
+NEGATIVE = [
+    "awful",
+    "terrible",
+    "boring",
+    "waste",
+    "worst",
+    "dull",
+    "poor",
+    "stupid",
+    "horrible",
+    "mess",
+    "annoying",
+    "weak",
+    "pointless",
+    "bad",
+    "disappointing",
+    "lame",
+]
+NEUTRAL = [
+    "the",
+    "movie",
+    "film",
+    "plot",
+    "actor",
+    "scene",
+    "story",
+    "was",
+    "is",
+    "and",
+    "a",
+    "of",
+    "it",
+    "director",
+    "ending",
+    "character",
+    "music",
+    "i",
+    "this",
+    "with",
+    "script",
+    "camera",
+    "but",
+    "very",
+]
 
 
 def synthetic_imdb(size: int = 4000, seed: int = 0) -> datasets.Dataset:
@@ -132,14 +193,17 @@ def synthetic_imdb(size: int = 4000, seed: int = 0) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"text": texts, "label": labels})
 
 
-def load_sources(dataset: str, data_dir: str | None, train_file: str | None, test_file: str | None,
-                 accelerator: Accelerator) -> tuple[datasets.Dataset, datasets.Dataset | None, str, bool]:
+def load_sources(
+    dataset: str, data_dir: str | None, train_file: str | None, test_file: str | None, accelerator: Accelerator
+) -> tuple[datasets.Dataset, datasets.Dataset | None, str, bool]:
     if train_file:
         return load_file(train_file), load_file(test_file) if test_file else None, train_file, False
     if test_file:
         raise UserError("--test-file needs --train-file (or use --data-dir)")
     if data_dir:
-        test_dir = Path(data_dir) / "aclImdb" / "test" if (Path(data_dir) / "aclImdb").is_dir() else Path(data_dir) / "test"
+        test_dir = (
+            Path(data_dir) / "aclImdb" / "test" if (Path(data_dir) / "aclImdb").is_dir() else Path(data_dir) / "test"
+        )
         test = load_aclimdb(data_dir, "test") if test_dir.is_dir() else None
         return load_aclimdb(data_dir, "train"), test, data_dir, False
     if dataset == "imdb":
@@ -153,7 +217,9 @@ def load_sources(dataset: str, data_dir: str | None, train_file: str | None, tes
                 error = caught
         if error is None:
             return train, test, "hub:stanfordnlp/imdb", False
-        accelerator.print(f"IMDB cannot be reached on the Hugging Face hub ({type(error).__name__}); "
-                          "pass --data-dir aclImdb/ or --train-file/--test-file for real data. "
-                          "Training on the built-in SYNTHETIC sentiment corpus instead.")
+        accelerator.print(
+            f"IMDB cannot be reached on the Hugging Face hub ({type(error).__name__}); "
+            "pass --data-dir aclImdb/ or --train-file/--test-file for real data. "
+            "Training on the built-in SYNTHETIC sentiment corpus instead."
+        )
     return synthetic_imdb(4000, seed=0), synthetic_imdb(1000, seed=1), "synthetic", True

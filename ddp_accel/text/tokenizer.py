@@ -8,8 +8,19 @@ from __future__ import annotations
 
 # Plain str.replace in torchtext's order (`<br />` shares no character with the others, so it can go
 # first): the same tokens as its 12 regex passes, 1.7x faster on IMDB.
-_REPLACEMENTS = [("<br />", " "), ("'", " '  "), ('"', ""), (".", " . "), (",", " , "), ("(", " ( "), (")", " ) "),
-                 ("!", " ! "), ("?", " ? "), (";", " "), (":", " ")]
+_REPLACEMENTS = [
+    ("<br />", " "),
+    ("'", " '  "),
+    ('"', ""),
+    (".", " . "),
+    (",", " , "),
+    ("(", " ( "),
+    (")", " ) "),
+    ("!", " ! "),
+    ("?", " ? "),
+    (";", " "),
+    (":", " "),
+]
 
 
 def basic_english(text: str) -> list[str]:

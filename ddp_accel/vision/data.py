@@ -19,10 +19,14 @@ def check_image_folder(data_dir: str | Path) -> tuple[Path, Path]:
     """DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*: every class folder holds images, val's classes are train's."""
     root = Path(data_dir)
     if not root.is_dir():
-        raise UserError(f"data directory {root} does not exist (expected {root}/train/<class>/*.jpg and {root}/val/...)")
+        raise UserError(
+            f"data directory {root} does not exist (expected {root}/train/<class>/*.jpg and {root}/val/...)"
+        )
     for split in ("train", "val"):
         if not (root / split).is_dir():
-            raise UserError(f"{root} has no {split}/ folder: expected {root}/train/<class>/*.jpg and {root}/val/<class>/*.jpg")
+            raise UserError(
+                f"{root} has no {split}/ folder: expected {root}/train/<class>/*.jpg and {root}/val/<class>/*.jpg"
+            )
     classes = {}
     for split in ("train", "val"):
         folder = root / split
@@ -31,8 +35,10 @@ def check_image_folder(data_dir: str | Path) -> tuple[Path, Path]:
             raise UserError(f"{folder} has no class folders (one sub-folder of images per class)")
         for name in classes[split]:
             if not any(path.suffix.lower() in IMG_EXTENSIONS for path in (folder / name).iterdir()):
-                raise UserError(f"class folder {folder / name} has no images ({', '.join(IMG_EXTENSIONS)}); "
-                                "add images or remove the folder")
+                raise UserError(
+                    f"class folder {folder / name} has no images ({', '.join(IMG_EXTENSIONS)}); "
+                    "add images or remove the folder"
+                )
     unknown = sorted(set(classes["val"]) - set(classes["train"]))
     if unknown:
         raise UserError(f"{root}/val has classes that train/ lacks: {', '.join(unknown[:5])}")
@@ -77,15 +83,19 @@ def seed_augmentation(index: int) -> None:
         torch.manual_seed(((worker.seed - worker.id) * 1_000_003 + index) % 2**63)
 
 
-def image_transforms(image_size: int, mean, std, augment: str,
-                     uint8: bool = False) -> tuple[transforms.Compose, transforms.Compose]:
+def image_transforms(
+    image_size: int, mean, std, augment: str, uint8: bool = False
+) -> tuple[transforms.Compose, transforms.Compose]:
     """imagenet: RandomResizedCrop + flip / Resize(size/0.875) + CenterCrop (pytorch/examples).
     cifar: pad-4 RandomCrop + flip / the image as is (for 32x32 images, where a 0.08-scale crop destroys them).
     uint8: the images stay bytes (4x less to collate, pin and copy); `DeviceNormalize` finishes the job."""
     normalize = [transforms.PILToTensor()] if uint8 else [transforms.ToTensor(), transforms.Normalize(mean, std)]
     if augment == "cifar":
-        train = [transforms.Resize(image_size), transforms.RandomCrop(image_size, padding=image_size // 8),
-                 transforms.RandomHorizontalFlip()]
+        train = [
+            transforms.Resize(image_size),
+            transforms.RandomCrop(image_size, padding=image_size // 8),
+            transforms.RandomHorizontalFlip(),
+        ]
         val = [transforms.Resize(image_size), transforms.CenterCrop(image_size)]
     else:
         train = [transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip()]
@@ -93,8 +103,9 @@ def image_transforms(image_size: int, mean, std, augment: str,
     return transforms.Compose(train + normalize), transforms.Compose(val + normalize)
 
 
-def image_folders(data_dir: str, image_size: int, mean, std, augment: str,
-                  uint8: bool = False) -> tuple[Dataset, Dataset, list[str]]:
+def image_folders(
+    data_dir: str, image_size: int, mean, std, augment: str, uint8: bool = False
+) -> tuple[Dataset, Dataset, list[str]]:
     train_dir, val_dir = check_image_folder(data_dir)
     train_transform, val_transform = image_transforms(image_size, mean, std, augment, uint8)
     train = CheckedImageFolder(train_dir, train_transform)
@@ -125,8 +136,11 @@ class SyntheticImages(Dataset):
     def __init__(self, size: int, image_size: int, num_classes: int, uint8: bool = False):
         self.size, self.num_classes = size, num_classes
         generator = torch.Generator().manual_seed(0)
-        self.image = (torch.randint(0, 256, (3, image_size, image_size), dtype=torch.uint8, generator=generator)
-                      if uint8 else torch.randn(3, image_size, image_size, generator=generator))
+        self.image = (
+            torch.randint(0, 256, (3, image_size, image_size), dtype=torch.uint8, generator=generator)
+            if uint8
+            else torch.randn(3, image_size, image_size, generator=generator)
+        )
 
     def __len__(self) -> int:
         return self.size

@@ -13,7 +13,9 @@ from ddp_accel.errors import UserError
 
 
 def _conv_bn_relu(in_channels: int, channels: int) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(in_channels, channels, 3, 1, 1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(inplace=True))
+    return nn.Sequential(
+        nn.Conv2d(in_channels, channels, 3, 1, 1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(inplace=True)
+    )
 
 
 class BasicBlock(nn.Module):
@@ -25,7 +27,9 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(channels)
         self.shortcut = nn.Sequential()
         if stride != 1 or in_channels != channels:
-            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, channels, 1, stride, bias=False), nn.BatchNorm2d(channels))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, channels, 1, stride, bias=False), nn.BatchNorm2d(channels)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(self.bn1(self.conv1(x)))
@@ -90,17 +94,31 @@ class CifarResNet9(nn.Sequential):
         w = width
         super().__init__(
             _conv_bn_relu(3, w),
-            _conv_bn_relu(w, 2 * w), nn.MaxPool2d(2), _Residual(2 * w),
-            _conv_bn_relu(2 * w, 4 * w), nn.MaxPool2d(2),
-            _conv_bn_relu(4 * w, 8 * w), nn.MaxPool2d(2), _Residual(8 * w),
-            nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(8 * w, num_classes), _Scale(0.125),
+            _conv_bn_relu(w, 2 * w),
+            nn.MaxPool2d(2),
+            _Residual(2 * w),
+            _conv_bn_relu(2 * w, 4 * w),
+            nn.MaxPool2d(2),
+            _conv_bn_relu(4 * w, 8 * w),
+            nn.MaxPool2d(2),
+            _Residual(8 * w),
+            nn.AdaptiveMaxPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8 * w, num_classes),
+            _Scale(0.125),
         )
 
 
-CIFAR_ARCHS = {"cifar_resnet20": (CifarResNet, dict(depth=20)), "cifar_resnet32": (CifarResNet, dict(depth=32)),
-               "cifar_resnet56": (CifarResNet, dict(depth=56)), "cifar_resnet20_w32": (CifarResNet, dict(depth=20, width=32)),
-               "cifar_resnet9": (CifarResNet9, dict(width=64)), "cifar_resnet9_w16": (CifarResNet9, dict(width=16)),
-               "cifar_resnet9_w24": (CifarResNet9, dict(width=24)), "cifar_resnet9_w32": (CifarResNet9, dict(width=32))}
+CIFAR_ARCHS = {
+    "cifar_resnet20": (CifarResNet, dict(depth=20)),
+    "cifar_resnet32": (CifarResNet, dict(depth=32)),
+    "cifar_resnet56": (CifarResNet, dict(depth=56)),
+    "cifar_resnet20_w32": (CifarResNet, dict(depth=20, width=32)),
+    "cifar_resnet9": (CifarResNet9, dict(width=64)),
+    "cifar_resnet9_w16": (CifarResNet9, dict(width=16)),
+    "cifar_resnet9_w24": (CifarResNet9, dict(width=24)),
+    "cifar_resnet9_w32": (CifarResNet9, dict(width=32)),
+}
 
 
 def list_archs() -> list[str]:
@@ -137,8 +155,10 @@ def _torchvision_weights(arch: str) -> dict:
     try:
         return weights.get_state_dict(progress=False, check_hash=False)
     except Exception as error:  # offline, proxy, partial download
-        raise UserError(f"cannot get the pretrained weights of {arch} ({type(error).__name__}: {error}). On a machine "
-                        f"with internet: curl -L -o {cached} {weights.url} (or pass --pretrained PATH)") from None
+        raise UserError(
+            f"cannot get the pretrained weights of {arch} ({type(error).__name__}: {error}). On a machine "
+            f"with internet: curl -L -o {cached} {weights.url} (or pass --pretrained PATH)"
+        ) from None
 
 
 def _load_state_dict_file(path: str, arch: str) -> dict:
@@ -146,14 +166,19 @@ def _load_state_dict_file(path: str, arch: str) -> dict:
         raise UserError(f"--pretrained {path}: no such file (a state dict of {arch}, .pth or .safetensors)")
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
+
         return load_file(path)
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _last_linear(model: nn.Module) -> tuple[nn.Module, str, nn.Linear]:
     """The classifier head: the last Linear layer registered, as (its parent, its name, the layer)."""
-    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if isinstance(child, nn.Linear)]
+    found = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
     if not found:
         raise UserError("this architecture has no Linear head to replace; train it without --pretrained")
     return found[-1]
