@@ -359,7 +359,8 @@ def check_nccl_restart(runner: Runner) -> dict:
         [PY, "tests/probe.py", "--lr", "1e38", "--train-size", 256, "--output-dir", runner.work / "nan"],
         60,
     )
-    result["nonfinite"] = {"rc": nan["rc"], "error": [l for l in nan["output"].splitlines() if l.startswith("error:")]}
+    errors = [line for line in nan["output"].splitlines() if line.startswith("error:")]
+    result["nonfinite"] = {"rc": nan["rc"], "error": errors}
     return result
 
 
@@ -397,7 +398,7 @@ def check_gpu_preemption(runner: Runner, torchrun: list, common: list, reference
         "marker": marker,
         "signal_to_saved_s": saved_after,
         "rc_resume": again["rc"],
-        "resumed_line": [l for l in again["output"].splitlines() if "resumed from" in l],
+        "resumed_line": [line for line in again["output"].splitlines() if "resumed from" in line],
         **max_difference(reference, out),
     }
 
@@ -475,7 +476,7 @@ def check_mixed_precision(runner: Runner) -> dict:
                         "latest",
                     ],
                 )
-                line = next((l for l in again["output"].splitlines() if "resumed from" in l), "")
+                line = next((line for line in again["output"].splitlines() if "resumed from" in line), "")
                 results[name]["resume"] = {
                     "rc": again["rc"],
                     "saved_scale": saved.get("scale"),
@@ -568,7 +569,7 @@ def check_scaler_resume(runner: Runner) -> dict:
         "rc": again["rc"],
         "saved_scale": saved.get("scale"),
         "skipped_before_checkpoint": saved.get("_growth_tracker"),
-        "resumed_line": [l for l in again["output"].splitlines() if "resumed from" in l],
+        "resumed_line": [line for line in again["output"].splitlines() if "resumed from" in line],
         "skipped_optimizer_steps": metrics(full).get("skipped_optimizer_steps"),
         **max_difference(full, cut),
     }

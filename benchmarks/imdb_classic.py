@@ -47,7 +47,9 @@ def main() -> None:
         input_ids = torch.tensor([ids + [0] * (width - len(ids)) for ids in encoded])
         return input_ids, torch.tensor([label for _, label in batch])
 
-    loader = DataLoader(list(zip(texts, labels)), batch_size=args.batch_size, shuffle=True, collate_fn=collate)
+    loader = DataLoader(
+        list(zip(texts, labels, strict=False)), batch_size=args.batch_size, shuffle=True, collate_fn=collate
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     preprocess_s = time.perf_counter() - start
 
@@ -68,7 +70,9 @@ def main() -> None:
     epoch_s = time.perf_counter() - start
 
     model.eval()  # held-out accuracy (not timed), the same 10% ours evaluates
-    held_out = DataLoader(list(zip(split["test"]["text"], split["test"]["label"])), batch_size=256, collate_fn=collate)
+    held_out = DataLoader(
+        list(zip(split["test"]["text"], split["test"]["label"], strict=False)), batch_size=256, collate_fn=collate
+    )
     with torch.no_grad():
         correct = sum((model(ids).argmax(1) == target).sum().item() for ids, target in held_out)
     print(

@@ -5,7 +5,8 @@
 Same data (22,500 training reviews after the 10% hold-out), same model and hyper-parameters (`--recipe`:
 min frequency 20, batch 128, Adam 1e-3, BCE), one process. For each model it alternates classic / ours
 runs and reports the medians of preprocessing + one epoch, the share of the epoch spent waiting for data,
-each process's peak RSS and the held-out accuracy after that epoch. "ours" starts from an empty cache every time; "ours, cached" is a second run
+each process's peak RSS and the held-out accuracy after that epoch. "ours" starts from an empty cache every time;
+"ours, cached" is a second run
 on the same output dir (what every later run of a user costs). Writes benchmarks/results/imdb_pipeline.md.
 """
 

@@ -74,8 +74,9 @@ def run(args, sparse: str, processes: int, work: str, name: str) -> dict:
 def load_encoded(work: str):
     """The vocabulary and the encoded training reviews the runs in `work` made (every run shares one cache)."""
     sys.path.insert(0, str(ROOT))
-    from ddp_accel.text.vocab import Vocab
     import datasets
+
+    from ddp_accel.text.vocab import Vocab
 
     vocab = Vocab.load(Path(work, "sparse_1", "vocab.json"))
     return vocab, datasets.Dataset.from_file(str(next(Path(work, "cache").glob("train-*-ids.arrow"))))
@@ -118,7 +119,7 @@ def phases_worker(work: str, buckets: int, steps: int = 60) -> None:
     table_optimizer = SparseAdamW([model.embedding.weight], lr=5e-3, weight_decay=0.5)
     head_optimizer = torch.optim.AdamW([model.fc.weight, model.fc.bias], lr=5e-3, weight_decay=0.5, fused=True)
     loader = make_loader(train, 128 // world, vocab.pad_id, shuffle=True, seed=0)
-    batches = [batch for index, batch in zip(range(steps * world), loader) if index % world == rank]
+    batches = [batch for index, batch in zip(range(steps * world), loader, strict=False) if index % world == rank]
     times = {name: [] for name in ("forward", "backward", "all-reduce", "table update", "head update", "whole step")}
     for index, (input_ids, labels) in enumerate(batches):
         clock = [time.perf_counter()]
@@ -138,7 +139,7 @@ def phases_worker(work: str, buckets: int, steps: int = 60) -> None:
         table_optimizer.zero_grad()
         head_optimizer.zero_grad()
         if index >= 10:
-            for name, begin, end in zip(times, clock, clock[1:]):
+            for name, begin, end in zip(times, clock, clock[1:], strict=False):
                 times[name].append(end - begin)
             times["whole step"].append(clock[-1] - clock[0])
     if rank == 0:
@@ -197,7 +198,8 @@ def main() -> None:
         f"`python benchmarks/imdb_sparse.py --train-file ... --buckets {args.buckets} --epochs {args.epochs} "
         f"--repeats {args.repeats}` (global batch 128)",
         "",
-        "| embedding gradients | processes | train samples/s | training (s) | wall (s) | held-out accuracy | bytes all-reduced per step |",
+        "| embedding gradients | processes | train samples/s | training (s) | wall (s) | held-out accuracy "
+        "| bytes all-reduced per step |",
         "|---|---|---|---|---|---|---|",
     ]
     for sparse, processes in configs:

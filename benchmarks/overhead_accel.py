@@ -7,10 +7,10 @@ Prints one JSON line: {"loop": "ddp_accel", "samples_per_s": ...}.
 import json
 
 import torch
+from overhead_task import build_task
 from torch.utils.data import DataLoader
 
 from ddp_accel import ArgumentParser, TrainConfig, add_training_args, fit, run_main
-from overhead_task import build_task
 
 
 def main() -> None:

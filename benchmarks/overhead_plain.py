@@ -11,10 +11,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from overhead_task import build_task
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
-
-from overhead_task import build_task
 
 
 def main() -> None:

@@ -90,7 +90,7 @@ class Optimizers(torch.optim.Optimizer):
         return {"optimizers": [optimizer.state_dict() for optimizer in self.optimizers]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for optimizer, state in zip(self.optimizers, state_dict["optimizers"]):
+        for optimizer, state in zip(self.optimizers, state_dict["optimizers"], strict=False):
             optimizer.load_state_dict(state)
 
     def __repr__(self) -> str:

@@ -11,7 +11,8 @@ import re
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -214,7 +215,8 @@ def _lost_peers(error: BaseException) -> bool:
     """A collective failed because another process is gone (it ended with its own error, or was killed)."""
     return isinstance(error, getattr(dist, "DistError", ())) or bool(
         re.search(
-            r"Connection closed by peer|Connection reset by peer|Broken pipe|NCCL communicator was aborted|Timed out waiting",
+            r"Connection closed by peer|Connection reset by peer|Broken pipe|NCCL communicator was aborted"
+            r"|Timed out waiting",
             str(error),
         )
     )

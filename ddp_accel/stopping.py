@@ -47,7 +47,7 @@ class PreemptionSignals:
         self.received: int | None = None
         self._previous: dict = {}
 
-    def __enter__(self) -> "PreemptionSignals":
+    def __enter__(self) -> PreemptionSignals:
         for signum in PREEMPTION_SIGNALS:
             try:
                 self._previous[signum] = signal.signal(signum, self._handle)

@@ -9,9 +9,10 @@ import shutil
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -64,7 +65,7 @@ class TrainConfig:
     hparams: dict[str, Any] | None = field(default=None, repr=False)  # what args.json records; default: this
 
     @classmethod
-    def from_args(cls, args, **overrides) -> "TrainConfig":
+    def from_args(cls, args, **overrides) -> TrainConfig:
         """The shared options of a parsed command line; every argument is kept for args.json and trackers."""
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         return cls(**{**values, "hparams": dict(vars(args)), **overrides})

@@ -21,9 +21,9 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
 from ddp_accel import ArgumentParser, TrainConfig, UserError, add_training_args, evaluate, fit, run_main
-from ddp_accel.files import replaced_atomically, write_json
-from ddp_accel.cli import nonnegative, nonnegative_int, number, positive, positive_int, probability
 from ddp_accel.checkpoint import load_checkpoint, model_fingerprint, resolve_resume
+from ddp_accel.cli import nonnegative, nonnegative_int, number, positive, positive_int, probability
+from ddp_accel.files import replaced_atomically, write_json
 from ddp_accel.metrics import classification_metrics, classification_values
 from ddp_accel.sync_bn import convert_sync_batchnorm
 from ddp_accel.vision.data import IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize, SyntheticImages, image_folders
@@ -191,7 +191,10 @@ def main() -> None:
             ) from None
     model_input = DeviceNormalize(args.mean, args.std, args.channels_last)
     eval_fn = make_eval_fn(model_input)
-    metrics_fn = lambda values: classification_metrics(values, classes)
+
+    def metrics_fn(values):
+        return classification_metrics(values, classes)
+
     output_dir = Path(config.output_dir)
 
     if args.evaluate:

@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 from ddp_accel import ArgumentParser, TrainConfig, UserError, add_training_args, evaluate, fit, run_main
-from ddp_accel.files import write_json
 from ddp_accel.cli import fraction, nonnegative, nonnegative_int, positive_int, probability
+from ddp_accel.files import write_json
 from ddp_accel.metrics import classification_values
 from ddp_accel.optim import Optimizers, SparseAdamW
 from ddp_accel.text.models import KERNEL_SIZE, STRIDE, build_model
@@ -211,15 +211,18 @@ def train(args) -> None:
     sparse, embedding_gradients = sparse_tables(args, accelerator)
     model = build_model(args.model, len(text.vocab), text.vocab.pad_id, **model_options(args), sparse=sparse)
     min_length = getattr(model, "min_length", 1)
-    loader = lambda split, shuffle: make_loader(
-        split,
-        config.batch_size,
-        text.vocab.pad_id,
-        shuffle=shuffle,
-        seed=config.seed,
-        min_length=min_length,
-        workers=args.workers,
-    )
+
+    def loader(split, shuffle):
+        return make_loader(
+            split,
+            config.batch_size,
+            text.vocab.pad_id,
+            shuffle=shuffle,
+            seed=config.seed,
+            min_length=min_length,
+            workers=args.workers,
+        )
+
     if getattr(model, "nb_weights", None) is not None:  # every process fits the same weights on the same reviews
         model.fit_nb_weights(loader(text.train, False))
     optimizer = make_optimizer(model, args, config.lr)

@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ddp_accel import ArgumentParser, TrainConfig, add_training_args, evaluate, fit, run_main
-from ddp_accel.files import write_json
 from ddp_accel.cli import positive_int
+from ddp_accel.files import write_json
 from ddp_accel.metrics import classification_metrics, classification_values
 from ddp_accel.sync_bn import convert_sync_batchnorm
 
@@ -70,7 +70,9 @@ class Trainer:
         def cosine(optimizer, total_steps, steps_per_epoch):
             return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
 
-        loader = lambda data, shuffle: DataLoader(data, batch_size=self.config.batch_size, shuffle=shuffle)
+        def loader(data, shuffle):
+            return DataLoader(data, batch_size=self.config.batch_size, shuffle=shuffle)
+
         metrics = fit(
             accelerator,
             self.config,

@@ -3,10 +3,10 @@ launchers, the way a notebook calls them (2 forked processes)."""
 
 import sys
 
-from accelerate import debug_launcher, notebook_launcher
-
 import probe
+from accelerate import debug_launcher, notebook_launcher
 from conftest import free_port
+
 from ddp_accel import launched
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ class LocalSlurm:
         nodes = "\n".join(
             f"NodeName={name} NodeHostname=localhost NodeAddr=localhost Port={port} CPUs={self.cpus} "
             f"Sockets=1 CoresPerSocket={self.cpus} ThreadsPerCore=1 RealMemory={memory} State=UNKNOWN"
-            for name, port in zip(self.NODES, node_ports)
+            for name, port in zip(self.NODES, node_ports, strict=False)
         )
         for name in self.NODES:
             (self.root / "spool" / name).mkdir(parents=True, exist_ok=True)
@@ -92,11 +92,12 @@ SlurmctldTimeout=30
 # jobs of `urgent` preempt jobs of `debug`, which SLURM then requeues (SIGTERM, KillWait, SIGKILL, requeue)
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
-PartitionName=debug Nodes={",".join(self.NODES)} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=30
+PartitionName=debug Nodes={",".join(self.NODES)} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 \
+PreemptMode=REQUEUE GraceTime=30
 PartitionName=urgent Nodes={",".join(self.NODES)} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """)
 
-    def start(self) -> "LocalSlurm":
+    def start(self) -> LocalSlurm:
         self.root.mkdir(parents=True, exist_ok=True)
         self._write_conf()
         self._start_munge()
@@ -147,7 +148,7 @@ PartitionName=urgent Nodes={",".join(self.NODES)} MaxTime=INFINITE State=UP Prio
         if self.started_munge and pid_file.is_file():
             os.kill(int(pid_file.read_text()), signal.SIGTERM)
 
-    def __enter__(self) -> "LocalSlurm":
+    def __enter__(self) -> LocalSlurm:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -6,7 +6,6 @@ import re
 import subprocess
 
 import pytest
-
 from conftest import BIN, ROOT, free_port
 
 pexpect = pytest.importorskip("pexpect")

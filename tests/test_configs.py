@@ -6,7 +6,6 @@ import sys
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
-
 from conftest import BIN, ROOT, check_ok, free_port
 
 CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))

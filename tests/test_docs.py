@@ -5,7 +5,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -9,7 +9,6 @@ import time
 import urllib.request
 
 import pytest
-
 from conftest import BIN, free_port, start_node, wait_nodes
 
 ETCD = shutil.which("etcd")
@@ -51,7 +50,7 @@ def etcd_endpoint(tmp_path):
                 break
             except OSError:
                 if time.monotonic() > deadline or server.poll() is not None:
-                    raise AssertionError("etcd did not start")
+                    raise AssertionError("etcd did not start") from None
                 time.sleep(0.2)
         yield f"127.0.0.1:{client}"
     finally:

@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, assert_clean_error, check_ok, launch
+
 from ddp_accel.errors import UserError
 from ddp_accel.runtime import check_topology
 
@@ -186,7 +186,9 @@ def write(path, text: str | bytes):
 
 
 def test_bad_data_and_files_give_one_line_naming_them(tmp_path):
-    imdb = lambda *args: launch("scripts/imdb.py", *args, "--output-dir", tmp_path / "out", launcher="python")
+    def imdb(*args):
+        return launch("scripts/imdb.py", *args, "--output-dir", tmp_path / "out", launcher="python")
+
     null = write(tmp_path / "null.jsonl", '{"text": "fine", "label": 1}\n{"text": null, "label": 0}\n')
     assert_clean_error(imdb("--train-file", null), "null.jsonl: row 2 has no text")
     number = write(tmp_path / "number.jsonl", '{"text": "fine", "label": 1}\n{"text": 5, "label": 0}\n')
@@ -219,27 +221,30 @@ def test_bad_data_and_files_give_one_line_naming_them(tmp_path):
 
 
 def test_bad_weights_for_imagenet_resume_are_one_line(tmp_path):
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     save_file({"weight": torch.zeros(3)}, str(tmp_path / "other.safetensors"))
     write(tmp_path / "cut.safetensors", (tmp_path / "other.safetensors").read_bytes()[:40])
-    run = lambda path: launch(
-        "scripts/imagenet.py",
-        "--dummy",
-        "-a",
-        "resnet18",
-        "--image-size",
-        "32",
-        "-j",
-        "0",
-        "-e",
-        "--resume",
-        path,
-        "--output-dir",
-        tmp_path / "out",
-        launcher="python",
-    )
+
+    def run(path):
+        return launch(
+            "scripts/imagenet.py",
+            "--dummy",
+            "-a",
+            "resnet18",
+            "--image-size",
+            "32",
+            "-j",
+            "0",
+            "-e",
+            "--resume",
+            path,
+            "--output-dir",
+            tmp_path / "out",
+            launcher="python",
+        )
+
     assert_clean_error(run(tmp_path / "other.safetensors"), "weights of another model than -a resnet18")
     assert_clean_error(run(tmp_path / "cut.safetensors"), "not a readable .safetensors file")
 
@@ -257,7 +262,7 @@ def test_check_config_refuses_invalid_values(tmp_path, content, fragment):
     text = (
         ""
         if not content
-        else "\n".join(l for l in base.splitlines() if not l.startswith("num_processes")) + "\n" + content
+        else "\n".join(line for line in base.splitlines() if not line.startswith("num_processes")) + "\n" + content
     )
     path = write(tmp_path / "c.yaml", text)
     result = subprocess.run(

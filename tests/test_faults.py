@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import BIN, ROOT, weights
 
 PROBE = str(ROOT / "tests" / "probe.py")

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import assert_clean_error, check_ok, launch
 from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import assert_clean_error, check_ok, launch
 from ddp_accel.metrics import classification_metrics, classification_values
 from ddp_accel.runtime import cpu_has_fast_bf16
 from ddp_accel.vision.models import build_model
@@ -131,9 +131,10 @@ def test_dummy_data_and_torchvision_arch_run(tmp_path):
 
 def test_bad_input_gives_one_clear_line(tmp_path):
     data = make_image_folder(tmp_path / "images", classes=3, train=2, val=1)
-    run = lambda *args: launch(
-        "scripts/imagenet.py", *args, "-j", "0", "--output-dir", tmp_path / "out", launcher="python"
-    )
+
+    def run(*args):
+        return launch("scripts/imagenet.py", *args, "-j", "0", "--output-dir", tmp_path / "out", launcher="python")
+
     assert "did you mean resnet18" in assert_clean_error(run(data, "-a", "resnet19"))
     assert "no complete checkpoint" in assert_clean_error(run(data, "-e", "--resume", "latest"))
     (tmp_path / "no_val" / "train" / "a").mkdir(parents=True)

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import assert_clean_error, check_ok, launch
+
 from ddp_accel.errors import UserError
 from ddp_accel.text import sources
+from ddp_accel.text.models import GCNN, NgramBag
 from ddp_accel.text.pipeline import BucketBatchSampler
-from ddp_accel.text.models import NgramBag, GCNN
 from ddp_accel.text.tokenizer import basic_english
 from ddp_accel.text.vocab import Vocab
 
@@ -102,7 +102,7 @@ def test_aclimdb_folder_layout(tmp_path):
     (tmp_path / "aclImdb" / "train" / "unsup" / "0_0.txt").write_text("ignored")
     train = sources.load_aclimdb(tmp_path, "train")
     assert len(train) == 6 and sum(train["label"]) == 3
-    assert all(text.startswith("pos") for text, label in zip(train["text"], train["label"]) if label == 1)
+    assert all(text.startswith("pos") for text, label in zip(train["text"], train["label"], strict=False) if label == 1)
     with pytest.raises(UserError, match="pos and"):
         sources.load_aclimdb(tmp_path / "aclImdb" / "train", "train")
 
@@ -157,6 +157,7 @@ def test_ngram_hash_spreads_bigrams_over_the_buckets():
 @pytest.mark.parametrize("max_length", [None, 4])
 def test_arrow_encoding_matches_the_python_tokenizer_and_vocab(tmp_path, max_length):
     from accelerate import Accelerator
+
     from ddp_accel.text.pipeline import prepare_text_data
 
     texts = [
@@ -188,6 +189,7 @@ def test_arrow_encoding_matches_the_python_tokenizer_and_vocab(tmp_path, max_len
 
 def test_encoded_reviews_read_the_arrow_buffers_of_every_chunk(tmp_path):
     import datasets
+
     from ddp_accel.text.pipeline import EncodedReviews, PadCollate
 
     rows = [list(range(2, 2 + n)) for n in range(1, 30)]

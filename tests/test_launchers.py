@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, check_ok, free_port, launch, weights
 
 ARGS = ["--batch-size", "4", "--epochs", "2", "--dropout", "0.3", "--train-size", "48"]

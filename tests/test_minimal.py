@@ -4,7 +4,6 @@ import json
 import re
 
 import pytest
-
 from conftest import check_ok, launch
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, weights
 from slurm_cluster import LocalSlurm, missing_binaries
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import check_ok, launch
+
 from ddp_accel import ArgumentParser, UserError, add_training_args
 from ddp_accel.checkpoint import load_plain_ddp_checkpoint
 

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import BIN, ROOT, assert_clean_error, launch
+
 from ddp_accel import tracking
 from ddp_accel.errors import UserError
 

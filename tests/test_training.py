@@ -4,7 +4,6 @@ import json
 import shutil
 
 import torch
-
 from conftest import assert_clean_error, check_ok, launch, weights
 from probe import ComplexLinear
 
@@ -96,7 +95,7 @@ def test_sparse_adamw_is_sparse_adam_plus_decay_of_the_touched_rows():
         # rows 20..49 are never touched; repeated ids sum their gradients; distinct increasing ids (what the bag's
         # distinct-row lookup gives) are taken as they are
         ids = torch.randint(0, 20, (8, 3)) if step % 2 else torch.randperm(20)[:12].sort().values.view(4, 3)
-        for table, optimizer in zip(tables, (ours, reference, decayed)):
+        for table, optimizer in zip(tables, (ours, reference, decayed), strict=False):
             optimizer.zero_grad()
             (table(ids) ** 2).sum().backward()
             before = table.weight.detach().clone()

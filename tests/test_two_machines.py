@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import BIN, ROOT, check_ok, free_port, launch, weights
 
 MULTI_NODE_YAML = ROOT / "accelerate_configs" / "multi_node.yaml"
@@ -148,6 +147,6 @@ def test_two_machines_with_their_own_addresses_survive_a_cut_link(two_machines, 
     assert all(torch.equal(a[key], b[key]) for key in a)
     print(
         f"\nlink cut after step 5: both machines ended {ended_s:.1f} s later (--timeout-s 15); resumed from "
-        f"{[l for l in logs[0].splitlines() if 'resumed from' in l][0].split(': ')[1]}",
+        f"{[line for line in logs[0].splitlines() if 'resumed from' in line][0].split(': ')[1]}",
         file=__import__("sys").stderr,
     )

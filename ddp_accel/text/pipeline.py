@@ -7,9 +7,9 @@ import json
 import os
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import datasets
 import numpy as np
@@ -159,7 +159,7 @@ def prepare_text_data(
 def _token_counts(tokenized: datasets.Dataset) -> dict[str, int]:
     """How often each token occurs, counted by Arrow (value_counts) instead of a Python Counter."""
     counts = pc.value_counts(pc.list_flatten(tokenized.data.table.column("tokens")))
-    return dict(zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist()))
+    return dict(zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist(), strict=False))
 
 
 class EncodedReviews(torch.utils.data.Dataset):

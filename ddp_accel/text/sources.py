@@ -39,7 +39,10 @@ def _normalise_labels(dataset: datasets.Dataset, source: str) -> datasets.Datase
     bad = sorted({str(label) for label in dataset.unique("label") if str(label).strip().lower() not in _LABEL_NAMES})
     if bad:
         raise UserError(f"{source}: labels must be 0/1 or pos/neg (positive/negative), found {bad[:5]}")
-    to_int = lambda batch: {"label": [_LABEL_NAMES[str(label).strip().lower()] for label in batch["label"]]}
+
+    def to_int(batch):
+        return {"label": [_LABEL_NAMES[str(label).strip().lower()] for label in batch["label"]]}
+
     dataset = dataset.map(to_int, batched=True, desc="labels")
     return dataset.cast_column("label", datasets.Value("int64")).select_columns(["text", "label"])
 
@@ -77,7 +80,7 @@ def load_aclimdb(data_dir: str | Path, split: str) -> datasets.Dataset:
             "(the aclImdb_v1.tar.gz layout)"
         )
     texts, labels = [], []
-    for folder, label in zip(folders, (1, 0)):
+    for folder, label in zip(folders, (1, 0), strict=False):
         for file in sorted(folder.glob("*.txt")):
             texts.append(file.read_text(encoding="utf-8", errors="replace"))
             labels.append(label)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Iterable, Mapping
 
 from ddp_accel.files import write_text
 
@@ -24,14 +24,14 @@ class Vocab:
     unk_id, pad_id = 0, 1
 
     @classmethod
-    def build(cls, token_lists: Iterable[list[str]], min_freq: int = 1, max_size: int | None = None) -> "Vocab":
+    def build(cls, token_lists: Iterable[list[str]], min_freq: int = 1, max_size: int | None = None) -> Vocab:
         counts = Counter()
         for tokens in token_lists:
             counts.update(tokens)
         return cls.from_counts(counts, min_freq, max_size)
 
     @classmethod
-    def from_counts(cls, counts: Mapping[str, int], min_freq: int = 1, max_size: int | None = None) -> "Vocab":
+    def from_counts(cls, counts: Mapping[str, int], min_freq: int = 1, max_size: int | None = None) -> Vocab:
         # most frequent first, ties alphabetical: the same vocabulary on every machine and run
         kept = sorted((token for token, count in counts.items() if count >= min_freq), key=lambda t: (-counts[t], t))
         kept = [token for token in kept if token not in (UNK, PAD)]
@@ -50,5 +50,5 @@ class Vocab:
         write_text(path, json.dumps({"tokens": self.itos}, ensure_ascii=False))
 
     @classmethod
-    def load(cls, path: str | Path) -> "Vocab":
+    def load(cls, path: str | Path) -> Vocab:
         return cls(json.loads(Path(path).read_text())["tokens"])

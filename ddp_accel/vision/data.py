@@ -16,7 +16,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def check_image_folder(data_dir: str | Path) -> tuple[Path, Path]:
-    """DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*: every class folder holds images, val's classes are train's."""
+    """DATA_DIR/train/<class>/* and DATA_DIR/val/<class>/*: every class folder holds images, val's classes are
+    train's."""
     root = Path(data_dir)
     if not root.is_dir():
         raise UserError(
