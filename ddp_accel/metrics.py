@@ -8,6 +8,7 @@ output and every tracker (with an `eval_`/`test_` prefix there).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ def classification_values(
 def classification_metrics(values: dict[str, torch.Tensor], classes: Sequence[str] | None = None) -> dict:
     """The mean of every per-sample value, and top-1 of each class (`per_class_accuracy` or `per_class_top1`,
     keyed by class name) when the targets were kept."""
-    metrics = {key: value.float().mean().item() for key, value in values.items() if key != "target"}
+    metrics: dict[str, Any] = {key: value.float().mean().item() for key, value in values.items() if key != "target"}
     if "target" in values:
         top1 = "top1" if "top1" in values else "accuracy"
         names = classes if classes is not None else [str(i) for i in range(int(values["target"].max()) + 1)]

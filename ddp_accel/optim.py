@@ -4,6 +4,8 @@ handed to Accelerate (and fit) as one."""
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -16,11 +18,18 @@ class SparseAdamW(torch.optim.Optimizer):
     sparse-tensor arithmetic: a step of `bag` with 1M buckets and 128 reviews took 63 ms instead of 124 ms with
     SparseAdam + a row decay (CPU)."""
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = closure() if closure is not None else None
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -68,15 +77,16 @@ class Optimizers(torch.optim.Optimizer):
         # not Optimizer.__init__: the groups are the inner optimizers' own dicts, so changes reach them
         self.param_groups = [group for optimizer in optimizers for group in optimizer.param_groups]
         self.defaults = {}
-        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
-        self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
-        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
+        self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = OrderedDict(), OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
 
     @property
-    def state(self) -> dict:
+    def state(self) -> dict:  # type: ignore[override]
         return {param: value for optimizer in self.optimizers for param, value in optimizer.state.items()}
 
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = closure() if closure is not None else None
         for optimizer in self.optimizers:
             optimizer.step()

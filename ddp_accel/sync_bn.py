@@ -8,6 +8,8 @@ exactly as torch's CUDA kernels compute them (up to float rounding).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,14 +23,24 @@ def _per_channel(x: torch.Tensor) -> tuple[int, list[int], list[int]]:
 
 class _SyncBatchNormCPU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group):
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        running_mean: torch.Tensor | None,
+        running_var: torch.Tensor | None,
+        eps: float,
+        momentum: float,
+        group: Any,
+    ) -> torch.Tensor:
         channels, dims, shape = _per_channel(x)
         stats = torch.cat([x.sum(dims), (x * x).sum(dims), x.new_tensor([x.numel() / channels])])
         dist.all_reduce(stats, group=group)
         total, squares, count = stats[:channels], stats[channels : 2 * channels], stats[-1]
         mean = total / count
         var = (squares / count - mean * mean).clamp_min(0)
-        if running_mean is not None:
+        if running_mean is not None and running_var is not None:
             running_mean.mul_(1 - momentum).add_(momentum * mean)
             running_var.mul_(1 - momentum).add_(momentum * var * count / max(count.item() - 1, 1))
         invstd = torch.rsqrt(var + eps)
@@ -38,7 +50,7 @@ class _SyncBatchNormCPU(torch.autograd.Function):
         return normalized * weight.view(shape) + bias.view(shape)
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         normalized, weight, invstd = ctx.saved_tensors
         channels, dims, shape = _per_channel(grad_output)
         sum_dy, sum_dy_xhat = grad_output.sum(dims), (grad_output * normalized).sum(dims)
@@ -68,7 +80,7 @@ class CPUSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         if self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         # momentum None: a cumulative average, as in nn.BatchNorm
-        momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        momentum = 1.0 / float(self.num_batches_tracked or 1) if self.momentum is None else self.momentum
         return _SyncBatchNormCPU.apply(
             x,
             self.weight,
@@ -87,5 +99,5 @@ def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> tuple[nn.M
     layers = [module for module in model.modules() if isinstance(module, nn.SyncBatchNorm)]
     if device.type == "cpu":
         for module in layers:
-            module.__class__ = CPUSyncBatchNorm
+            module.__class__ = CPUSyncBatchNorm  # type: ignore[assignment]
     return model, len(layers)

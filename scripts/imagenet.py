@@ -118,12 +118,12 @@ def datasets_for(args):
             SyntheticImages(10 * args.batch_size, args.image_size, args.dummy_classes, args.uint8),
             [str(i) for i in range(args.dummy_classes)],
         )
-    return image_folders(args.data, args.image_size, args.mean, args.std, args.augment, args.uint8)
+    return image_folders(args.data, args.image_size, args.mean, args.std, args.augment, args.uint8, args.seed)
 
 
 def loader(dataset, args, shuffle: bool) -> DataLoader:
     # workers are not persistent: new workers each epoch take that epoch's seed, which keeps augmentations
-    # exact across a resume (ddp_accel.vision.data.seed_augmentation); starting them costs ~1 s an epoch
+    # exact across a resume (ddp_accel.vision.data.augmentation_seed); starting them costs ~1 s an epoch
     return DataLoader(
         dataset,
         batch_size=args.batch_size,

@@ -243,9 +243,11 @@ def test_two_processes_learn_real_cifar10_mini(tmp_path):
     assert metrics["best_top1"] > 0.5, metrics  # 59.5% measured (4 epochs, 43 s)
 
 
-def test_resume_mid_epoch_with_augmenting_workers_is_exact_with_another_worker_count(tmp_path):
-    # random crops and flips drawn in DataLoader workers: each sample's augmentation has a seed of its own (the
-    # epoch's loader seed and its index), so neither the worker that gets it nor a restart changes it
+@pytest.mark.parametrize("workers", [("1", "2"), ("0", "0")], ids=["workers-1-then-2", "main-process"])
+def test_resume_mid_epoch_with_augmentation_is_exact_with_another_worker_count(tmp_path, workers):
+    # random crops and flips: each sample's augmentation has a seed of its own (in workers the epoch's loader seed
+    # and its index; with -j 0 the run's seed, the epoch and the index), so neither the worker that gets it, nor a
+    # restart, nor the batches a resume skips without loading them change it
     data = make_image_folder(tmp_path / "images", classes=3, train=8, val=2)  # 24 images: 6 steps an epoch
     args = [
         data,
@@ -264,7 +266,7 @@ def test_resume_mid_epoch_with_augmenting_workers_is_exact_with_another_worker_c
         "--checkpointing-steps",
         "4",
     ]
-    check_ok(launch("scripts/imagenet.py", *args, "-j", "1", "--output-dir", tmp_path / "full", launcher="python"))
+    check_ok(launch("scripts/imagenet.py", *args, "-j", workers[0], "--output-dir", tmp_path / "full", launcher="python"))
     import shutil
 
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step_8", tmp_path / "cut" / "checkpoints" / "step_8")
@@ -274,7 +276,7 @@ def test_resume_mid_epoch_with_augmenting_workers_is_exact_with_another_worker_c
             "scripts/imagenet.py",
             *args,
             "-j",
-            "2",
+            workers[1],
             "--output-dir",
             tmp_path / "cut",
             "--resume",

@@ -25,7 +25,7 @@ class Vocab:
 
     @classmethod
     def build(cls, token_lists: Iterable[list[str]], min_freq: int = 1, max_size: int | None = None) -> Vocab:
-        counts = Counter()
+        counts: Counter[str] = Counter()
         for tokens in token_lists:
             counts.update(tokens)
         return cls.from_counts(counts, min_freq, max_size)

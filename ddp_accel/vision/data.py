@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -53,39 +56,63 @@ class CheckedImageFolder(datasets.ImageFolder):
     exact-once evaluation count). Delete or replace the file and run again.
     """
 
-    def __init__(self, root: Path, transform, class_to_idx: dict[str, int] | None = None):
+    def __init__(
+        self,
+        root: Path,
+        transform: Callable[[Any], torch.Tensor],
+        class_to_idx: dict[str, int] | None = None,
+        seed: int = 0,
+    ) -> None:
         self._fixed_classes = class_to_idx
+        self.seed, self.epoch = seed, 0
         super().__init__(str(root), transform=transform)
 
-    def find_classes(self, directory: str):
+    def set_epoch(self, epoch: int) -> None:
+        """Accelerate's prepared loader calls this at each epoch start (fit's start_epoch)."""
+        self.epoch = epoch
+
+    def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
         if self._fixed_classes is not None:  # val uses train's class indices even if it lacks a class
             names = sorted(entry.name for entry in Path(directory).iterdir() if entry.is_dir())
             return names, {name: self._fixed_classes[name] for name in names}
         return super().find_classes(directory)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path, target = self.samples[index]
         try:
             image = self.loader(path)
         except (OSError, ValueError) as error:  # PIL's UnidentifiedImageError is an OSError
             raise UserError(f"cannot read image {path} ({type(error).__name__}); delete or replace it") from None
-        seed_augmentation(index)
-        return self.transform(image), target
+        with augmentation_seed(self.seed, self.epoch, index):
+            return self.transform(image), target
 
 
-def seed_augmentation(index: int) -> None:
-    """In a DataLoader worker, draw sample `index`'s random crop and flip from a seed of its own: the loader's
-    base seed (one per epoch, from the (seed, epoch)-seeded loader generator) and the index. The augmentation
-    then depends neither on which worker gets the sample nor on what that worker did before, so a run resumed
-    mid-epoch, with any number of workers, sees the same images. In the main process (-j 0) the global RNG,
-    which a resume restores, does the job."""
+@contextlib.contextmanager
+def augmentation_seed(seed: int, epoch: int, index: int) -> Iterator[None]:
+    """Draw sample `index`'s random crop and flip from a seed of its own, so that the augmentation depends neither
+    on which process or worker gets the sample nor on what it drew before: a run resumed mid-epoch, with any number
+    of workers (or none), sees the same images.
+
+    In a DataLoader worker the seed is the loader's base seed (one per epoch, from the (seed, epoch)-seeded loader
+    generator) and the index. In the main process (-j 0) it is (seed, epoch, index), and the global RNG, which
+    also drives dropout, is put back afterwards (a resume restores that RNG, but not the draws of the batches it
+    skips). `default_generator.manual_seed` seeds only the CPU generator the transforms draw from:
+    `torch.manual_seed` also seeds every device's generator, 60x slower per sample."""
     worker = torch.utils.data.get_worker_info()
     if worker is not None:
-        torch.manual_seed(((worker.seed - worker.id) * 1_000_003 + index) % 2**63)
+        torch.default_generator.manual_seed(((worker.seed - worker.id) * 1_000_003 + index) % 2**63)
+        yield
+        return
+    state = torch.default_generator.get_state()
+    torch.default_generator.manual_seed(((seed * 100_003 + epoch) * 1_000_003 + index) % 2**63)
+    try:
+        yield
+    finally:
+        torch.default_generator.set_state(state)
 
 
 def image_transforms(
-    image_size: int, mean, std, augment: str, uint8: bool = False
+    image_size: int, mean: Sequence[float], std: Sequence[float], augment: str, uint8: bool = False
 ) -> tuple[transforms.Compose, transforms.Compose]:
     """imagenet: RandomResizedCrop + flip / Resize(size/0.875) + CenterCrop (pytorch/examples).
     cifar: pad-4 RandomCrop + flip / the image as is (for 32x32 images, where a 0.08-scale crop destroys them).
@@ -105,11 +132,17 @@ def image_transforms(
 
 
 def image_folders(
-    data_dir: str, image_size: int, mean, std, augment: str, uint8: bool = False
+    data_dir: str,
+    image_size: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    augment: str,
+    uint8: bool = False,
+    seed: int = 0,
 ) -> tuple[Dataset, Dataset, list[str]]:
     train_dir, val_dir = check_image_folder(data_dir)
     train_transform, val_transform = image_transforms(image_size, mean, std, augment, uint8)
-    train = CheckedImageFolder(train_dir, train_transform)
+    train = CheckedImageFolder(train_dir, train_transform, seed=seed)
     val = CheckedImageFolder(val_dir, val_transform, class_to_idx=train.class_to_idx)
     return train, val, train.classes
 
@@ -118,7 +151,7 @@ class DeviceNormalize:
     """uint8 batches -> normalised float on the device the batch is on (GPU: one fused kernel instead of a CPU
     pass per image in the loader workers); float batches pass through. Optionally channels_last."""
 
-    def __init__(self, mean, std, channels_last: bool = False):
+    def __init__(self, mean: Sequence[float], std: Sequence[float], channels_last: bool = False) -> None:
         self.mean = torch.tensor(mean).view(1, -1, 1, 1) * 255
         self.std = torch.tensor(std).view(1, -1, 1, 1) * 255
         self.channels_last = channels_last
@@ -146,5 +179,5 @@ class SyntheticImages(Dataset):
     def __len__(self) -> int:
         return self.size
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         return self.image, index % self.num_classes
