@@ -14,9 +14,12 @@ import torch
 from accelerate import Accelerator
 
 from ddp_accel.errors import UserError
-from ddp_accel.stopping import RUN
+from ddp_accel.files import finite_or_null
+from ddp_accel.identity import compare_identity
+from ddp_accel.state import TrainState
 
-TRAINING_STATE = "training_state.json"  # written last: a checkpoint without it is incomplete
+TRAINING_STATE = "training_state.json"  # TrainState.state_dict(), written last: a checkpoint without it is incomplete
+FILE_LIST = "files.json"  # the name and size of every file of the checkpoint
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -49,7 +52,7 @@ def resolve_resume(value: str | None, root: Path, accelerator: Accelerator | Non
             problem = checkpoint_problem(accelerator, path) if accelerator is not None else None
             if problem is None:
                 return path
-            if accelerator.is_main_process:
+            if accelerator is not None and accelerator.is_main_process:
                 print(
                     f"warning: checkpoint {path} is damaged ({problem}); trying the one before it",
                     file=sys.stderr,
@@ -71,36 +74,38 @@ def resolve_resume(value: str | None, root: Path, accelerator: Accelerator | Non
 
 
 def read_training_state(path: Path) -> dict[str, Any]:
-    return json.loads((path / TRAINING_STATE).read_text())
+    state: dict[str, Any] = json.loads((path / TRAINING_STATE).read_text())
+    return state
 
 
-def save_checkpoint(
-    accelerator: Accelerator, root: Path, step: int, training_state: dict[str, Any], limit: int | None = None
-) -> Path:
+def save_checkpoint(accelerator: Accelerator, root: Path, state: TrainState, limit: int | None = None) -> Path:
     """Every process calls this (save_state is collective). Returns the final folder.
 
-    The state goes to `.tmp_step_N` first; the main process renames it to `step_N` only after every
-    rank wrote its part, so a crash mid-save leaves no folder that `latest` would pick up.
+    The state goes to `.tmp_step_N` first; the main process writes the list of its files and then
+    training_state.json (`state.state_dict()`), and renames it to `step_N` only after every rank wrote its part,
+    so a crash mid-save leaves no folder that `latest` would pick up.
     """
-    final, partial = root / f"step_{step}", root / f".tmp_step_{step}"
+    final, partial = root / f"step_{state.step}", root / f".tmp_step_{state.step}"
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(partial))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        # what the checkpoint holds, checked on load (names and sizes: cheap inside a preemption's grace period)
-        files = {str(f.relative_to(partial)): f.stat().st_size for f in sorted(partial.rglob("*")) if f.is_file()}
-        (partial / TRAINING_STATE).write_text(json.dumps({**training_state, "files": files}, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        partial.rename(final)
-        RUN["resume_hint"] = (
-            f"The newest checkpoint is {final}; to continue, run the same command with --resume-from-checkpoint latest."
-        )
-        if limit:
-            for old in complete_checkpoints(root)[:-limit]:
-                shutil.rmtree(old, ignore_errors=True)
+    try:
+        accelerator.save_state(str(partial))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            # what the checkpoint holds, checked on load (names and sizes: cheap inside a preemption's grace period)
+            files = {str(f.relative_to(partial)): f.stat().st_size for f in sorted(partial.rglob("*")) if f.is_file()}
+            (partial / FILE_LIST).write_text(json.dumps(files, indent=1))
+            (partial / TRAINING_STATE).write_text(json.dumps(finite_or_null(state.state_dict()), indent=2))
+            if final.exists():
+                shutil.rmtree(final)
+            partial.rename(final)
+            if limit:
+                for old in complete_checkpoints(root)[:-limit]:
+                    shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # a full disk: no half-written folder is left to fill it
+        raise
     accelerator.wait_for_everyone()
     return final
 
@@ -110,8 +115,9 @@ def checkpoint_problem(accelerator: Accelerator, path: Path) -> str | None:
     own RNG state reads), then the ranks agree: returns what is wrong (as seen here, or on another rank) or None."""
     try:
         state = read_training_state(path)
+        listed = json.loads((path / FILE_LIST).read_text()) if (path / FILE_LIST).is_file() else state.get("files", {})
         problem = None
-        for name, size in state.get("files", {}).items():  # checkpoints of older versions carry no list
+        for name, size in listed.items():  # checkpoints of older versions list theirs in training_state.json
             if not (path / name).is_file():
                 problem = f"{name} is missing"
             elif (path / name).stat().st_size != size:
@@ -129,22 +135,28 @@ def checkpoint_problem(accelerator: Accelerator, path: Path) -> str | None:
     return problem
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path, fingerprint: str) -> dict[str, Any]:
+def load_checkpoint(accelerator: Accelerator, path: Path, state: TrainState) -> list[str]:
+    """Load the checkpoint at `path` into the prepared objects and `state` (whose fingerprint and identity are this
+    run's: a checkpoint of another model or run is refused). Returns warnings to show."""
     problem = checkpoint_problem(accelerator, path)
     if problem:
         raise UserError(f"checkpoint {path} is damaged ({problem}); resume another step_N folder or 'latest'")
-    state = read_training_state(path)
-    if state.get("model_fingerprint") != fingerprint:
+    saved = read_training_state(path)
+    if saved.get("model_fingerprint") != state.model_fingerprint:
         raise UserError(
-            f"checkpoint {path} was written by another model ({state.get('model_fingerprint')}, "
-            f"this run builds {fingerprint}); resume with the same model options or use a new --output-dir."
+            f"checkpoint {path} was written by another model ({saved.get('model_fingerprint')}, "
+            f"this run builds {state.model_fingerprint}); resume with the same model options or use a new --output-dir."
         )
+    warning = compare_identity(saved.get("identity"), state.identity, f"checkpoint {path}") if state.identity else None
     try:
         accelerator.load_state(str(path))
     except (RuntimeError, FileNotFoundError, KeyError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserError(f"cannot load checkpoint {path}: {first_line}") from None
-    return state
+    identity = state.identity
+    state.load_state_dict(saved)
+    state.identity = identity
+    return [warning] if warning else []
 
 
 def strip_module_prefix(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import functools
 import gc
+import inspect
 import json
 import os
 import re
@@ -20,7 +21,8 @@ from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGr
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
 from ddp_accel.errors import UserError
-from ddp_accel.stopping import PREEMPTED_EXIT_CODE, RUN, Preempted
+from ddp_accel.loaders import kill_leftover_workers
+from ddp_accel.stopping import PREEMPTED_EXIT_CODE, Preempted, StopSignals
 
 
 def _cache_per_step_package_probe() -> None:
@@ -166,7 +168,13 @@ def print_banner(accelerator: Accelerator, title: str, **extra: Any) -> None:
 
 
 def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+    """This process's rank: the process group's, else the launcher's (RANK, only with a WORLD_SIZE above 1: a stray
+    RANK in a shell must not silence a lone process's errors)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return int(os.environ.get("RANK", "0") or 0)
+    return 0
 
 
 def shutdown(clean: bool) -> None:
@@ -190,7 +198,7 @@ def launched(function: Callable[..., Any]) -> Callable[..., Any]:
     then the distributed shutdown `run_main` does for scripts (no gloo teardown abort in the workers)."""
 
     @functools.wraps(function)
-    def run(*args, **kwargs):
+    def run(*args: Any, **kwargs: Any) -> Any:
         try:
             result = function(*args, **kwargs)
         except BaseException:
@@ -230,29 +238,36 @@ def _one_line(error: UserError) -> str:
     return message
 
 
-def run_main(main: Callable[[], Any]) -> None:
+def run_main(main: Callable[..., Any]) -> None:
     """Run a script's main(): user errors as one line (exit 2), a preemption after its checkpoint (exit 0), a clean
-    distributed shutdown (exit 0)."""
+    distributed shutdown (exit 0). The process's StopSignals watch SIGTERM/SIGUSR1 from here to the exit; a main
+    that takes one argument receives them (to pass to fit)."""
+    signals = StopSignals().install()
     exit_code = 0
     try:
-        main()
+        main(signals) if inspect.signature(main).parameters else main()
+        signals.enter("done")
     except UserError as error:
+        signals.enter("done")
         message = f"error: {_one_line(error)}"
         if _rank() == 0:
             print(message, file=sys.stderr, flush=True)
         report_to_launcher(message)
         exit_code = 2
         error.__traceback__ = None  # drop frames holding models before teardown
-    except Preempted as preempted:  # every rank saved its part of the checkpoint
-        if _rank() == 0:
+    except Preempted as preempted:  # every rank saved its part of the checkpoint (or nothing was trained yet)
+        signals.enter("done")
+        if _rank() == 0 or "before training started" in preempted.message:
             print(preempted.message, file=sys.stderr, flush=True)
         exit_code = PREEMPTED_EXIT_CODE
         preempted.__traceback__ = None
     except KeyboardInterrupt:
+        signals.enter("done")
         if _rank() == 0:
-            print(f"\ninterrupted (Ctrl-C). {RUN['resume_hint']}", file=sys.stderr, flush=True)
+            print(f"\ninterrupted (Ctrl-C). {signals.resume_hint}", file=sys.stderr, flush=True)
         exit_code = 130
     except Exception as error:
+        signals.enter("done")
         exit_code = 1
         if isinstance(error, OSError) and error.filename is not None:  # read-only, full, a file for a folder...
             message, exit_code = f"error: cannot write or read {error.filename}: {error.strerror}", 2
@@ -263,12 +278,14 @@ def run_main(main: Callable[[], Any]) -> None:
             print(
                 f"error: process {_rank()} lost contact with the others: another process ended (its own message "
                 f"says why), or no answer came within the collective timeout (--timeout-s): a machine or the network "
-                f"between them is gone ({str(error).strip().splitlines()[0][-80:]})",
+                f"between them is gone ({type(error).__name__})",
                 file=sys.stderr,
                 flush=True,
             )
         else:
             traceback.print_exc()
             report_to_launcher(f"{type(error).__name__}: {error}")
+    kill_leftover_workers()
     shutdown(clean=exit_code == 0)
+    signals.uninstall()
     sys.exit(exit_code)

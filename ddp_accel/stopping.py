@@ -1,36 +1,111 @@
-"""Why training must stop before its end, agreed by every rank at each optimizer step: a preemption signal
-(SIGTERM, SIGUSR1) that may reach only some ranks, or a loss that is no longer finite.
+"""Why training must stop before its end, and how every process of a job stops in order.
 
-One small all-reduce (MAX) per optimizer step carries both flags. On a GPU it is not waited for at once: its
-result is copied to pinned host memory and read at the next step, so the host never waits for the step in
-flight (one step of lag); before a checkpoint or an evaluation the current step's result is awaited.
+A preemption signal (SIGTERM, SIGUSR1) may reach every process of a job at any moment of its life, or only some
+ranks. `StopSignals` is the process's one record of it, from `run_main`'s start to the exit, with the phase the
+run is in:
+
+- `startup` (arguments, data, model, resume): nothing is trained yet, so the signal ends the process at once
+  (`Preempted` raised from the handler) with a marker that says so; the job script requeues it.
+- `train`, `eval`, `final` (the training loop, an evaluation, the last evaluations before the commit): the signal
+  only sets a flag. The ranks agree on it (`StepAgreement`: a small all-reduce per optimizer step and per evaluation
+  batch), save the training state of the step reached, write the marker, and exit 0.
+- `commit`, `done` (the final artifacts are written, the run is complete): the flag is noted and the work finishes.
+
+One small all-reduce (MAX) per optimizer step carries the flags. On a GPU it is not waited for at once: its result is
+copied to pinned host memory and read at the next step, so the host never waits for the step in flight (one step of
+lag); before a checkpoint or an evaluation the current step's result is awaited.
 """
 
 from __future__ import annotations
 
 import math
 import signal
+import time
 from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ddp_accel.files import write_json
+
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PREEMPTED_EXIT_CODE = 0  # a launcher neither restarts the group in place nor reports a crash; see docs/clusters.md
-PREEMPTED_MARKER = "preempted.json"  # in the output dir: the run stopped early and holds a checkpoint of its last step
+PREEMPTED_MARKER = "preempted.json"  # in the output dir: the run stopped early; `phase` says where
+NO_CHECKPOINT_HINT = "No checkpoint was saved (--checkpointing-steps N saves every N steps)."
 
-
-# what run_main says after Ctrl-C: fit keeps it current (the newest checkpoint, how to resume)
-RUN = {"resume_hint": "No checkpoint was saved (--checkpointing-steps N saves every N steps)."}
+PHASES = ("startup", "train", "eval", "final", "commit", "done")
 
 
 class Preempted(BaseException):
-    """Raised by fit() once every rank has saved the checkpoint of the step reached. A BaseException, so that
-    `except Exception` in user code does not swallow it; run_main turns it into PREEMPTED_EXIT_CODE."""
+    """Raised once the run stopped for a preemption signal (after every rank saved, when there was anything to
+    save). A BaseException, so that `except Exception` in user code does not swallow it; run_main turns it into
+    PREEMPTED_EXIT_CODE."""
 
     def __init__(self, message: str):
         super().__init__(message)
         self.message = message
+
+
+class StopSignals:
+    """The process's preemption state: the first signal received, the phase of the run, the output dir (for the
+    marker) and the newest checkpoint (for the Ctrl-C hint). Created by `run_main` for the whole life of a script's
+    process; `fit` makes one of its own when called without it (notebooks)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.phase = "startup"
+        self.output_dir: Path | None = None
+        self.resume_hint = NO_CHECKPOINT_HINT
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> StopSignals:
+        for signum in PREEMPTION_SIGNALS:
+            try:
+                self._previous[signum] = signal.signal(signum, self._handle)
+            except ValueError:  # not the main thread (e.g. a debug launcher): no handler, no preemption stop
+                break
+        return self
+
+    def uninstall(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+    def __enter__(self) -> StopSignals:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    def enter(self, phase: str) -> None:
+        assert phase in PHASES, phase
+        self.phase = phase
+
+    @property
+    def name(self) -> str | None:
+        return signal.Signals(self.received).name if self.received else None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = self.received or signum
+        if self.phase == "startup":  # nothing trained, nothing to save: stop now, not after a long data preparation
+            self.stop_before_training()
+
+    def stop_before_training(self) -> None:
+        """Leave the marker of a run stopped before its first step (any rank may: the signal may reach only one)
+        and raise Preempted."""
+        if self.output_dir is not None:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            write_json(
+                self.output_dir / PREEMPTED_MARKER,
+                {"phase": "startup", "signal": self.name, "step": None, "checkpoint": None, "time": time.time()},
+            )
+        raise Preempted(
+            f"preempted by {self.name} before training started: nothing to save; to start, run the same command "
+            "with --resume-from-checkpoint latest"
+        )
 
 
 @dataclass
@@ -40,29 +115,6 @@ class Verdict:
     nonfinite: bool
 
 
-class PreemptionSignals:
-    """While active, SIGTERM and SIGUSR1 only set a flag (the first signal's number is kept)."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self._previous: dict = {}
-
-    def __enter__(self) -> PreemptionSignals:
-        for signum in PREEMPTION_SIGNALS:
-            try:
-                self._previous[signum] = signal.signal(signum, self._handle)
-            except ValueError:  # not the main thread (e.g. a debug launcher): no handler, no preemption stop
-                break
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.received = self.received or signum
-
-    def __exit__(self, *exc) -> None:
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-
-
 class StepAgreement:
     """Per optimizer step: every rank's (loss not finite, preempted) flags, combined with one MAX all-reduce.
 
@@ -70,14 +122,14 @@ class StepAgreement:
     a few microseconds a step. On a GPU they stay on the device and are read one step late (see the module doc).
     """
 
-    def __init__(self, accelerator):
+    def __init__(self, accelerator: Any):
         self.accelerator, self.device = accelerator, accelerator.device
         self.lagged = self.device.type == "cuda"
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.skipped_steps = 0  # fp16: optimizer steps the gradient scaler skipped (inf/nan gradients)
-        self.step_nonfinite = torch.zeros((), device=self.device) if self.lagged else False  # any micro-batch
+        self.step_nonfinite: Any = torch.zeros((), device=self.device) if self.lagged else False  # any micro-batch
         self._host = torch.zeros(2, pin_memory=self.lagged)
-        self._pending: tuple[int, torch.cuda.Event | None] | None = None
+        self._pending: tuple[int, torch.cuda.Event] | None = None
 
     def step_done(self, step: int, signum: int | None, wait: bool = False) -> Verdict | None:
         """After optimizer step `step`: a verdict when the ranks agree to stop. `wait`: this step's verdict
@@ -97,6 +149,16 @@ class StepAgreement:
         else:
             self.step_nonfinite = self.step_nonfinite or not math.isfinite(loss.item())
 
+    def preempted(self, step: int, signum: int | None) -> Verdict | None:
+        """Outside the training step (an evaluation batch): whether any rank received a signal, agreed now."""
+        self.flush()
+        flags = [0.0, float(signum or 0)]
+        if self.distributed:
+            self._host.copy_(torch.tensor(flags))
+            dist.all_reduce(self._host, op=dist.ReduceOp.MAX)
+            flags = self._host.tolist()
+        return self._verdict(step, *flags)
+
     def submit(self, step: int, signum: int, count_nonfinite: bool = True) -> Verdict | None:
         """Start the agreement on `step`. Returns the newest finished verdict that says stop, else None: on CPU
         this step's, on a GPU the previous step's (the host does not wait for the step in flight)."""
@@ -109,13 +171,13 @@ class StepAgreement:
                 flags = self._host.tolist()
             return self._verdict(step, *flags)
         previous = self._collect()
-        flags = torch.stack(
+        flags_on_device = torch.stack(
             [self.step_nonfinite * float(count_nonfinite), torch.full((), float(signum), device=self.device)]
         )
         self.step_nonfinite = torch.zeros((), device=self.device)
         if self.distributed:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        self._host.copy_(flags, non_blocking=True)
+            dist.all_reduce(flags_on_device, op=dist.ReduceOp.MAX)
+        self._host.copy_(flags_on_device, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self._pending = (step, event)

@@ -84,31 +84,39 @@ def make_trackers(names: list[str], output_dir: str | Path, resuming: bool) -> l
 
 class TrackerLog:
     """Logs to every tracker of the Accelerator, skipping the steps a resumed run redoes (they were logged before
-    the interruption with the very same values: resume is exact)."""
+    the interruption with the very same values: resume is exact). The trackers start at the first log, after the
+    first optimizer step: a command that fails before it leaves no tracker files behind."""
 
-    def __init__(self, accelerator, output_dir: str | Path, hyperparameters: dict[str, Any], resumed: bool):
-        self.accelerator, self.output_dir = accelerator, Path(output_dir)
-        state = read_state(output_dir) if resumed else {}
-        self.horizon = state.get("last_logged_step", -1)  # logged before this process started
+    def __init__(
+        self, accelerator: Any, output_dir: str | Path, hyperparameters: dict[str, Any], resumed: bool
+    ) -> None:
+        self.accelerator, self.output_dir, self.hyperparameters = accelerator, Path(output_dir), hyperparameters
+        self.state = read_state(output_dir) if resumed else {}
+        self.horizon = self.state.get("last_logged_step", -1)  # logged before this process started
         self.last = self.horizon
-        if not accelerator.log_with:
-            return
+        self.started = False
+
+    def _start(self) -> None:
+        self.started = True
+        accelerator = self.accelerator
         try:
             accelerator.init_trackers(Path(sys.argv[0]).stem or "ddp_accel")
-        except Exception as error:  # e.g. W&B without a login: one line, before training
+        except Exception as error:  # e.g. W&B without a login: one line
             raise UserError(
                 f"cannot start the {type(error).__module__.split('.')[0]} tracker: "
                 f"{str(error).splitlines()[0] if str(error) else type(error).__name__} "
                 "(W&B: `wandb login`, or WANDB_MODE=offline)"
             ) from None
         for tracker in accelerator.trackers:
-            if not (tracker.name == "mlflow" and state.get("mlflow_run_id")):  # MLflow refuses changed params
-                tracker.store_init_configuration(hyperparameters)
+            if not (tracker.name == "mlflow" and self.state.get("mlflow_run_id")):  # MLflow refuses changed params
+                tracker.store_init_configuration(self.hyperparameters)
         self._save_state()
 
     def log(self, values: dict[str, Any], step: int) -> None:
-        if not self.accelerator.trackers or step <= self.horizon:
+        if not self.accelerator.log_with or step <= self.horizon:
             return
+        if not self.started:
+            self._start()
         self.accelerator.log(values, step=step)
         for tracker in self.accelerator.trackers:  # TensorBoard buffers up to 2 minutes: on disk before we note it
             if tracker.name == "tensorboard" and self.accelerator.is_main_process:
@@ -119,6 +127,8 @@ class TrackerLog:
 
     def finish(self, artifacts: list[Path]) -> None:
         """MLflow also keeps the final files (model.safetensors, training_curves.png) as artifacts."""
+        if not self.started:
+            return
         for tracker in self.accelerator.trackers:
             if tracker.name == "mlflow" and self.accelerator.is_main_process:
                 import mlflow

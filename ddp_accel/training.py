@@ -1,4 +1,4 @@
-"""The one training loop every script uses: fit() and evaluate(), and the small pieces fit() is made of."""
+"""The one training loop every script uses: fit() and evaluate(), and the run they drive (TrainingRun)."""
 
 from __future__ import annotations
 
@@ -9,137 +9,76 @@ import shutil
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import find_batch_size
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from ddp_accel.checkpoint import (
-    complete_checkpoints,
-    load_checkpoint,
-    model_fingerprint,
-    resolve_resume,
-    save_checkpoint,
-)
+from ddp_accel import loaders
+from ddp_accel.checkpoint import complete_checkpoints, load_checkpoint, model_fingerprint, resolve_resume
+from ddp_accel.checkpoint import save_checkpoint as write_checkpoint
+from ddp_accel.config import TrainConfig
 from ddp_accel.errors import UserError
 from ddp_accel.files import write_json
+from ddp_accel.identity import compare_identity
+from ddp_accel.locking import lock_output_dir
 from ddp_accel.plots import plot_history
-from ddp_accel.runtime import build_accelerator, print_banner, topology
-from ddp_accel.stopping import PREEMPTED_MARKER, Preempted, PreemptionSignals, StepAgreement, Verdict
-from ddp_accel.tracking import TRACKING_STATE, TrackerLog, make_trackers, tracker_names
+from ddp_accel.runtime import print_banner, topology
+from ddp_accel.state import TrainState
+from ddp_accel.stopping import PREEMPTED_MARKER, Preempted, StepAgreement, StopSignals, Verdict
+from ddp_accel.tracking import TRACKING_STATE, TrackerLog
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]  # (model, batch) -> mean loss of the batch
 EvalFn = Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]]  # (model, batch) -> per-sample values
-MetricsFn = Callable[[dict[str, torch.Tensor]], dict[str, float]]  # all samples' values -> metrics
+MetricsFn = Callable[[dict[str, torch.Tensor]], dict[str, Any]]  # all samples' values -> metrics
 # (optimizer, total optimizer steps, optimizer steps per epoch) -> LR scheduler stepped once per optimizer step
 SchedulerFn = Callable[[torch.optim.Optimizer, int, int], Any]
-OnEvalFn = Callable[[torch.nn.Module, dict[str, Any]], None]  # (model, eval metrics), on every rank
+
+FINAL_STAGING = ".final"  # under checkpoints/: the final model and the best model, until the commit moves them
 
 
-@dataclass
-class TrainConfig:
-    output_dir: str = "outputs/run"
-    epochs: int = 1
-    max_steps: int | None = None
-    batch_size: int = 32
-    lr: float = 1e-3
-    seed: int = 0
-    gradient_accumulation_steps: int = 1
-    max_grad_norm: float | None = None
-    checkpointing_steps: int | str | None = None
-    checkpoint_limit: int | None = None
-    resume_from_checkpoint: str | None = None
-    eval_steps: int | None = None
-    eval_every_epochs: int = 1
-    log_steps: int = 20
-    with_tracking: bool = False
-    report_to: str = "none"
-    mixed_precision: str | None = None
-    timeout_s: int = 600
-    overwrite_output_dir: bool = False
-    hparams: dict[str, Any] | None = field(default=None, repr=False)  # what args.json records; default: this
+class StopTraining(Exception):
+    """The ranks agreed to stop (a preemption signal, or a loss that is not finite)."""
 
-    @classmethod
-    def from_args(cls, args, **overrides) -> TrainConfig:
-        """The shared options of a parsed command line; every argument is kept for args.json and trackers."""
-        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-        return cls(**{**values, "hparams": dict(vars(args)), **overrides})
-
-    def make_accelerator(self, check_output_dir: bool = True, **kwargs) -> Accelerator:
-        """The Accelerator, after checking --output-dir (pass check_output_dir=False when not training into it)."""
-        if check_output_dir:
-            self.check_output_dir()
-        trackers = make_trackers(
-            tracker_names(self.report_to, self.with_tracking),
-            self.output_dir,
-            resuming=self.resume_from_checkpoint is not None,
-        )
-        return build_accelerator(
-            seed=self.seed,
-            output_dir=self.output_dir,
-            mixed_precision=self.mixed_precision,
-            gradient_accumulation_steps=self.gradient_accumulation_steps,
-            log_with=trackers or None,
-            timeout_s=self.timeout_s,
-            **kwargs,
-        )
-
-    def check_output_dir(self) -> None:
-        """The Hugging Face convention: a new run does not silently replace a trained model or the checkpoints of
-        an unfinished run. Runs that resume (restarts, requeues) are not affected."""
-        output_dir = Path(self.output_dir)
-        if output_dir.exists() and not output_dir.is_dir():
-            raise UserError(f"--output-dir {output_dir} is a file; pass a folder (it is created if missing)")
-        if self.resume_from_checkpoint is not None or not output_dir.is_dir():
-            return
-        held = (
-            "a trained model (model.safetensors)"
-            if (output_dir / "model.safetensors").exists()
-            else "checkpoints of an unfinished run"
-            if complete_checkpoints(output_dir / "checkpoints")
-            else None
-        )
-        if held and not self.overwrite_output_dir:
-            raise UserError(
-                f"--output-dir {output_dir} already holds {held}; continue it with "
-                "--resume-from-checkpoint latest, replace it with --overwrite-output-dir, or pick another "
-                "--output-dir"
-            )
-        if held and int(os.environ.get("RANK", "0")) == 0:  # the old run's checkpoints must not be resumed later
-            shutil.rmtree(output_dir / "checkpoints", ignore_errors=True)
-            shutil.rmtree(output_dir / "tensorboard", ignore_errors=True)  # one run per directory
-            for name in ("history.json", "metrics.json", PREEMPTED_MARKER, TRACKING_STATE):
-                (output_dir / name).unlink(missing_ok=True)
-
-    def hyperparameters(self) -> dict[str, Any]:
-        if self.hparams is not None:
-            return self.hparams
-        return {key: value for key, value in asdict(self).items() if key != "hparams"}
+    def __init__(self, verdict: Verdict):
+        super().__init__(str(verdict))
+        self.verdict = verdict
 
 
-def mean_metrics(outputs: dict[str, torch.Tensor]) -> dict[str, float]:
+def mean_metrics(outputs: dict[str, torch.Tensor]) -> dict[str, Any]:
     return {key: values.float().mean().item() for key, values in outputs.items()}
 
 
 @torch.no_grad()
 def evaluate(
-    accelerator: Accelerator, model, loader, eval_fn: EvalFn, metrics_fn: MetricsFn | None = None, prefix: str = "eval"
-) -> dict[str, float]:
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    loader: Any,
+    eval_fn: EvalFn,
+    metrics_fn: MetricsFn | None = None,
+    prefix: str = "eval",
+    stop_check: Callable[[], None] | None = None,
+) -> dict[str, Any]:
     """Metrics over every sample of `loader` exactly once, whatever the world size.
 
     `gather_for_metrics` drops the samples the sharded loader repeated to give every rank equal batches.
+    `stop_check` runs on every rank before each batch (fit's: raises StopTraining when the ranks agree to stop).
     """
     was_training = model.training
     model.eval()
     outputs: dict[str, list[torch.Tensor]] = defaultdict(list)
-    for batch in loader:
-        for key, values in accelerator.gather_for_metrics(eval_fn(model, batch)).items():
-            outputs[key].append(values.detach().cpu())
+    with loaders.batches(loader) as batches:
+        for batch in batches:
+            if stop_check is not None:
+                stop_check()
+            for key, values in accelerator.gather_for_metrics(eval_fn(model, batch)).items():
+                outputs[key].append(values.detach().cpu())
     model.train(was_training)
     merged = {key: torch.cat(values) for key, values in outputs.items()}
     metrics = (metrics_fn or mean_metrics)(merged)
@@ -150,13 +89,13 @@ def evaluate(
 def numbers(values: dict[str, Any]) -> dict[str, float]:
     """The plain numbers of a metrics dict (per-class dicts and strings left out)."""
     return {
-        key: value for key, value in values.items() if isinstance(value, (int, float)) and not isinstance(value, bool)
+        key: value for key, value in values.items() if isinstance(value, int | float) and not isinstance(value, bool)
     }
 
 
 def scalars(values: dict[str, Any]) -> dict[str, Any]:
     """What trackers accept as hyper-parameters."""
-    return {key: value for key, value in values.items() if isinstance(value, (int, float, str, bool))}
+    return {key: value for key, value in values.items() if isinstance(value, int | float | str | bool)}
 
 
 class ThroughputMeter:
@@ -164,7 +103,7 @@ class ThroughputMeter:
     window (what the run does now), and steady (after the first window: cuDNN autotuning, compilation and
     worker start-up left out)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.samples, self.train_time, self.data_wait = 0, 0.0, 0.0
         self._window_start = (0, 0.0, 0.0)
         self._steady_start: tuple[int, float, float] | None = None
@@ -184,21 +123,18 @@ class ThroughputMeter:
 
     def summary(self) -> dict[str, Any]:
         steady = self._steady_start
+        after_first = steady is not None and self.samples > steady[0]
         return {
             "train_samples": self.samples,
             "train_samples_per_s": self.samples / max(self.train_time, 1e-9),
             "data_wait_share": self.data_wait / max(self.train_time, 1e-9),
             # after the first log window; null when the run had a single window
-            "steady_samples_per_s": (
-                (self.samples - steady[0]) / (self.train_time - steady[1])
-                if steady and self.samples > steady[0]
-                else None
-            ),
-            "steady_data_wait_share": (
-                (self.data_wait - steady[2]) / (self.train_time - steady[1])
-                if steady and self.samples > steady[0]
-                else None
-            ),
+            "steady_samples_per_s": (self.samples - steady[0]) / (self.train_time - steady[1])
+            if steady and after_first
+            else None,
+            "steady_data_wait_share": (self.data_wait - steady[2]) / (self.train_time - steady[1])
+            if steady and after_first
+            else None,
         }
 
 
@@ -214,135 +150,12 @@ class EvalHistory:
                 print(f"warning: {path} is unreadable; the evaluation history starts again", file=sys.stderr)
         self.records: list[dict] = old
 
-    def record(self, accelerator: Accelerator, step: int, epoch: float, train_loss: float, metrics: dict) -> None:
+    def record(
+        self, accelerator: Accelerator, step: int, epoch: float, train_loss: float | None, metrics: dict
+    ) -> None:
         self.records.append({"step": step, "epoch": epoch, "train_loss": train_loss, **numbers(metrics)})
         if accelerator.is_main_process:
             write_json(self.path, self.records, indent=1)
-
-
-@dataclass
-class ResumePosition:
-    checkpoint: Path | None = None
-    step: int = 0
-    epoch: int = 0
-    skip_batches: int = 0  # batches of `epoch` this rank already consumed
-
-
-def resume_position(
-    accelerator: Accelerator, config: TrainConfig, fingerprint: str, steps_per_epoch: int
-) -> ResumePosition:
-    """Load `--resume-from-checkpoint` (if any) and say where training continues."""
-    path = resolve_resume(config.resume_from_checkpoint, Path(config.output_dir) / "checkpoints", accelerator)
-    if path is None:
-        return ResumePosition()
-    state = load_checkpoint(accelerator, path, fingerprint)
-    # The global sample order of an epoch depends on neither the world size nor the batch size, so a restart
-    # with another global batch skips by samples.
-    global_batch = config.batch_size * accelerator.num_processes
-    saved_batch = state.get(
-        "global_batch", state["samples_in_epoch"] // max(1, state["batches_in_epoch"]) or global_batch
-    )
-    skip, leftover = divmod(state["samples_in_epoch"], global_batch)
-    step = state["step"]
-    if saved_batch == global_batch:
-        skip, leftover = state["batches_in_epoch"], 0
-    else:  # steps count batches of the new size from here on
-        step = state["epoch"] * steps_per_epoch + skip // config.gradient_accumulation_steps
-        if accelerator.is_main_process:
-            print(
-                f"warning: the global batch changed from {saved_batch} to {global_batch} samples: resuming after "
-                f"{skip * global_batch} of the {state['samples_in_epoch']} samples this epoch had seen"
-                + (f" ({leftover} of them are seen again)" if leftover else "")
-                + f", at step {step} of the new size; the LR schedule goes on from its saved position",
-                file=sys.stderr,
-                flush=True,
-            )
-    scale = f", fp16 loss scale {accelerator.scaler.get_scale():g}" if accelerator.scaler is not None else ""
-    accelerator.print(
-        f"resumed from {path}: step {step}, epoch {state['epoch']}, skipping {skip} batches of the epoch{scale}"
-    )
-    return ResumePosition(path, step, state["epoch"], skip)
-
-
-def checkpoint(
-    accelerator: Accelerator, config: TrainConfig, step: int, epoch: int, batches_in_epoch: int, fingerprint: str
-) -> None:
-    save_checkpoint(
-        accelerator,
-        Path(config.output_dir) / "checkpoints",
-        step,
-        {
-            "step": step,
-            "epoch": epoch,
-            "batches_in_epoch": batches_in_epoch,
-            "samples_in_epoch": batches_in_epoch * config.batch_size * accelerator.num_processes,
-            "global_batch": config.batch_size * accelerator.num_processes,
-            "world_size": accelerator.num_processes,
-            "model_fingerprint": fingerprint,
-        },
-        limit=config.checkpoint_limit,
-    )
-
-
-def seed_loader_generators(seed: int, *loaders) -> None:
-    """Creating a DataLoader iterator draws a worker seed from the global RNG unless the loader has a generator
-    of its own. On a mid-epoch resume that draw would land after the restored RNG state (at epoch start in the
-    uninterrupted run), and dropout masks would differ after the resume."""
-    for loader in loaders:
-        if loader is not None and loader.generator is None:
-            loader.generator = torch.Generator().manual_seed(seed)
-
-
-def write_final_artifacts(
-    accelerator: Accelerator,
-    model,
-    output_dir: Path,
-    metrics: dict,
-    history: EvalHistory,
-    tracking: TrackerLog,
-    title: str,
-) -> None:
-    """model.safetensors (unwrapped: no `module.` prefix), metrics.json, training_curves.png; closes trackers."""
-    accelerator.wait_for_everyone()
-    partial = output_dir / ".model_partial"  # written aside: a crash leaves the previous model.safetensors whole
-    accelerator.save_model(model, str(partial))  # every rank: under FSDP the full weights are gathered
-    accelerator.wait_for_everyone()  # every rank is done with the folder before it goes
-    if accelerator.is_main_process:
-        for file in partial.iterdir():
-            os.replace(file, output_dir / file.name)
-        partial.rmdir()
-        (output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # this run reached its end
-        write_json(output_dir / "metrics.json", metrics)
-        if history.records:
-            plot_history(history.records, output_dir / "training_curves.png", title)
-    tracking.log({f"final_{key}": value for key, value in numbers(metrics).items()}, metrics["steps"])
-    tracking.finish([output_dir / "model.safetensors", output_dir / "training_curves.png"])
-
-
-def start_epoch(train_loader, seed: int, epoch: int) -> None:
-    """A new shuffle each epoch, the same on every rank; and DataLoader worker seeds (random augmentations in
-    workers) that depend only on (seed, epoch), so that a run resumed at an epoch boundary draws the same."""
-    train_loader.set_epoch(epoch)
-    if train_loader.generator is not None:
-        train_loader.generator.manual_seed(seed * 100_003 + epoch)
-
-
-def every(step: int, period) -> bool:
-    """True every `period` optimizer steps (`period` None or 'epoch': never)."""
-    return isinstance(period, int) and step % period == 0
-
-
-def train_step(accelerator: Accelerator, model, optimizer, loss_fn: LossFn, batch, max_grad_norm: float | None):
-    """One micro-batch: forward and backward; on an accumulation boundary also clip and step (inside
-    `accumulate`, Accelerate skips the gradient all-reduce and the optimizer step between boundaries)."""
-    with accelerator.accumulate(model):
-        loss = loss_fn(model, batch)
-        accelerator.backward(loss)
-        if accelerator.sync_gradients and max_grad_norm:
-            accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
 
 
 class LossWindow:
@@ -357,46 +170,463 @@ class LossWindow:
 
     def mean(self, accelerator: Accelerator) -> float:
         """The mean over the window and over all processes; starts a new window."""
-        value = accelerator.reduce(self.total / self.batches, "mean").item()
+        value: float = accelerator.reduce(self.total / self.batches, "mean").item()
         self.total.zero_()
         self.batches = 0
         return value
 
 
-def stop_early(
-    accelerator: Accelerator,
-    config: TrainConfig,
-    verdict: Verdict,
-    step: int,
-    epoch: int,
-    batches_in_epoch: int,
-    fingerprint: str,
-    last_loss: float,
-) -> None:
-    """Every rank: a loss that is not finite ends the run (no checkpoint of a broken model); a preemption
-    checkpoints the step reached (unless it was just saved), leaves the marker and raises Preempted."""
-    if verdict.nonfinite:
-        last = f"the last logged loss was {last_loss:.4g}" if math.isfinite(last_loss) else "no loss was logged before"
-        raise UserError(
-            f"the training loss is not finite (nan or inf) at step {verdict.step}; {last}. "
-            "Lower --lr, set --max-grad-norm, or check the data for bad values."
+def seed_loader_generators(seed: int, *loaders_: Any) -> None:
+    """Creating a DataLoader iterator draws a worker seed from the global RNG unless the loader has a generator
+    of its own. On a mid-epoch resume that draw would land after the restored RNG state (at epoch start in the
+    uninterrupted run), and dropout masks would differ after the resume."""
+    for loader in loaders_:
+        if loader is not None and loader.generator is None:
+            loader.generator = torch.Generator().manual_seed(seed)
+
+
+def every(step: int, period: int | str | None) -> bool:
+    """True every `period` optimizer steps (`period` None or 'epoch': never)."""
+    return isinstance(period, int) and step % period == 0
+
+
+class TrainingRun:
+    """Everything one call of fit() works with: the prepared objects, the position of training (`state`, one
+    TrainState), the meters, and the artifacts it commits at the end. fit() reads as the loop; the steps are here."""
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        config: TrainConfig,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_loader: Any,
+        loss_fn: LossFn,
+        signals: StopSignals,
+        **options: Any,
+    ):
+        self.accelerator, self.config, self.loss_fn, self.signals = accelerator, config, loss_fn, signals
+        self.options = options
+        self.eval_fn: EvalFn | None = options["eval_fn"]
+        self.output_dir = Path(config.output_dir)
+        self.root = self.output_dir / "checkpoints"
+        self.staging = self.root / FINAL_STAGING
+        self.state = TrainState(
+            global_batch=config.batch_size * accelerator.num_processes,
+            world_size=accelerator.num_processes,
+            model_fingerprint=model_fingerprint(model),
+            identity=options["identity"] or {},
         )
-    started = time.perf_counter()
-    path = Path(config.output_dir) / "checkpoints" / f"step_{step}"
-    if not (path / "training_state.json").is_file():
-        checkpoint(accelerator, config, step, epoch, batches_in_epoch, fingerprint)
-    saved_s = time.perf_counter() - started
-    why = verdict.signal
-    if accelerator.is_main_process:
-        write_json(
-            Path(config.output_dir) / PREEMPTED_MARKER,
-            {"step": step, "signal": why, "checkpoint": str(path), "save_s": round(saved_s, 2), "time": time.time()},
+        seed_loader_generators(config.seed, train_loader, options["eval_loader"], options["test_loader"])
+        self.model, self.optimizer, self.train_loader = accelerator.prepare(model, optimizer, train_loader)
+        self.eval_loader, self.test_loader = (
+            accelerator.prepare(options[name]) if options[name] is not None else None
+            for name in ("eval_loader", "test_loader")
         )
-    accelerator.wait_for_everyone()  # no process exits (and makes a launcher kill the rest) before the marker exists
-    raise Preempted(
-        f"preempted by {why} at step {step}: checkpoint {path} saved in {saved_s:.2f} s; "
-        "to continue, run the same command with --resume-from-checkpoint latest"
-    )
+        self.accumulation = config.gradient_accumulation_steps
+        self.steps_per_epoch = math.ceil(len(self.train_loader) / self.accumulation)
+        self.total_steps = int(min(config.epochs * self.steps_per_epoch, config.max_steps or math.inf))
+        make_scheduler: SchedulerFn | None = options["make_scheduler"]
+        self.scheduler = (
+            accelerator.prepare(make_scheduler(self.optimizer, self.total_steps, self.steps_per_epoch))
+            if make_scheduler
+            else None
+        )
+        self.meter, self.window = ThroughputMeter(), LossWindow(accelerator.device)
+        self.agreement = StepAgreement(accelerator)
+        self.eval_metrics: dict[str, Any] = {}
+        self.test_metrics: dict[str, Any] = {}
+        self.resumed_from: Path | None = None
+        self.lock: int | None = None  # the main process's flock on the output dir, held until fit returns
+        self.progress: tqdm | None = None
+        self.tick = time.perf_counter()  # when the current step began waiting for its batch
+        self.interactive = sys.stderr.isatty()  # in a log file, a line every 30 s instead of a redraw per step
+        self.wall_start = time.perf_counter()
+
+    def __enter__(self) -> TrainingRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress is not None:
+            self.progress.close()  # an error line then starts on a line of its own
+        if self.lock is not None:
+            os.close(self.lock)  # releases the output dir to the next run
+            self.lock = None
+
+    # --- start: every check first, then the first writes ---
+    def start(self) -> dict[str, Any] | None:
+        """Resume (or not), check the output dir; returns the committed metrics when the run is already complete."""
+        print_banner(
+            self.accelerator,
+            self.options["title"],
+            batch_size=self.config.batch_size,
+            accumulation=self.accumulation,
+            steps_per_epoch=self.steps_per_epoch,
+            total_steps=self.total_steps,
+            **(self.options["banner"] or {}),
+        )
+        complete = self.committed_run()
+        if complete is not None:
+            return complete
+        checkpoints = complete_checkpoints(self.root)
+        self.config.check_output_dir(has_checkpoints=bool(checkpoints))
+        self.resume()
+        if self.accelerator.is_main_process:
+            self.lock = lock_output_dir(self.output_dir)
+            if self.config.overwrite_output_dir and self.resumed_from is None:
+                self.clear_previous_run()
+        self.history = EvalHistory(self.output_dir / "history.json", self.state.step if self.resumed_from else None)
+        self.tracking = TrackerLog(
+            self.accelerator,
+            self.output_dir,
+            scalars(self.config.hyperparameters()),
+            resumed=self.resumed_from is not None,
+        )
+        if self.resumed_from and self.state.last_eval_step < 0 and self.history.records:
+            # a checkpoint of an earlier version does not record its last evaluation: history.json does
+            self.state.last_eval_step = self.state.step if self.history.records[-1]["step"] == self.state.step else -1
+        self.progress = tqdm(
+            total=self.total_steps,
+            initial=self.state.step,
+            disable=not self.accelerator.is_local_main_process,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=0.1 if self.interactive else 30,
+        )
+        self.signals.enter("train")
+        return None
+
+    def committed_run(self) -> dict[str, Any] | None:
+        """A run whose artifacts were committed for at least the steps this command asks for, under the same
+        identity, is complete: `--resume-from-checkpoint` then changes nothing."""
+        path = self.output_dir / "metrics.json"
+        if self.config.resume_from_checkpoint is None or not path.is_file():
+            return None
+        try:
+            committed = json.loads(path.read_text())
+        except ValueError:
+            return None
+        if not isinstance(committed, dict) or not (self.output_dir / "model.safetensors").is_file():
+            return None
+        if committed.get("identity") and self.state.identity:
+            compare_identity(committed["identity"], self.state.identity, f"the run in {self.output_dir}")
+        if not isinstance(committed.get("steps"), int) or committed["steps"] < self.total_steps:
+            return None
+        self.accelerator.print(
+            f"the run in {self.output_dir} is complete ({committed['steps']} steps); nothing to do. A larger --epochs "
+            "or --max-steps continues it from its newest checkpoint."
+        )
+        self.signals.enter("done")
+        return dict(committed)
+
+    def resume(self) -> None:
+        """Load `--resume-from-checkpoint` (if any) into the prepared objects and `state`."""
+        config, state, accelerator = self.config, self.state, self.accelerator
+        path = resolve_resume(config.resume_from_checkpoint, self.root, accelerator)
+        if path is None:
+            return
+        global_batch, world_size = state.global_batch, state.world_size
+        for warning in load_checkpoint(accelerator, path, state):
+            accelerator.print(f"warning: {warning}")
+        if state.step > self.total_steps:
+            raise UserError(
+                f"checkpoint {path} is at step {state.step}, past the {self.total_steps} steps this command asks for; "
+                "raise --epochs or --max-steps, or give an earlier step_N folder to --resume-from-checkpoint"
+            )
+        # The global sample order of an epoch depends on neither the world size nor the batch size, so a restart
+        # with another global batch skips by samples.
+        saved_batch, seen = state.global_batch or global_batch, state.samples_in_epoch
+        skip, leftover = divmod(seen, global_batch)
+        if saved_batch == global_batch:
+            skip, leftover = state.batches_in_epoch, 0
+        else:  # steps count batches of the new size from here on
+            state.step = state.epoch * self.steps_per_epoch + skip // self.accumulation
+            if accelerator.is_main_process:
+                print(
+                    f"warning: the global batch changed from {saved_batch} to {global_batch} samples: resuming after "
+                    f"{skip * global_batch} of the {seen} samples this epoch had seen"
+                    + (f" ({leftover} of them are seen again)" if leftover else "")
+                    + f", at step {state.step} of the new size; the LR schedule goes on from its saved position",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        state.batches_in_epoch, state.global_batch, state.world_size = skip, global_batch, world_size
+        scale = f", fp16 loss scale {accelerator.scaler.get_scale():g}" if accelerator.scaler is not None else ""
+        accelerator.print(
+            f"resumed from {path}: step {state.step}, epoch {state.epoch}, skipping {skip} batches of the epoch{scale}"
+        )
+        self.resumed_from = path
+        self.signals.resume_hint = self.resume_hint(path)
+
+    def clear_previous_run(self) -> None:
+        """--overwrite-output-dir, once every check passed: the old run's checkpoints must not be resumed later, its
+        curves and tracker runs not continued; its final artifacts are replaced at this run's commit."""
+        shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self.output_dir / "tensorboard", ignore_errors=True)
+        for name in ("history.json", PREEMPTED_MARKER, TRACKING_STATE):
+            (self.output_dir / name).unlink(missing_ok=True)
+
+    # --- the loop's steps ---
+    @contextmanager
+    def epoch_batches(self, epoch: int) -> Iterator[Iterator[Any]]:
+        """This epoch's batches on this rank (after the ones a resume skips), each timed."""
+        loader = self.train_loader
+        loader.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        if loader.generator is not None:  # worker seeds (augmentations) that depend only on (seed, epoch)
+            loader.generator.manual_seed(self.config.seed * 100_003 + epoch)
+        skip = self.state.batches_in_epoch if epoch == self.state.epoch else 0
+        self.state.epoch, self.state.batches_in_epoch = epoch, skip
+        with loaders.batches(self.accelerator.skip_first_batches(loader, skip) if skip else loader) as batches:
+            yield batches
+
+    def train_step(self, batch: Any) -> bool:
+        """One micro-batch: forward and backward; on an accumulation boundary also clip and step (inside
+        `accumulate`, Accelerate skips the gradient all-reduce and the optimizer step between boundaries).
+        True when it ended an optimizer step."""
+        accelerator, started = self.accelerator, time.perf_counter()
+        with accelerator.accumulate(self.model):
+            loss = self.loss_fn(self.model, batch)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and self.config.max_grad_norm:
+                accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        self.window.add(loss)
+        self.agreement.observe(loss)
+        self.state.batches_in_epoch += 1
+        done = time.perf_counter()
+        self.meter.add(find_batch_size(batch) * accelerator.num_processes, done - self.tick, started - self.tick)
+        self.tick = done
+        return accelerator.sync_gradients
+
+    def start_timing(self) -> None:
+        self.tick = time.perf_counter()
+
+    def after_optimizer_step(self) -> None:
+        """The agreement on stopping, then what is due at this step: log, evaluate, checkpoint."""
+        if self.scheduler is not None:
+            self.scheduler.step()
+        state, config = self.state, self.config
+        state.step += 1
+        if self.progress is not None:
+            self.progress.update(1)
+        eval_due = self.eval_loader is not None and every(state.step, config.eval_steps)
+        checkpoint_due = every(state.step, config.checkpointing_steps)
+        verdict = self.agreement.step_done(state.step, self.signals.received, wait=eval_due or checkpoint_due)
+        if verdict:
+            raise StopTraining(verdict)
+        if every(state.step, config.log_steps) or state.step == self.total_steps:
+            self.log_window()
+        if eval_due:
+            self.evaluate_now()
+        if checkpoint_due:
+            self.save()
+        self.tick = time.perf_counter()
+
+    def end_of_epoch(self, epoch: int) -> None:
+        verdict = self.agreement.flush()
+        if verdict:
+            raise StopTraining(verdict)
+        self.state.epoch, self.state.batches_in_epoch = epoch + 1, 0
+        if self.config.checkpointing_steps == "epoch":
+            self.save()
+        due = (epoch + 1) == self.config.epochs or (epoch + 1) % self.config.eval_every_epochs == 0
+        if self.eval_loader is not None and self.state.step != self.state.last_eval_step and due:
+            self.evaluate_now()
+
+    def stop_check(self) -> None:
+        """Before each evaluation batch, on every rank: stop when any rank received a preemption signal."""
+        verdict = self.agreement.preempted(self.state.step, self.signals.received)
+        if verdict:
+            raise StopTraining(verdict)
+
+    def evaluate_now(self) -> None:
+        """Evaluate at this step; a stop in the middle leaves `eval_pending`, so the resumed run evaluates first."""
+        state, phase = self.state, self.signals.phase
+        assert self.eval_fn is not None
+        state.eval_pending = True
+        self.signals.enter("eval" if phase == "train" else phase)
+        metrics = evaluate(
+            self.accelerator,
+            self.model,
+            self.eval_loader,
+            self.eval_fn,
+            self.options["metrics_fn"],
+            stop_check=self.stop_check,
+        )
+        self.signals.enter(phase)
+        state.eval_pending, state.last_eval_step, self.eval_metrics = False, state.step, metrics
+        self.tracking.log(metrics, state.step)
+        self.accelerator.print(f"step {state.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in numbers(metrics).items()))
+        self.history.record(self.accelerator, state.step, state.step / self.steps_per_epoch, state.last_loss, metrics)
+        self.keep_best(metrics)
+
+    def keep_best(self, metrics: dict[str, Any]) -> None:
+        """The best model so far (by fit's `best_metric`, higher is better), staged until the commit."""
+        name, state = self.options["best_metric"], self.state
+        if name is None or (state.best_metric is not None and metrics[name] <= state.best_metric):
+            return
+        state.best_metric, state.best_step = metrics[name], state.step
+        weights = self.accelerator.get_state_dict(self.model)  # every rank: gathered under FSDP
+        if self.accelerator.is_main_process:
+            self.staging.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(self.staging / "model_best.partial"))
+            os.replace(self.staging / "model_best.partial", self.staging / "model_best.safetensors")
+
+    def final_evaluations(self) -> None:
+        """The last evaluation (unless the last step was just evaluated) and the test set, before the commit."""
+        self.signals.enter("final")
+        verdict = self.agreement.flush()
+        if verdict:
+            raise StopTraining(verdict)
+        if self.eval_loader is not None and self.state.step != self.state.last_eval_step:
+            self.evaluate_now()
+        if self.test_loader is not None:
+            assert self.eval_fn is not None
+            self.test_metrics = evaluate(
+                self.accelerator,
+                self.model,
+                self.test_loader,
+                self.eval_fn,
+                self.options["metrics_fn"],
+                prefix="test",
+                stop_check=self.stop_check,
+            )
+            self.accelerator.print("test: " + ", ".join(f"{k} {v:.4g}" for k, v in numbers(self.test_metrics).items()))
+
+    def log_window(self) -> None:
+        """The loss averaged over all processes, the throughput of the last log window (global samples), and with
+        fp16 the gradient scaler's state: its skipped steps are never silent."""
+        state, accelerator = self.state, self.accelerator
+        state.last_loss = loss = self.window.mean(accelerator)
+        speed, wait = self.meter.window()
+        # epochs counted from 1, as in history.json
+        postfix = {
+            "loss": f"{loss:.4f}",
+            "samples_s": f"{speed:.0f}",
+            "data_wait": f"{wait:.0%}",
+            "epoch": state.epoch + 1,
+        }
+        logs = {"train_loss": loss, "samples_per_s": speed, "data_wait_share": wait, "epoch": state.epoch + 1}
+        if self.scheduler is not None:
+            logs["lr"] = self.scheduler.get_last_lr()[0]
+        if accelerator.scaler is not None:
+            skipped = self.agreement.skipped_steps
+            logs.update(loss_scale=accelerator.scaler.get_scale(), skipped_optimizer_steps=skipped)
+            postfix["skipped"] = skipped
+        if self.progress is not None:
+            self.progress.set_postfix(postfix, refresh=self.interactive)  # a log file: a line per 30 s
+        self.tracking.log(logs, state.step)
+
+    # --- checkpoints and stops ---
+    def save(self) -> Path:
+        path = write_checkpoint(self.accelerator, self.root, self.state, limit=self.config.checkpoint_limit)
+        self.signals.resume_hint = self.resume_hint(path)
+        return path
+
+    @staticmethod
+    def resume_hint(path: Path) -> str:
+        return (
+            f"The newest checkpoint is {path}; to continue, run the same command with --resume-from-checkpoint latest."
+        )
+
+    def stop(self, verdict: Verdict) -> None:
+        """Every rank: a loss that is not finite ends the run (no checkpoint of a broken model); a preemption
+        checkpoints the step reached (unless it was just saved), leaves the marker and raises Preempted."""
+        state = self.state
+        if verdict.nonfinite:
+            last = (
+                f"the last logged loss was {state.last_loss:.4g}"
+                if state.last_loss is not None and math.isfinite(state.last_loss)
+                else "no loss was logged before"
+            )
+            raise UserError(
+                f"the training loss is not finite (nan or inf) at step {verdict.step}; {last}. "
+                "Lower --lr, set --max-grad-norm, or check the data for bad values."
+            )
+        started, phase = time.perf_counter(), self.signals.phase
+        path = self.root / f"step_{state.step}"
+        saved = (path / "training_state.json").is_file() and json.loads(
+            (path / "training_state.json").read_text()
+        ) == json.loads(json.dumps(state.state_dict()))
+        if not saved:
+            path = self.save()
+        saved_s = time.perf_counter() - started
+        if self.accelerator.is_main_process:
+            write_json(
+                self.output_dir / PREEMPTED_MARKER,
+                {
+                    "phase": phase,
+                    "step": state.step,
+                    "signal": verdict.signal,
+                    "checkpoint": str(path),
+                    "save_s": round(saved_s, 2),
+                    "time": time.time(),
+                },
+            )
+        self.accelerator.wait_for_everyone()  # no process exits (and makes a launcher kill the rest) before the marker
+        raise Preempted(
+            f"preempted by {verdict.signal} at step {state.step} ({phase}): checkpoint {path} saved in {saved_s:.2f} s;"
+            " to continue, run the same command with --resume-from-checkpoint latest"
+        )
+
+    # --- the end: every final artifact committed at once ---
+    def commit(self) -> dict[str, Any]:
+        """model.safetensors (unwrapped: no `module.` prefix), model_best.safetensors, the scripts' own artifacts,
+        args.json, training_curves.png and metrics.json (last: a run is complete once it exists for its steps),
+        written aside and moved into place together; trackers closed. Signals received now are noted, not acted on:
+        the commit is short, and a run stopped in it would have to redo it."""
+        self.signals.enter("commit")
+        accelerator, state, output_dir = self.accelerator, self.state, self.output_dir
+        if self.progress is not None:
+            self.progress.close()
+        metrics = {
+            **self.eval_metrics,
+            **self.test_metrics,
+            "train_loss": state.last_loss,
+            "steps": state.step,
+            "skipped_optimizer_steps": self.agreement.skipped_steps,
+            **self.meter.summary(),
+            "wall_time_s": time.perf_counter() - self.wall_start,
+            **topology(accelerator, self.config.batch_size, self.accumulation),
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+            **(
+                {"best_" + best.removeprefix("eval_"): state.best_metric}
+                if (best := self.options["best_metric"])
+                else {}
+            ),
+            **(self.options["extra_metrics"] or {}),
+            "identity": state.identity or None,
+        }
+        accelerator.wait_for_everyone()
+        final = self.staging / "model"
+        accelerator.save_model(self.model, str(final))  # every rank: under FSDP the full weights are gathered
+        accelerator.wait_for_everyone()  # every rank is done with the folder before it goes
+        if accelerator.is_main_process:
+            self.move_final_artifacts(final, metrics)
+        self.tracking.log({f"final_{key}": value for key, value in numbers(metrics).items()}, state.step)
+        self.tracking.finish([output_dir / "model.safetensors", output_dir / "training_curves.png"])
+        self.signals.enter("done")
+        accelerator.print(summary_line(metrics, output_dir))
+        return metrics
+
+    def move_final_artifacts(self, final: Path, metrics: dict[str, Any]) -> None:
+        output_dir = self.output_dir
+        if self.history.records:
+            plot_history(self.history.records, self.staging / "training_curves.png", self.options["title"])
+        write_json(self.staging / "args.json", self.config.hyperparameters())
+        for name, source in (self.options["artifacts"] or {}).items():
+            shutil.copyfile(source, self.staging / name)
+        for file in list(final.iterdir()) + [path for path in self.staging.iterdir() if path.is_file()]:
+            os.replace(file, output_dir / file.name)
+        final.rmdir()
+        self.staging.rmdir()
+        if not any(self.root.iterdir()):  # a run without checkpoints leaves no empty folder
+            self.root.rmdir()
+        write_json(output_dir / "metrics.json", metrics)
+        (output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # this run reached its end
 
 
 def fit(
@@ -404,149 +634,67 @@ def fit(
     config: TrainConfig,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    train_loader,
+    train_loader: Any,
     loss_fn: LossFn,
     *,
-    eval_loader=None,
+    eval_loader: Any = None,
     eval_fn: EvalFn | None = None,
     metrics_fn: MetricsFn | None = None,
+    test_loader: Any = None,
     make_scheduler: SchedulerFn | None = None,
+    best_metric: str | None = None,
     title: str = "ddp_accel",
     banner: dict[str, Any] | None = None,
-    on_eval: OnEvalFn | None = None,
+    extra_metrics: dict[str, Any] | None = None,
+    artifacts: dict[str, Path] | None = None,
+    identity: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Train `model`; checkpoint, resume, evaluate, log; write model.safetensors, metrics.json, args.json,
-    history.json and training_curves.png. On SIGTERM/SIGUSR1 every rank checkpoints the step reached and fit
-    raises `Preempted`; a loss that is not finite stops the run with a UserError.
+    """Train `model`: checkpoint, resume, evaluate (`eval_loader`, and `test_loader` once at the end), log; then
+    commit model.safetensors, model_best.safetensors (by `best_metric`), `artifacts` (name -> file to copy),
+    args.json, training_curves.png and metrics.json (`extra_metrics` added) together.
 
-    Every process calls fit(). Returns the final metrics (the same on every rank). `on_eval(model, metrics)`
-    runs on every rank after each evaluation (e.g. to keep the best model).
+    Every process calls fit(). Returns the final metrics (the same on every rank). On SIGTERM/SIGUSR1 every rank
+    checkpoints the step reached and fit raises `Preempted`; a loss that is not finite stops with a UserError.
+    `config.signals`: the process's StopSignals (run_main's); without them fit watches the signals while it runs.
+    `identity` (ddp_accel.identity.make_identity): what must match for a resume.
     """
-    output_dir = Path(config.output_dir)
-    fingerprint = model_fingerprint(model)
-    if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        write_json(output_dir / "args.json", config.hyperparameters())
-    seed_loader_generators(config.seed, train_loader, eval_loader)
-    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
-    eval_loader = accelerator.prepare(eval_loader) if eval_loader is not None else None
-    accumulation = config.gradient_accumulation_steps
-    steps_per_epoch = math.ceil(len(train_loader) / accumulation)
-    total_steps = min(config.epochs * steps_per_epoch, config.max_steps or math.inf)
-    scheduler = accelerator.prepare(make_scheduler(optimizer, total_steps, steps_per_epoch)) if make_scheduler else None
-    print_banner(
-        accelerator,
-        title,
-        batch_size=config.batch_size,
-        accumulation=accumulation,
-        steps_per_epoch=steps_per_epoch,
-        total_steps=total_steps,
-        **(banner or {}),
-    )
-    start = resume_position(accelerator, config, fingerprint, steps_per_epoch)
-    step = start.step
-    history = EvalHistory(output_dir / "history.json", step if start.checkpoint else None)
-    tracking = TrackerLog(accelerator, output_dir, scalars(config.hyperparameters()), resumed=bool(start.checkpoint))
-    meter, window, agreement = ThroughputMeter(), LossWindow(accelerator.device), StepAgreement(accelerator)
-    last_loss, eval_metrics, stop = float("nan"), {}, None
-    last_eval_step = step if history.records and history.records[-1]["step"] == step else -1  # resumed after an eval
-
-    def run_eval() -> dict[str, float]:
-        metrics = evaluate(accelerator, model, eval_loader, eval_fn, metrics_fn)
-        tracking.log(metrics, step)
-        accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in numbers(metrics).items()))
-        history.record(accelerator, step, step / steps_per_epoch, last_loss, metrics)
-        if on_eval is not None:
-            on_eval(model, metrics)
-        return metrics
-
-    interactive = sys.stderr.isatty()  # in a log file, a line every 30 s instead of a redraw per step
-    wall_start = time.perf_counter()
-    with (
-        tqdm(
-            total=total_steps,
-            initial=step,
-            disable=not accelerator.is_local_main_process,
-            desc="train",
-            unit="step",
-            dynamic_ncols=True,
-            mininterval=0.1 if interactive else 30,
-        ) as progress,
-        PreemptionSignals() as signals,
-    ):
-        model.train()
-        for epoch in range(start.epoch, config.epochs):
-            if step >= total_steps:
-                break
-            start_epoch(train_loader, config.seed, epoch)
-            skip = start.skip_batches if epoch == start.epoch else 0
-            batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-            batches_in_epoch, tick = skip, time.perf_counter()
-            for batch in batches:
-                if step >= total_steps:  # --max-steps reached mid-epoch: no end-of-epoch work
+    signals = config.signals
+    run = TrainingRun(
+        accelerator, config, model, optimizer, train_loader, loss_fn, signals or StopSignals(),
+        eval_loader=eval_loader, eval_fn=eval_fn, metrics_fn=metrics_fn, test_loader=test_loader,
+        make_scheduler=make_scheduler, best_metric=best_metric, title=title, banner=banner,
+        extra_metrics=extra_metrics, artifacts=artifacts, identity=identity,
+    )  # fmt: skip
+    run.signals.output_dir = run.output_dir
+    with run.signals if signals is None else _already_installed(), run:
+        committed = run.start()
+        if committed is not None:
+            return committed
+        state = run.state
+        try:
+            if state.eval_pending:  # stopped while evaluating this step: evaluate it first
+                run.evaluate_now()
+            for epoch in range(state.epoch, config.epochs):
+                if state.step >= run.total_steps:
                     break
-                data_wait = time.perf_counter() - tick
-                loss = train_step(accelerator, model, optimizer, loss_fn, batch, config.max_grad_norm)
-                window.add(loss)
-                agreement.observe(loss)
-                batches_in_epoch += 1
-                meter.add(find_batch_size(batch) * accelerator.num_processes, time.perf_counter() - tick, data_wait)
-                if accelerator.sync_gradients:
-                    if scheduler is not None:
-                        scheduler.step()
-                    step += 1
-                    progress.update(1)
-                    eval_due = eval_loader is not None and every(step, config.eval_steps)
-                    checkpoint_due = every(step, config.checkpointing_steps)
-                    if stop := agreement.step_done(step, signals.received, wait=eval_due or checkpoint_due):
-                        break
-                    if every(step, config.log_steps) or step == total_steps:
-                        last_loss = window.mean(accelerator)
-                        log_window(
-                            accelerator,
-                            tracking,
-                            progress,
-                            meter,
-                            last_loss,
-                            step,
-                            epoch,
-                            scheduler,
-                            agreement.skipped_steps,
-                            interactive,
-                        )
-                    if eval_due:
-                        eval_metrics, last_eval_step = run_eval(), step
-                    if checkpoint_due:
-                        checkpoint(accelerator, config, step, epoch, batches_in_epoch, fingerprint)
-                tick = time.perf_counter()
-            else:  # the epoch ran to its end
-                if stop := agreement.flush():
-                    break
-                if config.checkpointing_steps == "epoch":
-                    checkpoint(accelerator, config, step, epoch + 1, 0, fingerprint)
-                due = (epoch + 1) == config.epochs or (epoch + 1) % config.eval_every_epochs == 0
-                if eval_loader is not None and step != last_eval_step and due:
-                    eval_metrics, last_eval_step = run_eval(), step
-            if stop:  # `epoch` stays the one the stop happened in
-                break
-        if stop := stop or agreement.flush():
-            stop_early(accelerator, config, stop, step, epoch, batches_in_epoch, fingerprint, last_loss)
-    if eval_loader is not None and step != last_eval_step:
-        eval_metrics = run_eval()
+                with run.epoch_batches(epoch) as batches:
+                    run.start_timing()
+                    for batch in batches:
+                        if state.step >= run.total_steps:  # --max-steps reached mid-epoch: no end-of-epoch work
+                            break
+                        if run.train_step(batch):
+                            run.after_optimizer_step()
+                    else:  # the epoch ran to its end
+                        run.end_of_epoch(epoch)
+            run.final_evaluations()
+        except StopTraining as stop:
+            run.stop(stop.verdict)
+        return run.commit()
 
-    metrics = {
-        **eval_metrics,
-        "train_loss": last_loss,
-        "steps": step,
-        "skipped_optimizer_steps": agreement.skipped_steps,
-        **meter.summary(),
-        "wall_time_s": time.perf_counter() - wall_start,
-        **topology(accelerator, config.batch_size, accumulation),
-        "resumed_from": str(start.checkpoint) if start.checkpoint else None,
-    }
-    write_final_artifacts(accelerator, model, output_dir, metrics, history, tracking, title)
-    accelerator.print(summary_line(metrics, output_dir))
-    return metrics
+
+@contextmanager
+def _already_installed() -> Iterator[None]:
+    yield
 
 
 def summary_line(metrics: dict[str, Any], output_dir: Path) -> str:
@@ -554,36 +702,9 @@ def summary_line(metrics: dict[str, Any], output_dir: Path) -> str:
     scores = ", ".join(
         f"{key} {value:.4g}"
         for key, value in numbers(metrics).items()
-        if key.startswith("eval_") and key != "eval_samples"
+        if key.startswith(("eval_", "test_")) and not key.endswith("_samples")
     )
     return (
         f"done: {metrics['steps']} steps in {metrics['wall_time_s']:.0f} s on {metrics['world_size']} process(es)"
         f"{'; ' + scores if scores else ''}; model.safetensors, metrics.json and training_curves.png in {output_dir}"
     )
-
-
-def log_window(
-    accelerator: Accelerator,
-    tracking: TrackerLog,
-    progress,
-    meter: ThroughputMeter,
-    loss: float,
-    step: int,
-    epoch: int,
-    scheduler,
-    skipped_steps: int,
-    interactive: bool,
-) -> None:
-    """The loss averaged over all processes, the throughput of the last log window (global samples), and with
-    fp16 the gradient scaler's state: its skipped steps are never silent."""
-    speed, wait = meter.window()
-    # epochs counted from 1, as in history.json
-    postfix = {"loss": f"{loss:.4f}", "samples_s": f"{speed:.0f}", "data_wait": f"{wait:.0%}", "epoch": epoch + 1}
-    logs = {"train_loss": loss, "samples_per_s": speed, "data_wait_share": wait, "epoch": epoch + 1}
-    if scheduler is not None:
-        logs["lr"] = scheduler.get_last_lr()[0]
-    if accelerator.scaler is not None:
-        logs.update(loss_scale=accelerator.scaler.get_scale(), skipped_optimizer_steps=skipped_steps)
-        postfix["skipped"] = skipped_steps
-    progress.set_postfix(postfix, refresh=interactive)  # a log file: a line per 30 s
-    tracking.log(logs, step)

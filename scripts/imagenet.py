@@ -17,17 +17,23 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from ddp_accel import ArgumentParser, TrainConfig, UserError, add_training_args, evaluate, fit, run_main
 from ddp_accel.checkpoint import load_checkpoint, model_fingerprint, resolve_resume
 from ddp_accel.cli import nonnegative, nonnegative_int, number, positive, positive_int, probability
-from ddp_accel.files import replaced_atomically, write_json
+from ddp_accel.files import write_json
+from ddp_accel.identity import make_identity
 from ddp_accel.metrics import classification_metrics, classification_values
+from ddp_accel.state import TrainState
+from ddp_accel.stopping import StopSignals
 from ddp_accel.sync_bn import convert_sync_batchnorm
 from ddp_accel.vision.data import IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize, SyntheticImages, image_folders
 from ddp_accel.vision.models import build_model, list_archs
+
+# what shapes the model and the data: a resume must use the same (ddp_accel.identity)
+IDENTITY_OPTIONS = ("arch", "image_size", "augment", "mean", "std", "dummy", "dummy_classes", "sync_bn")
 
 
 def parse_args(argv=None):
@@ -154,12 +160,12 @@ def lr_lambda(args, steps_per_epoch: int, total_steps: int):
     return factor
 
 
-def main() -> None:
+def main(signals: StopSignals) -> None:
     args = parse_args()
     if args.list_archs:
         print("\n".join(list_archs()))
         return
-    config = TrainConfig.from_args(args)
+    config = TrainConfig.from_args(args, signals=signals)
     if args.deterministic:  # pytorch/examples does this with --seed; here it is its own choice
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
@@ -205,7 +211,9 @@ def main() -> None:
             path = resolve_resume(args.resume_from_checkpoint, output_dir / "checkpoints", accelerator)
             if path is None:
                 raise UserError(f"--evaluate --resume latest: no complete checkpoint in {output_dir / 'checkpoints'}")
-            load_checkpoint(accelerator, path, model_fingerprint(accelerator.unwrap_model(model)))
+            load_checkpoint(
+                accelerator, path, TrainState(model_fingerprint=model_fingerprint(accelerator.unwrap_model(model)))
+            )
         metrics = evaluate(accelerator, model, accelerator.prepare(loader(val_set, args, False)), eval_fn, metrics_fn)
         accelerator.print(
             f"top1 {metrics['eval_top1']:.4f}"
@@ -232,16 +240,6 @@ def main() -> None:
     def schedule(optimizer, total_steps, steps_per_epoch):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, steps_per_epoch, total_steps))
 
-    best = {"top1": -1.0}
-
-    def keep_best(model, metrics):
-        if metrics["eval_top1"] > best["top1"]:
-            best["top1"] = metrics["eval_top1"]
-            state = accelerator.get_state_dict(model)
-            if accelerator.is_main_process:
-                with replaced_atomically(output_dir / "model_best.safetensors") as partial:
-                    save_file({k: v.contiguous() for k, v in state.items()}, str(partial))
-
     banner = {
         "arch": args.arch,
         "classes": len(classes),
@@ -264,14 +262,14 @@ def main() -> None:
         eval_fn=eval_fn,
         metrics_fn=metrics_fn,
         make_scheduler=schedule,
+        best_metric="eval_top1",  # model_best.safetensors, and best_top1 in metrics.json
         title="imagenet",
         banner=banner,
-        on_eval=keep_best,
+        identity=make_identity(
+            {key: getattr(args, key) for key in IDENTITY_OPTIONS}, {"data": None if args.dummy else args.data}
+        ),
     )
-    metrics["best_top1"] = best["top1"]
-    if accelerator.is_main_process:
-        write_json(output_dir / "metrics.json", metrics)
-    accelerator.print(f"best top1 {best['top1']:.4f}; model_best.safetensors and training_curves.png in {output_dir}")
+    accelerator.print(f"best top1 {metrics['best_top1']:.4f}; model_best.safetensors in {output_dir}")
 
 
 if __name__ == "__main__":

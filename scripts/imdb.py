@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ddp_accel import ArgumentParser, TrainConfig, UserError, add_training_args, evaluate, fit, run_main
+from ddp_accel import ArgumentParser, TrainConfig, UserError, add_training_args, fit, run_main
 from ddp_accel.cli import fraction, nonnegative, nonnegative_int, positive_int, probability
-from ddp_accel.files import write_json
+from ddp_accel.identity import make_identity
 from ddp_accel.metrics import classification_values
 from ddp_accel.optim import Optimizers, SparseAdamW
+from ddp_accel.stopping import StopSignals
 from ddp_accel.text.models import KERNEL_SIZE, STRIDE, build_model
 from ddp_accel.text.pipeline import make_loader, prepare_text_data
 from ddp_accel.text.tokenizer import basic_english
@@ -47,6 +48,10 @@ RECIPE = dict(
     kernel_size=KERNEL_SIZE,
     stride=STRIDE,
 )
+
+
+MODEL_OPTIONS = ("dim", "ngrams", "buckets", "pool", "dropout", "kernel_size", "stride", "nb_weights")
+IDENTITY_OPTIONS = ("model", "dataset", "val_fraction", "min_freq", "max_vocab", "max_length", "loss", "recipe")
 
 
 def parse_args(argv=None):
@@ -191,12 +196,11 @@ def model_options(args) -> dict:
     )
 
 
-def train(args) -> None:
-    config = TrainConfig.from_args(args)
+def train(args: argparse.Namespace, signals: StopSignals) -> None:
+    config = TrainConfig.from_args(args, signals=signals)
     accelerator = config.make_accelerator()
     text = prepare_text_data(
         accelerator,
-        output_dir=config.output_dir,
         dataset=args.dataset,
         data_dir=args.data_dir,
         train_file=args.train_file,
@@ -246,7 +250,7 @@ def train(args) -> None:
         "parameters": sum(p.numel() for p in model.parameters()),
         "embedding_gradients": embedding_gradients,
     }
-    metrics = fit(
+    fit(
         accelerator,
         config,
         model,
@@ -255,25 +259,25 @@ def train(args) -> None:
         loss_function(args.loss),
         eval_loader=loader(text.val, False),
         eval_fn=eval_fn,
+        test_loader=loader(text.test, False) if text.test is not None else None,
         make_scheduler=schedule,
         banner=banner,
         title="imdb (SYNTHETIC data)" if text.synthetic else "imdb",
-    )
-    metrics.update(
-        {
+        extra_metrics={
             "data": banner["data"],
             "synthetic_data": text.synthetic,
             "preprocess_s": text.preprocess_s,
             "vocabulary": len(text.vocab),
-        }
+        },
+        artifacts={"vocab.json": text.vocab_path},  # --predict reads it beside the model
+        identity=make_identity({**identity_options(args), "sparse_table": sparse}, text.sources),
     )
-    if text.test is not None:
-        metrics.update(
-            evaluate(accelerator, model, accelerator.prepare(loader(text.test, False)), eval_fn, prefix="test")
-        )
-        accelerator.print(f"test accuracy {metrics['test_accuracy']:.4f} on {metrics['test_samples']} reviews")
-    if accelerator.is_main_process:
-        write_json(Path(config.output_dir, "metrics.json"), metrics)
+
+
+def identity_options(args: argparse.Namespace) -> dict:
+    """What shapes the model, the vocabulary and the encoded data (ddp_accel.identity): a resume or --predict
+    under other values stops with a line naming them."""
+    return {**model_options(args), **{key: getattr(args, key) for key in IDENTITY_OPTIONS}}
 
 
 def predict(args) -> None:
@@ -287,6 +291,17 @@ def predict(args) -> None:
             f"Train first: python scripts/imdb.py --output-dir {output_dir}"
         )
     trained = json.loads((output_dir / "args.json").read_text())
+    defaults = vars(parse_args([]))
+    given = {key: value for key, value in vars(args).items() if key in IDENTITY_OPTIONS + MODEL_OPTIONS}
+    differing = [
+        f"--{key.replace('_', '-')} {value} (the model was trained with {trained.get(key)})"
+        for key, value in given.items()
+        if value != defaults.get(key) and key in trained and trained[key] != value
+    ]
+    if differing:
+        raise UserError(
+            f"--predict uses the options the model in {output_dir} was trained with; drop " + ", ".join(differing)
+        )
     vocab = Vocab.load(output_dir / "vocab.json")
     model = build_model(trained["model"], len(vocab), vocab.pad_id, **model_options(argparse.Namespace(**trained)))
     model.load_state_dict(load_file(str(output_dir / "model.safetensors")))
@@ -327,9 +342,9 @@ def predict(args) -> None:
             print(f"{label}\t{max(probability, 1 - probability):.3f}\t{text[:80]}")
 
 
-def main() -> None:
+def main(signals: StopSignals) -> None:
     args = parse_args()
-    predict(args) if args.predict or args.predict_file else train(args)
+    predict(args) if args.predict or args.predict_file else train(args, signals)
 
 
 if __name__ == "__main__":

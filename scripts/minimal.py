@@ -14,14 +14,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_accel import ArgumentParser, TrainConfig, add_training_args, fit, run_main
 from ddp_accel.cli import positive_int
+from ddp_accel.stopping import StopSignals
 
 
-def main() -> None:
+def main(signals: StopSignals) -> None:
     parser = add_training_args(ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--samples", type=positive_int, default=20, help="random (input, target) pairs")
     parser.set_defaults(output_dir="outputs/minimal", epochs=5, batch_size=4, lr=1e-3, log_steps=5)
     args = parser.parse_args()
-    config = TrainConfig.from_args(args)
+    config = TrainConfig.from_args(args, signals=signals)
     accelerator = config.make_accelerator()
 
     data = torch.Generator().manual_seed(config.seed)

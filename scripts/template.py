@@ -11,23 +11,21 @@ The built-in task: 3-class Gaussian blobs in 16 dimensions, an MLP with BatchNor
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from ddp_accel import ArgumentParser, TrainConfig, add_training_args, evaluate, fit, run_main
+from ddp_accel import ArgumentParser, TrainConfig, add_training_args, fit, run_main
 from ddp_accel.cli import positive_int
-from ddp_accel.files import write_json
 from ddp_accel.metrics import classification_metrics, classification_values
+from ddp_accel.stopping import StopSignals
 from ddp_accel.sync_bn import convert_sync_batchnorm
 
 
 class Trainer:
-    def __init__(self, args):
+    def __init__(self, args, signals: StopSignals | None = None):
         self.args = args
-        self.config = TrainConfig.from_args(args, eval_every_epochs=args.eval_interval)
+        self.config = TrainConfig.from_args(args, eval_every_epochs=args.eval_interval, signals=signals)
         self.accelerator = self.config.make_accelerator()
 
     # --- 1. your data: three datasets (train is sharded across processes, val/test too for speed) ---
@@ -83,23 +81,14 @@ class Trainer:
             eval_loader=None if args.no_val else loader(val_set, False),
             eval_fn=self.eval_outputs,
             metrics_fn=self.metrics,
+            test_loader=loader(test_set, False),  # evaluated once, after training, before the results are written
             make_scheduler=cosine,
             title="template",
         )
-        test = self.test(model, accelerator.prepare(loader(test_set, False)))
-        metrics.update(test)
-        if accelerator.is_main_process:
-            write_json(Path(self.config.output_dir, "metrics.json"), metrics)
-        return metrics
-
-    def test(self, model, test_loader) -> dict[str, float]:
-        # fit() handed the model to accelerator.prepare in place; the trained weights are in `model`'s parameters
-        metrics = evaluate(self.accelerator, model, test_loader, self.eval_outputs, self.metrics, prefix="test")
-        self.accelerator.print("test: " + ", ".join(f"{key} {value:.4g}" for key, value in metrics.items()))
         return metrics
 
 
-def main() -> None:
+def main(signals: StopSignals) -> None:
     parser = add_training_args(ArgumentParser(description="Trainer template: train / validate / test"))
     parser.add_argument("--eval-interval", type=positive_int, default=1, help="validate every N epochs")
     parser.add_argument("--no-val", action="store_true", help="skip validation (test still runs at the end)")
@@ -107,7 +96,7 @@ def main() -> None:
         "--sync-bn", action="store_true", help="SyncBatchNorm across processes (GPUs, and CPU processes over gloo)"
     )
     parser.set_defaults(output_dir="outputs/template", epochs=10, batch_size=256, lr=0.1, log_steps=10)
-    Trainer(parser.parse_args()).run()
+    Trainer(parser.parse_args(), signals).run()
 
 
 if __name__ == "__main__":

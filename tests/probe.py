@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from ddp_accel import ArgumentParser, TrainConfig, add_training_args, fit, run_main
 from ddp_accel.metrics import classification_metrics, classification_values
 from ddp_accel.optim import Optimizers, SparseAdamW
+from ddp_accel.stopping import StopSignals
 
 
 class ComplexLinear(torch.nn.Module):
@@ -62,7 +63,7 @@ class IdDataset(Dataset):
         return index, self.x[index], self.y[index]
 
 
-def main() -> None:
+def main(signals: StopSignals) -> None:
     parser = add_training_args(ArgumentParser())
     parser.add_argument("--train-size", type=int, default=64)
     parser.add_argument("--val-size", type=int, default=23)
@@ -76,7 +77,7 @@ def main() -> None:
         help="an EmbeddingBag with sparse gradients first (SparseAdamW + AdamW as one optimizer)",
     )
     args = parser.parse_args()
-    config = TrainConfig.from_args(args)
+    config = TrainConfig.from_args(args, signals=signals)
     accelerator = config.make_accelerator()
 
     if args.sparse_embedding:

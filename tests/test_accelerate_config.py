@@ -28,6 +28,7 @@ QUESTIONNAIRE = [
 ]
 
 
+@pytest.mark.multiprocess
 def test_questionnaire_writes_a_yaml_that_launches_two_processes(tmp_path):
     config = tmp_path / "my_config.yaml"
     child = pexpect.spawn(
@@ -71,6 +72,7 @@ def test_questionnaire_writes_a_yaml_that_launches_two_processes(tmp_path):
     assert sorted(re.findall(r"^rank (\d) local_rank \d world_size 2", output, re.M)) == ["0", "1"]
 
 
+@pytest.mark.multiprocess
 def test_config_default_writes_a_valid_file(tmp_path):
     config = tmp_path / "default.yaml"
     result = subprocess.run(

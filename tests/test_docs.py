@@ -23,6 +23,7 @@ def anchors(page: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+@pytest.mark.inprocess
 def test_every_relative_link_resolves(page):
     for target in LINK.findall(page.read_text()):
         if re.match(r"[a-z]+://|mailto:", target):
@@ -34,6 +35,7 @@ def test_every_relative_link_resolves(page):
             assert anchor in anchors(resolved), f"{page.name}: no heading #{anchor} in {resolved.name}"
 
 
+@pytest.mark.inprocess
 def test_docs_and_code_do_not_depend_on_files_outside_the_project():
     readable = PAGES + [
         *ROOT.glob("ddp_accel/**/*.py"),

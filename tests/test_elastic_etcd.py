@@ -58,6 +58,7 @@ def etcd_endpoint(tmp_path):
         server.wait(timeout=30)
 
 
+@pytest.mark.system
 def test_two_nodes_rendezvous_through_etcd(tmp_path, etcd_endpoint):
     command = [
         str(BIN / "torchrun"),

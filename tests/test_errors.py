@@ -1,88 +1,85 @@
-"""Mistakes a user can make end in one clear line and a non-zero exit, never a traceback."""
+"""Mistakes a user can make end in one clear line and a non-zero exit, never a traceback.
 
+In-process through run_main (exit code and the one stderr line); one launched test per error channel (accelerate
+launch, torchrun), and the errors whose point is several processes."""
+
+import contextlib
+import io
+import os
 import re
+import signal
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, assert_clean_error, check_ok, launch
+import torch
+from conftest import (
+    ROOT,
+    Result,
+    assert_clean_error,
+    check_ok,
+    launch,
+    run_script,
+    snapshot,
+    wait_for_checkpoint,
+)
+from safetensors.torch import save_file
 
+from ddp_accel.__main__ import main as ddp_accel_main
 from ddp_accel.errors import UserError
 from ddp_accel.runtime import check_topology
 
+inprocess = pytest.mark.inprocess
+multiprocess = pytest.mark.multiprocess
 
-def test_resume_path_that_does_not_exist(tmp_path):
-    result = launch(
-        "scripts/minimal.py", "--output-dir", tmp_path, "--resume-from-checkpoint", tmp_path / "nope", launcher="python"
-    )
+
+def check_config(*paths) -> Result:
+    """`ddp-accel check-config PATHS` in-process."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = ddp_accel_main(["check-config", *map(str, paths)])
+    return Result(code, stdout.getvalue(), stderr.getvalue())
+
+
+def write(path, text: str | bytes):
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+@inprocess
+def test_resume_paths_that_are_not_checkpoints(tmp_path):
+    result = run_script("scripts/minimal.py", "--output-dir", tmp_path, "--resume-from-checkpoint", tmp_path / "nope")
     assert_clean_error(result, "no such checkpoint", "latest")
-
-
-def test_resume_path_that_is_not_a_checkpoint(tmp_path):
     (tmp_path / "empty").mkdir()
-    result = launch(
-        "scripts/minimal.py",
-        "--output-dir",
-        tmp_path,
-        "--resume-from-checkpoint",
-        tmp_path / "empty",
-        launcher="python",
-    )
+    result = run_script("scripts/minimal.py", "--output-dir", tmp_path, "--resume-from-checkpoint", tmp_path / "empty")
     assert_clean_error(result, "not a complete ddp_accel checkpoint")
 
 
+@inprocess
 def test_checkpoint_of_another_model(tmp_path):
-    check_ok(
-        launch(
-            "tests/probe.py",
-            "--output-dir",
-            tmp_path,
-            "--max-steps",
-            2,
-            "--checkpointing-steps",
-            2,
-            "--hidden",
-            8,
-            launcher="python",
-        )
-    )
-    result = launch(
-        "tests/probe.py",
-        "--output-dir",
-        tmp_path / "other",
-        "--hidden",
-        16,
-        "--resume-from-checkpoint",
-        tmp_path / "checkpoints" / "step_2",
-        launcher="python",
+    check_ok(run_script("tests/probe.py", "--output-dir", tmp_path, "--max-steps", 2, "--checkpointing-steps", 2))
+    step_2 = tmp_path / "checkpoints" / "step_2"
+    result = run_script(
+        "tests/probe.py", "--output-dir", tmp_path / "other", "--hidden", 8, "--resume-from-checkpoint", step_2
     )
     assert_clean_error(result, "another model")
 
 
-def test_output_dir_that_is_a_file(tmp_path):
+@inprocess
+def test_output_dir_that_is_a_file_or_empty(tmp_path):
     (tmp_path / "file").write_text("x")
-    result = launch("scripts/minimal.py", "--output-dir", tmp_path / "file", launcher="python")
-    assert_clean_error(result, "is a file")
+    assert_clean_error(run_script("scripts/minimal.py", "--output-dir", tmp_path / "file"), "is a file")
+    assert_clean_error(run_script("scripts/minimal.py", "--output-dir", ""), "--output-dir is empty")
 
 
+@inprocess
 def test_unknown_yaml_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text((ROOT / "accelerate_configs" / "multi_gpu.yaml").read_text() + "num_proceses: 4\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "ddp_accel", "check-config", str(bad)], capture_output=True, text=True, cwd=ROOT
-    )
-    assert_clean_error(result, "unknown keys", "num_proceses")
+    assert_clean_error(check_config(bad), "unknown keys", "num_proceses")
 
 
-def test_two_process_bad_input_exits_nonzero(tmp_path):
-    result = launch(
-        "scripts/minimal.py", "--output-dir", tmp_path, "--resume-from-checkpoint", tmp_path / "nope", nproc=2
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
-    assert sum(line.startswith("error: ") for line in output.splitlines()) == 1, output[-3000:]
-
-
+@inprocess
 def test_world_size_guard(monkeypatch):
     class OneProcess:
         num_processes = 1
@@ -95,11 +92,14 @@ def test_world_size_guard(monkeypatch):
     check_topology(OneProcess())
 
 
+@inprocess
 @pytest.mark.parametrize(
     "script,args,fragment",
     [
         ("scripts/template.py", ["--max-grad-norm", "-1"], "--max-grad-norm: must be > 0"),
         ("scripts/template.py", ["--lr", "nan"], "--lr: must be a finite number"),
+        ("scripts/template.py", ["--seed", "4294967296"], "--seed: must be <= 4294967295"),
+        ("scripts/template.py", ["--timeout-s", "100000000000000"], "--timeout-s: must be <= 31536000"),
         ("scripts/imdb.py", ["--max-length", "0"], "--max-length: must be >= 1"),
         ("scripts/imdb.py", ["--ngrams", "0"], "--ngrams: must be >= 1"),
         ("scripts/imdb.py", ["--val-fraction", "1.5"], "--val-fraction: must be < 1"),
@@ -109,17 +109,17 @@ def test_world_size_guard(monkeypatch):
     ],
 )
 def test_bad_option_values_are_refused_before_anything_runs(tmp_path, script, args, fragment):
-    assert_clean_error(launch(script, *args, "--output-dir", tmp_path, launcher="python"), fragment)
+    assert_clean_error(run_script(script, *args, "--output-dir", tmp_path), fragment)
     assert not tmp_path.joinpath("args.json").exists()
 
 
+@inprocess
 def test_an_empty_vocabulary_is_refused(tmp_path):
-    result = launch(
-        "scripts/imdb.py", "--dataset", "synthetic", "--min-freq", "100000", "--output-dir", tmp_path, launcher="python"
-    )
+    result = run_script("scripts/imdb.py", "--dataset", "synthetic", "--min-freq", "100000", "--output-dir", tmp_path)
     assert_clean_error(result, "vocabulary is empty", "--min-freq")
 
 
+@multiprocess
 def test_a_loss_that_becomes_infinite_stops_every_rank_with_one_line(tmp_path):
     result = launch(
         "tests/probe.py", "--lr", "1e38", "--train-size", "256", "--batch-size", "4", "--output-dir", tmp_path
@@ -131,27 +131,25 @@ def test_a_loss_that_becomes_infinite_stops_every_rank_with_one_line(tmp_path):
     assert not (tmp_path / "model.safetensors").exists()
 
 
+@inprocess
 def test_a_trained_output_dir_is_not_overwritten_by_accident(tmp_path):
-    check_ok(
-        launch(
-            "tests/probe.py", "--max-steps", 4, "--checkpointing-steps", 2, "--output-dir", tmp_path, launcher="python"
-        )
-    )
-    before = (tmp_path / "model.safetensors").read_bytes()
-    assert_clean_error(
-        launch("tests/probe.py", "--output-dir", tmp_path, launcher="python"),
-        "already holds a trained model",
-        "--overwrite-output-dir",
-    )
-    assert (tmp_path / "model.safetensors").read_bytes() == before
-    check_ok(
-        launch(
-            "tests/probe.py", "--max-steps", 3, "--output-dir", tmp_path, "--overwrite-output-dir", launcher="python"
-        )
-    )
+    check_ok(run_script("tests/probe.py", "--max-steps", 4, "--checkpointing-steps", 2, "--output-dir", tmp_path))
+    before = snapshot(tmp_path)
+    for resume in ([], ["--resume-from-checkpoint", "latest", "--epochs", 3, "--seed", 5]):
+        if resume:  # `latest` without a checkpoint left is a new run too
+            for step in tmp_path.glob("checkpoints/step_*"):
+                for file in step.iterdir():
+                    file.unlink()
+                step.rmdir()
+            before = snapshot(tmp_path)
+        result = run_script("tests/probe.py", "--output-dir", tmp_path, *resume)
+        assert_clean_error(result, "already holds a trained model", "--overwrite-output-dir")
+        assert snapshot(tmp_path) == before  # every file byte-identical
+    check_ok(run_script("tests/probe.py", "--max-steps", 3, "--output-dir", tmp_path, "--overwrite-output-dir"))
     assert not (tmp_path / "checkpoints").exists()  # the old run's checkpoints cannot be resumed by mistake
 
 
+@multiprocess
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
 def test_a_user_error_under_a_launcher_is_one_line_and_appears_in_the_launchers_report(tmp_path, launcher):
     result = launch(
@@ -165,6 +163,7 @@ def test_a_user_error_under_a_launcher_is_one_line_and_appears_in_the_launchers_
     assert "Connection closed by peer" not in output
 
 
+@multiprocess
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
 def test_a_bad_option_under_a_launcher_is_one_line_and_appears_in_the_launchers_report(tmp_path, launcher):
     # every process parses the same arguments; one says what is wrong
@@ -180,14 +179,10 @@ def test_a_bad_option_under_a_launcher_is_one_line_and_appears_in_the_launchers_
     assert not (tmp_path / "out").exists()
 
 
-def write(path, text: str | bytes):
-    path.write_bytes(text if isinstance(text, bytes) else text.encode())
-    return path
-
-
+@inprocess
 def test_bad_data_and_files_give_one_line_naming_them(tmp_path):
     def imdb(*args):
-        return launch("scripts/imdb.py", *args, "--output-dir", tmp_path / "out", launcher="python")
+        return run_script("scripts/imdb.py", *args, "--output-dir", tmp_path / "out")
 
     null = write(tmp_path / "null.jsonl", '{"text": "fine", "label": 1}\n{"text": null, "label": 0}\n')
     assert_clean_error(imdb("--train-file", null), "null.jsonl: row 2 has no text")
@@ -195,20 +190,7 @@ def test_bad_data_and_files_give_one_line_naming_them(tmp_path):
     assert_clean_error(imdb("--train-file", number), "number.jsonl", "must hold strings")
     one = write(tmp_path / "one.jsonl", '{"text": "fine", "label": 1}\n')
     assert_clean_error(imdb("--train-file", one), "1 review(s) cannot be split")
-    check_ok(
-        launch(
-            "scripts/imdb.py",
-            "--dataset",
-            "synthetic",
-            "--max-steps",
-            2,
-            "--buckets",
-            100,
-            "--output-dir",
-            tmp_path / "out",
-            launcher="python",
-        )
-    )
+    check_ok(imdb("--dataset", "synthetic", "--max-steps", 2, "--buckets", 100))
     assert_clean_error(imdb("--predict", "reviews.txt"), "looks like a file name", "--predict-file")
     assert_clean_error(imdb("--predict", " "), "empty text")
     latin1 = write(tmp_path / "latin1.txt", b"a fine film\nun film \xe9mouvant\n")
@@ -216,39 +198,28 @@ def test_bad_data_and_files_give_one_line_naming_them(tmp_path):
     assert_clean_error(imdb("--predict-file", tmp_path), "a directory")
     predicted = check_ok(imdb("--predict", "a wonderful film"))
     assert "trained on the built-in SYNTHETIC corpus" in predicted
+    assert_clean_error(imdb("--predict", "a film", "--ngrams", 3), "--ngrams 3 (the model was trained with 2)")
     # a file where a folder should be
-    assert_clean_error(launch("scripts/minimal.py", "--output-dir", null / "out", launcher="python"), "null.jsonl/out")
+    assert_clean_error(run_script("scripts/minimal.py", "--output-dir", null / "out"), "null.jsonl/out")
 
 
+@inprocess
 def test_bad_weights_for_imagenet_resume_are_one_line(tmp_path):
-    import torch
-    from safetensors.torch import save_file
-
     save_file({"weight": torch.zeros(3)}, str(tmp_path / "other.safetensors"))
     write(tmp_path / "cut.safetensors", (tmp_path / "other.safetensors").read_bytes()[:40])
 
     def run(path):
-        return launch(
+        return run_script(
             "scripts/imagenet.py",
-            "--dummy",
-            "-a",
-            "resnet18",
-            "--image-size",
-            "32",
-            "-j",
-            "0",
-            "-e",
-            "--resume",
-            path,
-            "--output-dir",
-            tmp_path / "out",
-            launcher="python",
+            *("--dummy", "-a", "resnet18", "--image-size", "32", "-j", "0", "-e"),
+            *("--resume", path, "--output-dir", tmp_path / "out"),
         )
 
     assert_clean_error(run(tmp_path / "other.safetensors"), "weights of another model than -a resnet18")
     assert_clean_error(run(tmp_path / "cut.safetensors"), "not a readable .safetensors file")
 
 
+@inprocess
 @pytest.mark.parametrize(
     "content,fragment",
     [
@@ -259,56 +230,31 @@ def test_bad_weights_for_imagenet_resume_are_one_line(tmp_path):
 )
 def test_check_config_refuses_invalid_values(tmp_path, content, fragment):
     base = (ROOT / "accelerate_configs" / "multi_gpu.yaml").read_text()
-    text = (
-        ""
-        if not content
-        else "\n".join(line for line in base.splitlines() if not line.startswith("num_processes")) + "\n" + content
-    )
-    path = write(tmp_path / "c.yaml", text)
-    result = subprocess.run(
-        [sys.executable, "-m", "ddp_accel", "check-config", str(path)], capture_output=True, text=True, cwd=ROOT
-    )
-    assert_clean_error(result, fragment)
-    result = subprocess.run(
-        [sys.executable, "-m", "ddp_accel", "check-config", str(tmp_path)], capture_output=True, text=True, cwd=ROOT
-    )
-    assert_clean_error(result, "is a directory")
+    kept = "\n".join(line for line in base.splitlines() if not line.startswith("num_processes"))
+    path = write(tmp_path / "c.yaml", kept + "\n" + content if content else "")
+    assert_clean_error(check_config(path), fragment)
+    assert_clean_error(check_config(tmp_path), "is a directory")
 
 
+@inprocess
 def test_an_unreadable_image_in_a_dataloader_worker_is_one_line(tmp_path):
     from test_imagenet import make_image_folder
 
     data = make_image_folder(tmp_path / "images", classes=3, train=2, val=1)
     (data / "train" / "class0" / "0.jpg").write_bytes(b"not a jpeg")
-    result = launch(
+    result = run_script(
         "scripts/imagenet.py",
-        data,
-        "-a",
-        "cifar_resnet20",
-        "--image-size",
-        "16",
-        "-j",
-        "1",
-        "-b",
-        "2",
-        "--output-dir",
-        tmp_path / "out",
-        launcher="python",
+        *(data, "-a", "cifar_resnet20", "--image-size", "16", "-j", "1", "-b", "2"),
+        *("--output-dir", tmp_path / "out"),
     )
     assert_clean_error(result, "cannot read image", "0.jpg")
     assert "Caught UserError in DataLoader worker" not in result.stdout + result.stderr
 
 
+@multiprocess
 def test_ctrl_c_says_where_the_newest_checkpoint_is(tmp_path):
-    import os
-    import signal
-    import time
-
-    command = [
-        sys.executable,
-        str(ROOT / "tests" / "probe.py"),
-        "--output-dir",
-        str(tmp_path),
+    command = [sys.executable, str(ROOT / "tests" / "probe.py"), "--output-dir", str(tmp_path)]
+    command += [
         "--train-size",
         "256",
         "--batch-size",
@@ -320,18 +266,9 @@ def test_ctrl_c_says_where_the_newest_checkpoint_is(tmp_path):
         "--checkpointing-steps",
         "5",
     ]
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "checkpoints" / "step_5" / "training_state.json").is_file():
-        assert time.monotonic() < deadline and process.poll() is None
-        time.sleep(0.05)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+    wait_for_checkpoint(tmp_path, 5, alive=process)
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 130, output[-2000:]

@@ -93,6 +93,7 @@ def assert_bitwise_equal(dir_a: Path, dir_b: Path) -> None:
         assert torch.equal(a[key], b[key]), f"{key} differs"
 
 
+@pytest.mark.multiprocess
 def test_sigkill_a_worker_mid_epoch_restart_resumes_to_identical_weights(uninterrupted, tmp_path):
     output_dir = tmp_path / "faulty"
     agent = torchrun(output_dir, *COMMON, "--step-ms", "20", "--resume-from-checkpoint", "latest", max_restarts=2)
@@ -115,6 +116,7 @@ def test_sigkill_a_worker_mid_epoch_restart_resumes_to_identical_weights(uninter
     )
 
 
+@pytest.mark.multiprocess
 def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(uninterrupted, tmp_path):
     output_dir = tmp_path / "mid_save"
     agent = torchrun(output_dir, *COMMON, "--step-ms", "20", "--resume-from-checkpoint", "latest", max_restarts=2)
@@ -138,6 +140,7 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(uninter
 
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])
+@pytest.mark.multiprocess
 def test_a_dead_or_hung_rank_ends_the_job_with_an_error(tmp_path, fault):
     """Without restarts: a killed rank is seen by the torchrun agent; a hung one (SIGSTOP) by the others'
     collective timeout (--timeout-s), after which they fail and the agent stops the job."""
@@ -160,6 +163,7 @@ def read_marker(output_dir: Path) -> dict | None:
 
 
 @pytest.mark.parametrize("target", ["agent", "one_worker"])
+@pytest.mark.multiprocess
 def test_preemption_signal_saves_the_step_reached_and_resume_loses_nothing(uninterrupted, tmp_path, target):
     """SIGTERM to torchrun's agent (it forwards it to every worker), or SIGUSR1 (SLURM's time-limit warning) to
     one worker only: the ranks agree at the next optimizer step, every rank saves the step reached, exit 0.
@@ -198,6 +202,7 @@ def test_preemption_signal_saves_the_step_reached_and_resume_loses_nothing(unint
     )
 
 
+@pytest.mark.multiprocess
 def test_a_stopped_job_resumes_at_another_world_size(tmp_path):
     """The working way to change the number of processes (torch's elastic membership change fails, see
     docs/launching.md): stop the job (SIGTERM: it checkpoints the step reached), relaunch at the new size with

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import assert_clean_error, check_ok, launch
+from conftest import assert_clean_error, check_ok, launch, run_script
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -30,6 +30,7 @@ def make_image_folder(root: Path, classes: int = 6, train: int = 8, val: int = 3
     return root
 
 
+@pytest.mark.multiprocess
 def test_two_processes_train_count_every_val_image_once_and_evaluate_reproduces_the_best(tmp_path):
     data = make_image_folder(tmp_path / "images", val=3)  # 18 val images: 2 ranks x batch 4 do not divide them
     out = tmp_path / "out"
@@ -71,12 +72,11 @@ def test_two_processes_train_count_every_val_image_once_and_evaluate_reproduces_
     )
     assert json.loads((out / "evaluate.json").read_text())["eval_top1"] == pytest.approx(metrics["best_top1"], abs=1e-6)
     assert "on 18 images" in best
-    check_ok(
-        launch("scripts/imagenet.py", data, *SMALL, "-e", "--resume", "latest", "--output-dir", out, launcher="python")
-    )
+    check_ok(run_script("scripts/imagenet.py", data, *SMALL, "-e", "--resume", "latest", "--output-dir", out))
     assert json.loads((out / "evaluate.json").read_text())["eval_top1"] == pytest.approx(metrics["eval_top1"], abs=1e-6)
 
 
+@pytest.mark.inprocess
 def test_top1_top5_and_per_class_match_a_hand_computed_case():
     logits = torch.tensor(
         [
@@ -98,9 +98,10 @@ def test_top1_top5_and_per_class_match_a_hand_computed_case():
     assert set(plain) == {"loss", "accuracy"} and plain["accuracy"].tolist() == [1, 0, 0]
 
 
+@pytest.mark.inprocess
 def test_dummy_data_and_torchvision_arch_run(tmp_path):
     out = check_ok(
-        launch(
+        run_script(
             "scripts/imagenet.py",
             "--dummy",
             "-a",
@@ -120,7 +121,6 @@ def test_dummy_data_and_torchvision_arch_run(tmp_path):
             "--channels-last",
             "--output-dir",
             tmp_path,
-            launcher="python",
         )
     )
     assert "SYNTHETIC" in out
@@ -129,11 +129,12 @@ def test_dummy_data_and_torchvision_arch_run(tmp_path):
     assert metrics["steady_samples_per_s"] > 0 and metrics["train_samples_per_s"] > 0  # steady: steps 3-6 only
 
 
+@pytest.mark.inprocess
 def test_bad_input_gives_one_clear_line(tmp_path):
     data = make_image_folder(tmp_path / "images", classes=3, train=2, val=1)
 
     def run(*args):
-        return launch("scripts/imagenet.py", *args, "-j", "0", "--output-dir", tmp_path / "out", launcher="python")
+        return run_script("scripts/imagenet.py", *args, "-j", "0", "--output-dir", tmp_path / "out")
 
     assert "did you mean resnet18" in assert_clean_error(run(data, "-a", "resnet19"))
     assert "no complete checkpoint" in assert_clean_error(run(data, "-e", "--resume", "latest"))
@@ -143,11 +144,10 @@ def test_bad_input_gives_one_clear_line(tmp_path):
     assert "train/empty has no images" in assert_clean_error(run(data))
     (data / "train" / "empty").rmdir()
     (data / "train" / "class0" / "0.jpg").write_bytes(b"not a jpeg")
-    assert "cannot read image" in assert_clean_error(
-        run(data, *SMALL, "--epochs", "1")
-    ) and "0.jpg" in assert_clean_error(run(data, *SMALL))
+    assert "0.jpg" in assert_clean_error(run(data, *SMALL, "--epochs", "1"), "cannot read image")
 
 
+@pytest.mark.inprocess
 def test_pretrained_offline_says_how_to_get_the_weights(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # an empty cache
     import torchvision
@@ -166,6 +166,7 @@ def test_pretrained_offline_says_how_to_get_the_weights(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["cifar_resnet20", "cifar_resnet9_w16"])
+@pytest.mark.inprocess
 def test_cifar_archs_classify_32x32_images_and_learn(arch):
     torch.manual_seed(0)
     model = build_model(arch, 7)
@@ -186,8 +187,8 @@ def test_cifar_archs_classify_32x32_images_and_learn(arch):
 SHARED_CIFAR = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10_mini.tar.gz"
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not SHARED_CIFAR.is_file(), reason="../shared/data/cifar10_mini.tar.gz not present")
+@pytest.mark.system
 def test_two_processes_learn_real_cifar10_mini(tmp_path):
     import tarfile
 
@@ -244,6 +245,7 @@ def test_two_processes_learn_real_cifar10_mini(tmp_path):
 
 
 @pytest.mark.parametrize("workers", [("1", "2"), ("0", "0")], ids=["workers-1-then-2", "main-process"])
+@pytest.mark.inprocess
 def test_resume_mid_epoch_with_augmentation_is_exact_with_another_worker_count(tmp_path, workers):
     # random crops and flips: each sample's augmentation has a seed of its own (in workers the epoch's loader seed
     # and its index; with -j 0 the run's seed, the epoch and the index), so neither the worker that gets it, nor a
@@ -266,13 +268,13 @@ def test_resume_mid_epoch_with_augmentation_is_exact_with_another_worker_count(t
         "--checkpointing-steps",
         "4",
     ]
-    check_ok(launch("scripts/imagenet.py", *args, "-j", workers[0], "--output-dir", tmp_path / "full", launcher="python"))
+    check_ok(run_script("scripts/imagenet.py", *args, "-j", workers[0], "--output-dir", tmp_path / "full"))
     import shutil
 
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step_8", tmp_path / "cut" / "checkpoints" / "step_8")
     shutil.copy(tmp_path / "full" / "history.json", tmp_path / "cut" / "history.json")
     output = check_ok(
-        launch(
+        run_script(
             "scripts/imagenet.py",
             *args,
             "-j",
@@ -281,7 +283,6 @@ def test_resume_mid_epoch_with_augmentation_is_exact_with_another_worker_count(t
             tmp_path / "cut",
             "--resume",
             "latest",
-            launcher="python",
         )
     )
     assert "step 8, epoch 1, skipping 2 batches" in output
@@ -291,21 +292,21 @@ def test_resume_mid_epoch_with_augmentation_is_exact_with_another_worker_count(t
     assert steps == [6, 12, 18], steps  # each evaluation recorded once
 
 
+@pytest.mark.inprocess
 def test_resume_right_after_an_evaluation_does_not_evaluate_again(tmp_path):
     data = make_image_folder(tmp_path / "images", classes=3, train=8, val=2)
     args = [data, *SMALL, "--epochs", "2", "--checkpointing-steps", "6"]  # step 6 ends epoch 1, evaluated there
-    check_ok(launch("scripts/imagenet.py", *args, "--output-dir", tmp_path / "full", launcher="python"))
+    check_ok(run_script("scripts/imagenet.py", *args, "--output-dir", tmp_path / "full"))
     import shutil
 
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step_6", tmp_path / "cut" / "checkpoints" / "step_6")
     shutil.copy(tmp_path / "full" / "history.json", tmp_path / "cut" / "history.json")
-    output = check_ok(
-        launch("scripts/imagenet.py", *args, "--output-dir", tmp_path / "cut", "--resume", "latest", launcher="python")
-    )
+    output = check_ok(run_script("scripts/imagenet.py", *args, "--output-dir", tmp_path / "cut", "--resume", "latest"))
     assert "step 6: eval_loss" not in output
     assert [r["step"] for r in json.loads((tmp_path / "cut" / "history.json").read_text())] == [6, 12]
 
 
+@pytest.mark.inprocess
 def test_uint8_batches_normalised_on_the_device_equal_the_loader_path():
     from ddp_accel.vision.data import DeviceNormalize, image_transforms
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_clean_error, check_ok, launch
+from conftest import assert_clean_error, check_ok, launch, run_script
 
 from ddp_accel.errors import UserError
 from ddp_accel.text import sources
@@ -18,6 +18,7 @@ from ddp_accel.text.vocab import Vocab
 SHARED_IMDB = Path(__file__).resolve().parents[2] / "shared" / "data" / "imdb_train.jsonl.gz"
 
 
+@pytest.mark.inprocess
 def test_tokenizer_matches_basic_english():
     assert basic_english("Great movie!<br /><br />I LOVED it, (really).") == [
         "great",
@@ -36,6 +37,7 @@ def test_tokenizer_matches_basic_english():
     assert basic_english("Amélie était très BELLE") == ["amélie", "était", "très", "belle"]
 
 
+@pytest.mark.inprocess
 def test_vocab_min_freq_max_size_and_round_trip(tmp_path):
     vocab = Vocab.build([["a", "b", "a"], ["a", "c", "b"], ["d"]], min_freq=2)
     assert vocab.itos == ["<unk>", "<pad>", "a", "b"]
@@ -46,6 +48,7 @@ def test_vocab_min_freq_max_size_and_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("epoch", [0, 1])
+@pytest.mark.inprocess
 def test_bucketing_keeps_every_sample_once_and_groups_lengths(epoch):
     lengths = [(i * 37) % 101 + 1 for i in range(1000)]
     sampler = BucketBatchSampler(lengths, batch_size=16, seed=3)
@@ -83,6 +86,7 @@ def write_sources(root: Path) -> dict:
     return paths
 
 
+@pytest.mark.inprocess
 def test_every_file_format_loads_with_normalised_labels(tmp_path):
     for fmt, path in write_sources(tmp_path).items():
         loaded = sources.load_file(path)
@@ -91,6 +95,7 @@ def test_every_file_format_loads_with_normalised_labels(tmp_path):
         assert loaded[1]["label"] == 1 and "great" in loaded[1]["text"], fmt
 
 
+@pytest.mark.inprocess
 def test_aclimdb_folder_layout(tmp_path):
     for split in ("train", "test"):
         for label in ("pos", "neg"):
@@ -115,6 +120,7 @@ def test_aclimdb_folder_layout(tmp_path):
         ("", "empty file"),
     ],
 )
+@pytest.mark.inprocess
 def test_bad_files_are_clear_errors(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
@@ -122,19 +128,19 @@ def test_bad_files_are_clear_errors(tmp_path, content, message):
         sources.load_file(path)
 
 
+@pytest.mark.inprocess
 def test_bad_input_from_the_command_line(tmp_path):
-    result = launch("scripts/imdb.py", "--output-dir", tmp_path, "--data-dir", tmp_path / "nope", launcher="python")
+    result = run_script("scripts/imdb.py", "--output-dir", tmp_path, "--data-dir", tmp_path / "nope")
     assert_clean_error(result, "error: --data-dir")
-    result = launch("scripts/imdb.py", "--output-dir", tmp_path / "untrained", "--predict", "hello", launcher="python")
+    result = run_script("scripts/imdb.py", "--output-dir", tmp_path / "untrained", "--predict", "hello")
     assert_clean_error(result, "Train first")
     for model_choice in (["--model", "gcnn"], ["--recipe"]):  # neither has a sparse table: not a silent dense run
-        result = launch(
-            "scripts/imdb.py", "--output-dir", tmp_path / "dense", *model_choice, "--sparse", "on", launcher="python"
-        )
+        result = run_script("scripts/imdb.py", "--output-dir", tmp_path / "dense", *model_choice, "--sparse", "on")
         assert_clean_error(result, "--sparse on: only --model bag")
         assert not (tmp_path / "dense").exists()
 
 
+@pytest.mark.inprocess
 def test_ngram_hashing_ignores_padding():
     bag = NgramBag(vocab_size=10, pad_id=1, dim=4, ngrams=2, buckets=7)
     ids = bag.ngram_ids(torch.tensor([[2, 3, 1, 1]]))
@@ -144,6 +150,7 @@ def test_ngram_hashing_ignores_padding():
     assert GCNN(vocab_size=10)(torch.ones(2, GCNN(10).min_length, dtype=torch.long)).shape == (2, 2)
 
 
+@pytest.mark.inprocess
 def test_ngram_hash_spreads_bigrams_over_the_buckets():
     # 200k distinct bigrams of a 50k vocabulary into 1M buckets: a uniform hash fills ~18% of them;
     # the old multiplier (1,000,003, i.e. 3 mod 10**6) squeezed them into 3a+b < 200k and collided far more
@@ -155,6 +162,7 @@ def test_ngram_hash_spreads_bigrams_over_the_buckets():
 
 
 @pytest.mark.parametrize("max_length", [None, 4])
+@pytest.mark.inprocess
 def test_arrow_encoding_matches_the_python_tokenizer_and_vocab(tmp_path, max_length):
     from accelerate import Accelerator
 
@@ -170,7 +178,7 @@ def test_arrow_encoding_matches_the_python_tokenizer_and_vocab(tmp_path, max_len
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     text = prepare_text_data(
         Accelerator(cpu=True),
-        output_dir=str(tmp_path / "out"),
+        cache_dir=str(tmp_path / "cache"),
         val_fraction=0.2,
         min_freq=2,
         train_file=str(tmp_path / "train.jsonl"),
@@ -187,6 +195,7 @@ def test_arrow_encoding_matches_the_python_tokenizer_and_vocab(tmp_path, max_len
     assert text.truncated == (sum(len(basic_english(t)) > 4 for t in split["train"]["text"]) if max_length else 0)
 
 
+@pytest.mark.inprocess
 def test_encoded_reviews_read_the_arrow_buffers_of_every_chunk(tmp_path):
     import datasets
 
@@ -212,6 +221,7 @@ def test_encoded_reviews_read_the_arrow_buffers_of_every_chunk(tmp_path):
 
 
 @pytest.mark.parametrize("model", ["bag", "gcnn"])
+@pytest.mark.multiprocess
 def test_two_processes_learn_synthetic_sentiment_and_count_each_review_once(tmp_path, model):
     epochs = 3 if model == "bag" else 4
     output = check_ok(
@@ -240,14 +250,13 @@ def test_two_processes_learn_synthetic_sentiment_and_count_each_review_once(tmp_
     assert metrics["test_accuracy"] > 0.8, metrics
     assert "SYNTHETIC" in output
     assert (tmp_path / "vocab.json").is_file()
-    predicted = launch(
+    predicted = run_script(
         "scripts/imdb.py",
         "--output-dir",
         tmp_path,
         "--predict",
         "a wonderful superb film",
         "an awful boring mess",
-        launcher="python",
     )
     lines = [line for line in check_ok(predicted).splitlines() if line.startswith(("positive", "negative"))]
     assert "trained on the built-in SYNTHETIC corpus" in predicted.stderr
@@ -255,6 +264,7 @@ def test_two_processes_learn_synthetic_sentiment_and_count_each_review_once(tmp_
 
 
 @pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE", "unreachable hub"])
+@pytest.mark.multiprocess
 def test_offline_imdb_falls_back_to_synthetic_with_one_line(tmp_path, offline):
     # 2 processes: both fail to reach the hub, neither hangs in the download barrier. Without HF_HUB_OFFLINE the
     # hub client used to retry for ~40 s ("Retrying in 1s ... 8s"); one short connection attempt decides now.
@@ -278,22 +288,24 @@ def test_offline_imdb_falls_back_to_synthetic_with_one_line(tmp_path, offline):
     assert "3 steps" in done and f"training_curves.png in {tmp_path}" in done, done
 
 
+@pytest.mark.inprocess
 def test_second_run_reuses_the_encoded_cache(tmp_path):
     common = ["--dataset", "synthetic", "--output-dir", tmp_path, "--max-steps", 2, "--buckets", 1000]
-    check_ok(launch("scripts/imdb.py", *common, launcher="python"))
+    common += ["--cache-dir", tmp_path / "cache"]
+    check_ok(run_script("scripts/imdb.py", *common))
     files = sorted(p.name for p in (tmp_path / "cache").iterdir())
     assert any(name.endswith("-ids.arrow") for name in files)
     mtimes = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").iterdir()}
-    check_ok(launch("scripts/imdb.py", *common, "--overwrite-output-dir", launcher="python"))
+    check_ok(run_script("scripts/imdb.py", *common, "--overwrite-output-dir"))
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").iterdir()} == mtimes
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not SHARED_IMDB.is_file(), reason="../shared/data/imdb_train.jsonl.gz not present")
+@pytest.mark.system
 def test_nb_weighted_bag_on_real_imdb_reaches_92_percent_held_out(tmp_path):
     # the defaults (NB weights, 1M buckets, sparse updates) gave 93.2% after 2 epochs on this split; 91.3% without NB
     check_ok(
-        launch(
+        run_script(
             "scripts/imdb.py",
             "--train-file",
             SHARED_IMDB,
@@ -301,7 +313,6 @@ def test_nb_weighted_bag_on_real_imdb_reaches_92_percent_held_out(tmp_path):
             tmp_path,
             "--epochs",
             2,
-            launcher="python",
             timeout=900,
         )
     )
@@ -310,6 +321,7 @@ def test_nb_weighted_bag_on_real_imdb_reaches_92_percent_held_out(tmp_path):
     assert metrics["eval_accuracy"] > 0.92, metrics
 
 
+@pytest.mark.inprocess
 def test_nb_weights_favour_the_features_that_tell_the_classes_apart():
     # token 2 only in positive reviews, 3 only in negative ones, 4 in both; padding (1) is no feature
     bag = NgramBag(vocab_size=6, pad_id=1, dim=4, ngrams=1, nb_weights=True)

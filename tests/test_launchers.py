@@ -38,6 +38,7 @@ def run_with(launcher: str, output_dir) -> str:
     )
 
 
+@pytest.mark.multiprocess
 def test_all_launchers_give_bitwise_identical_weights(tmp_path):
     launchers = ["accelerate", "torchrun", "torch.distributed.run", "torch.distributed.launch", "notebook", "debug"]
     for launcher in launchers:
@@ -50,6 +51,7 @@ def test_all_launchers_give_bitwise_identical_weights(tmp_path):
         assert all(torch.equal(reference[key], other[key]) for key in reference), f"{launcher} differs"
 
 
+@pytest.mark.multiprocess
 def test_notebook_runs_two_processes_in_a_real_kernel(tmp_path):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -4,10 +4,11 @@ import json
 import re
 
 import pytest
-from conftest import check_ok, launch
+from conftest import check_ok, launch, run_script
 
 
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+@pytest.mark.multiprocess
 def test_two_processes_form_one_world(tmp_path, launcher):
     output = check_ok(launch("scripts/minimal.py", "--output-dir", tmp_path, launcher=launcher))
     ranks = sorted(re.findall(r"^rank (\d) local_rank (\d) world_size (\d)", output, re.M))
@@ -20,7 +21,8 @@ def test_two_processes_form_one_world(tmp_path, launcher):
     assert {p.name for p in tmp_path.iterdir()} >= {"args.json", "metrics.json", "model.safetensors"}
 
 
+@pytest.mark.inprocess
 def test_single_process_plain_python(tmp_path):
-    output = check_ok(launch("scripts/minimal.py", "--output-dir", tmp_path, launcher="python"))
+    output = check_ok(run_script("scripts/minimal.py", "--output-dir", tmp_path))
     assert "world_size 1" in output
     assert json.loads((tmp_path / "metrics.json").read_text())["world_size"] == 1

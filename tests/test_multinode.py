@@ -21,6 +21,7 @@ def wait_listening(port: int, process, timeout: float = 120) -> None:
 
 
 @pytest.mark.parametrize("rdzv_backend,per_machine", [("static", 1), ("c10d", 2)])
+@pytest.mark.multiprocess
 def test_two_machines_on_one_host(tmp_path, rdzv_backend, per_machine):
     port = free_port()
     machines = []

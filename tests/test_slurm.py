@@ -83,6 +83,7 @@ def uninterrupted(slurm, tmp_path_factory) -> tuple[Path, str]:
     return output_dir, finish(slurm, job, log)
 
 
+@pytest.mark.system
 def test_two_node_job_runs_one_launcher_per_node_with_the_right_ranks(uninterrupted):
     output_dir, log = uninterrupted
     assert re.search(r"world_size\s+2\b", log) and re.search(r"num_nodes\s+2\b", log), log[-3000:]
@@ -94,6 +95,7 @@ def test_two_node_job_runs_one_launcher_per_node_with_the_right_ranks(uninterrup
 
 
 @pytest.mark.parametrize("how", ["time_limit_warning", "step_sigterm", "preempted_by_urgent_job"])
+@pytest.mark.system
 def test_signal_checkpoint_requeue_resume_loses_nothing(slurm, uninterrupted, tmp_path, how):
     """time_limit_warning: USR1 to the batch shell (what --signal=B:USR1@T sends before the limit); it tells the
     job step to save. step_sigterm: SIGTERM straight to the job step's processes. preempted_by_urgent_job: a real

@@ -4,12 +4,13 @@ import json
 
 import pytest
 import torch
-from conftest import check_ok, launch
+from conftest import check_ok, launch, run_script
 
 from ddp_accel import ArgumentParser, UserError, add_training_args
 from ddp_accel.checkpoint import load_plain_ddp_checkpoint
 
 
+@pytest.mark.multiprocess
 def test_template_trains_validates_and_tests_on_two_processes(tmp_path):
     output = check_ok(
         launch(
@@ -33,9 +34,10 @@ def test_template_trains_validates_and_tests_on_two_processes(tmp_path):
     assert len(list((tmp_path / "checkpoints").iterdir())) == 4
 
 
+@pytest.mark.inprocess
 def test_template_no_val_then_resume(tmp_path):
     check_ok(
-        launch(
+        run_script(
             "scripts/template.py",
             "--output-dir",
             tmp_path,
@@ -44,11 +46,10 @@ def test_template_no_val_then_resume(tmp_path):
             "--no-val",
             "--checkpointing-steps",
             "epoch",
-            launcher="python",
         )
     )
     output = check_ok(
-        launch(
+        run_script(
             "scripts/template.py",
             "--output-dir",
             tmp_path,
@@ -59,24 +60,26 @@ def test_template_no_val_then_resume(tmp_path):
             "epoch",
             "--resume_from_checkpoint",
             "latest",
-            launcher="python",
         )
     )
     assert "resumed from" in output and "eval_accuracy" not in output
     assert json.loads((tmp_path / "metrics.json").read_text())["test_samples"] == 500
 
 
+@pytest.mark.multiprocess
 def test_sync_bn_runs_on_two_cpu_processes(tmp_path):
     output = check_ok(launch("scripts/template.py", "--output-dir", tmp_path, "--sync-bn", "--epochs", 1))
     assert "SyncBatchNorm: 1 layers converted" in output
 
 
+@pytest.mark.multiprocess
 def test_cpu_sync_batchnorm_equals_batchnorm_over_the_global_batch():
     # 2 ranks with 4 samples each == BatchNorm2d over all 8: outputs, input/weight grads, running stats
     output = check_ok(launch("tests/sync_bn_check.py", launcher="torchrun"))
     assert output.count("sync batchnorm matches the full batch") == 2
 
 
+@pytest.mark.inprocess
 def test_a_mistyped_option_gets_a_suggestion(capsys):
     parser = add_training_args(ArgumentParser(prog="x"))
     for typo, meant in (("--output-dri", "--output-dir"), ("--checkpointing_step", "--checkpointing-steps")):
@@ -85,6 +88,7 @@ def test_a_mistyped_option_gets_a_suggestion(capsys):
         assert f"did you mean {meant}?" in capsys.readouterr().err
 
 
+@pytest.mark.inprocess
 def test_underscore_and_dash_spellings_are_the_same_option():
     parser = add_training_args(ArgumentParser())
     dashed = parser.parse_args(["--output-dir", "a", "--max-grad-norm", "0.1", "--checkpointing-steps", "epoch"])
@@ -94,6 +98,7 @@ def test_underscore_and_dash_spellings_are_the_same_option():
 
 
 @pytest.mark.parametrize("prefix", ["module.", ""])
+@pytest.mark.inprocess
 def test_load_checkpoint_of_a_plain_ddp_script(tmp_path, prefix):
     source = torch.nn.Linear(10, 10)
     optimizer = torch.optim.SGD(source.parameters(), lr=0.1, momentum=0.9)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, ROOT, assert_clean_error, launch
+from conftest import BIN, ROOT, assert_clean_error, run_script
 
 from ddp_accel import tracking
 from ddp_accel.errors import UserError
@@ -68,6 +68,7 @@ def wandb_history_steps(run_file: Path) -> list[int]:
 
 
 @needs_trackers
+@pytest.mark.multiprocess
 def test_every_tracker_keeps_one_run_across_a_kill_and_resume(tmp_path):
     output_dir = tmp_path / "run"
     command = [
@@ -164,6 +165,7 @@ def test_every_tracker_keeps_one_run_across_a_kill_and_resume(tmp_path):
     )
 
 
+@pytest.mark.inprocess
 def test_a_missing_tracker_package_is_one_line_before_training(tmp_path, monkeypatch):
     monkeypatch.setattr(tracking, "installed", lambda name: name == "tensorboard")
     with pytest.raises(
@@ -172,5 +174,5 @@ def test_a_missing_tracker_package_is_one_line_before_training(tmp_path, monkeyp
         tracking.tracker_names("mlflow")
     assert tracking.tracker_names("all") == ["tensorboard"]  # all: every installed tracker
     assert tracking.tracker_names("none", with_tracking=True) == ["tensorboard"]
-    result = launch("tests/probe.py", "--report-to", "neptune", "--output-dir", tmp_path, launcher="python")
+    result = run_script("tests/probe.py", "--report-to", "neptune", "--output-dir", tmp_path)
     assert_clean_error(result, "--report-to", "invalid choice: 'neptune'")

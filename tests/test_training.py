@@ -3,26 +3,31 @@
 import json
 import shutil
 
+import pytest
 import torch
-from conftest import assert_clean_error, check_ok, launch, weights
+from conftest import assert_clean_error, check_ok, launch, run_script, weights
 from probe import ComplexLinear
 
 PROBE = "tests/probe.py"
+inprocess, multiprocess = pytest.mark.inprocess, pytest.mark.multiprocess
+# the shared 2-process job: 40 samples, 2 ranks x batch 4 (5 steps an epoch), 2 epochs, 23 validation samples
+SHARED = ["--batch-size", 4, "--epochs", 2, "--train-size", 40, "--val-size", 23]
 
 
 def probe(output_dir, *args, nproc=2, launcher="accelerate"):
-    return check_ok(
-        launch(
-            PROBE,
-            "--output-dir",
-            output_dir,
-            "--dropout",
-            "0",
-            *args,
-            nproc=nproc,
-            launcher=launcher if nproc > 1 else "python",
-        )
-    )
+    """tests/probe.py on `nproc` processes (launched), or on one in this process."""
+    args = ["--output-dir", output_dir, "--dropout", "0", *args]
+    if nproc == 1:
+        return check_ok(run_script(PROBE, *args))
+    return check_ok(launch(PROBE, *args, nproc=nproc, launcher=launcher))
+
+
+@pytest.fixture(scope="module")
+def two_process_job(tmp_path_factory):
+    """One 2-process run that several tests read (read-only)."""
+    output_dir = tmp_path_factory.mktemp("two_process_job")
+    probe(output_dir, *SHARED)
+    return output_dir
 
 
 def assert_same_weights(dir_a, dir_b, atol=1e-6):
@@ -32,15 +37,16 @@ def assert_same_weights(dir_a, dir_b, atol=1e-6):
         torch.testing.assert_close(a[key], b[key], atol=atol, rtol=1e-5, msg=f"{key} differs")
 
 
-def test_one_process_2b_equals_two_processes_b(tmp_path):
-    probe(tmp_path / "one", "--batch-size", 8, "--epochs", 2, nproc=1)
-    probe(tmp_path / "two", "--batch-size", 4, "--epochs", 2, nproc=2)
-    one, two = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("one", "two"))
-    assert one["steps"] == two["steps"] == 16
+@multiprocess
+def test_one_process_2b_equals_two_processes_b(tmp_path, two_process_job):
+    probe(tmp_path / "one", *SHARED[2:], "--batch-size", 8, nproc=1)
+    one, two = (json.loads((d / "metrics.json").read_text()) for d in (tmp_path / "one", two_process_job))
+    assert one["steps"] == two["steps"] == 10
     assert one["world_size"] == 1 and two["world_size"] == 2
-    assert_same_weights(tmp_path / "one", tmp_path / "two")
+    assert_same_weights(tmp_path / "one", two_process_job)
 
 
+@multiprocess
 def test_complex_parameters_train_the_same_on_one_and_two_processes_and_resume_bitwise(tmp_path):
     # The classic recipe warns that DDP's complex support is weak. Here a complex64 layer (AdamW accepts complex
     # parameters; fused AdamW does not) is all-reduced as complex numbers: 1 x 2B == 2 x B, and resume is exact.
@@ -67,6 +73,7 @@ def test_complex_parameters_train_the_same_on_one_and_two_processes_and_resume_b
     assert_same_weights(tmp_path / "two", tmp_path / "cut", atol=0)
 
 
+@multiprocess
 def test_sparse_embedding_gradients_train_the_same_on_one_and_two_processes_and_resume_bitwise(tmp_path):
     # DDP all-reduces the sparse gradient of the table (gloo); SparseAdamW decays only the rows a batch touched
     common = ["--sparse-embedding", "--epochs", 2, "--lr", "0.01", "--checkpointing-steps", 5, "--dropout", "0.2"]
@@ -79,6 +86,7 @@ def test_sparse_embedding_gradients_train_the_same_on_one_and_two_processes_and_
     assert_same_weights(tmp_path / "full", tmp_path / "cut", atol=0)
 
 
+@inprocess
 def test_sparse_adamw_is_sparse_adam_plus_decay_of_the_touched_rows():
     from ddp_accel.optim import SparseAdamW
 
@@ -105,6 +113,7 @@ def test_sparse_adamw_is_sparse_adam_plus_decay_of_the_touched_rows():
     assert not torch.allclose(tables[0].weight[:20], tables[2].weight[:20])
 
 
+@inprocess
 def test_one_gradient_scaler_unscales_the_sparse_and_dense_gradients_once():
     # fp16 with two optimizers (accelerate#439): as one Optimizers, clip_grad_norm_'s unscale_ and the step's
     # must not divide twice; the sparse table gradient is unscaled like the dense one
@@ -126,6 +135,7 @@ def test_one_gradient_scaler_unscales_the_sparse_and_dense_gradients_once():
     assert scaler.get_scale() == 1024.0  # no overflow seen, no step skipped
 
 
+@multiprocess
 def test_gradient_accumulation_matches_big_batch(tmp_path):
     probe(tmp_path / "big", "--batch-size", 8, "--epochs", 2, nproc=1)
     probe(tmp_path / "accum", "--batch-size", 4, "--gradient-accumulation-steps", 2, "--epochs", 2, nproc=1)
@@ -135,9 +145,9 @@ def test_gradient_accumulation_matches_big_batch(tmp_path):
     assert_same_weights(tmp_path / "big", tmp_path / "both")
 
 
-def test_ranks_see_disjoint_shards_and_epochs_reshuffle(tmp_path):
-    probe(tmp_path, "--batch-size", 4, "--epochs", 2, "--train-size", 40)
-    seen = [json.loads((tmp_path / f"seen_rank{rank}.json").read_text()) for rank in (0, 1)]
+@multiprocess
+def test_ranks_see_disjoint_shards_and_epochs_reshuffle(two_process_job):
+    seen = [json.loads((two_process_job / f"seen_rank{rank}.json").read_text()) for rank in (0, 1)]
     per_epoch = 40 // (4 * 2)  # batches per rank per epoch
     epochs = []
     for epoch in range(2):
@@ -151,15 +161,16 @@ def test_ranks_see_disjoint_shards_and_epochs_reshuffle(tmp_path):
     assert epochs[0] != epochs[1], "epoch 2 repeated epoch 1's order: set_epoch not applied"
 
 
-def test_eval_counts_every_sample_exactly_once(tmp_path):
+@multiprocess
+def test_eval_counts_every_sample_exactly_once(two_process_job):
     # 23 validation samples, batch 4, 2 ranks: the sharded loader pads the last batch; metrics must not.
-    probe(tmp_path, "--batch-size", 4, "--val-size", 23, "--max-steps", 2)
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    metrics = json.loads((two_process_job / "metrics.json").read_text())
     assert metrics["eval_samples"] == 23
     assert metrics["eval_unique_ids"] == 23
     assert metrics["eval_id_sum"] == sum(range(23))
 
 
+@multiprocess
 def test_resume_mid_epoch_gives_identical_weights(tmp_path):
     # dropout on: resume must also restore every rank's RNG state; the LR schedule must continue too
     common = ["--batch-size", 4, "--epochs", 3, "--dropout", "0.3", "--checkpointing-steps", 5]
@@ -173,17 +184,20 @@ def test_resume_mid_epoch_gives_identical_weights(tmp_path):
     assert_same_weights(tmp_path / "full", tmp_path / "cut", atol=0)
 
 
+@multiprocess
 def test_checkpoint_limit_keeps_newest(tmp_path):
     probe(tmp_path, "--batch-size", 4, "--epochs", 2, "--checkpointing-steps", 3, "--checkpoint-limit", 2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_12", "step_15"]
 
 
+@inprocess
 def test_latest_without_checkpoint_starts_fresh(tmp_path):
     output = probe(tmp_path, "--batch-size", 4, "--max-steps", 3, "--resume-from-checkpoint", "latest", nproc=1)
     assert "resumed from" not in output
     assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 3
 
 
+@inprocess
 def test_incomplete_checkpoint_is_ignored_by_latest(tmp_path):
     probe(tmp_path, "--batch-size", 4, "--max-steps", 4, "--checkpointing-steps", 2, nproc=1)
     # a save that crashed: its files are in .tmp_step_N, or step_N lacks training_state.json
@@ -194,11 +208,13 @@ def test_incomplete_checkpoint_is_ignored_by_latest(tmp_path):
     assert "resumed from" in output and "step_4" in output
 
 
+@inprocess
 def test_tracking_writes_tensorboard_events(tmp_path):
     probe(tmp_path, "--batch-size", 4, "--max-steps", 4, "--log-steps", 2, "--with-tracking", nproc=1)
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))  # OUTPUT_DIR/tensorboard/, as documented
 
 
+@inprocess
 def test_a_damaged_newest_checkpoint_falls_back_and_an_explicit_one_is_an_error(tmp_path):
     common = ["--batch-size", 4, "--epochs", 2, "--checkpointing-steps", 4]
     probe(tmp_path / "full", *common, nproc=1)
@@ -208,17 +224,8 @@ def test_a_damaged_newest_checkpoint_falls_back_and_an_explicit_one_is_an_error(
             shutil.rmtree(later)
     damaged = tmp_path / "cut" / "checkpoints" / "step_8" / "random_states_0.pkl"
     damaged.write_bytes(damaged.read_bytes()[:100])  # truncated: Accelerate alone would only log it
-    result = launch(
-        PROBE,
-        "--output-dir",
-        tmp_path / "cut",
-        "--dropout",
-        "0",
-        *common,
-        "--resume-from-checkpoint",
-        tmp_path / "cut" / "checkpoints" / "step_8",
-        launcher="python",
-    )
+    step_8 = tmp_path / "cut" / "checkpoints" / "step_8"
+    result = run_script(PROBE, "--output-dir", tmp_path / "cut", *common, "--resume-from-checkpoint", step_8)
     assert_clean_error(result, "step_8 is damaged", "random_states_0.pkl")
     output = probe(tmp_path / "cut", *common, "--resume-from-checkpoint", "latest", nproc=1)
     assert "step_8 is damaged (random_states_0.pkl has 100 bytes" in output and "resumed from" in output
@@ -226,6 +233,7 @@ def test_a_damaged_newest_checkpoint_falls_back_and_an_explicit_one_is_an_error(
     assert_same_weights(tmp_path / "full", tmp_path / "cut", atol=0)
 
 
+@inprocess
 def test_resume_with_another_batch_size_skips_by_samples_and_says_so(tmp_path):
     probe(tmp_path / "full", "--batch-size", 4, "--epochs", 1, "--checkpointing-steps", 5, nproc=1)
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step_5", tmp_path / "cut" / "checkpoints" / "step_5")

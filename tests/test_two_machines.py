@@ -127,6 +127,7 @@ def run_both(machines, output_dir: Path, tmp_path: Path, attempt: str, cut_after
     return codes, [log.read_text() for log in logs], ended_s
 
 
+@pytest.mark.system
 def test_two_machines_with_their_own_addresses_survive_a_cut_link(two_machines, tmp_path):
     output_dir = tmp_path / "run"
     codes, logs, ended_s = run_both(two_machines, output_dir, tmp_path, "cut", cut_after_step=5)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -103,10 +106,11 @@ class NgramBag(nn.Module):
             self.embedding.weight[pad_id].zero_()
 
     @torch.no_grad()
-    def fit_nb_weights(self, batches, alpha: float = 1.0) -> None:
+    def fit_nb_weights(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], alpha: float = 1.0) -> None:
         """|r|, r = log((p / |p|1) / (q / |q|1)): p and q count the positive and negative training reviews that
         contain each feature (binarised), smoothed by `alpha`; scaled so that a feature occurrence weighs 1 on
         average, so learning rate and weight decay keep their meaning."""
+        assert self.nb_weights is not None, "built without nb_weights"
         rows = self.nb_weights.numel()
         counts = torch.full((2, rows), alpha, dtype=torch.float64)
         for input_ids, labels in batches:
@@ -154,7 +158,7 @@ class NgramBag(nn.Module):
         return self.fc(self.dropout(bags))
 
 
-def build_model(name: str, vocab_size: int, pad_id: int, **options) -> nn.Module:
+def build_model(name: str, vocab_size: int, pad_id: int, **options: Any) -> nn.Module:
     if name == "gcnn":
         return GCNN(
             vocab_size,

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import datasets
 import numpy as np
@@ -20,6 +21,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader, Sampler
 
 from ddp_accel.errors import UserError
+from ddp_accel.identity import source_fingerprint
 from ddp_accel.text import sources
 from ddp_accel.text.tokenizer import basic_english
 from ddp_accel.text.vocab import Vocab
@@ -37,17 +39,18 @@ class TextData:
     synthetic: bool
     truncated: int  # training reviews longer than max_length
     preprocess_s: float
+    vocab_path: Path  # in the cache: fit copies it into the output dir with the model
+    sources: dict[str, str | None]  # fingerprints of the training and test data (ddp_accel.identity)
 
 
-def _source_key(source: str) -> list:
-    path = Path(source)
-    return [source, path.stat().st_size, path.stat().st_mtime_ns] if path.is_file() else [source]
+def default_cache_dir() -> Path:
+    """Encoded data is cached per user, not in the output dir: a command that fails leaves the output dir as it was."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ddp_accel" / "imdb"
 
 
 def prepare_text_data(
     accelerator: Accelerator,
     *,
-    output_dir: str,
     dataset: str = "imdb",
     data_dir: str | None = None,
     train_file: str | None = None,
@@ -65,6 +68,10 @@ def prepare_text_data(
     """
     start = time.perf_counter()
     train, test, source, synthetic = sources.load_sources(dataset, data_dir, train_file, test_file, accelerator)
+    fingerprints = {
+        "train data": source_fingerprint(train_file or data_dir or source),
+        "test data": source_fingerprint(test_file) if test_file else None,  # a --data-dir covers its test/ folder
+    }
     try:
         split = train.train_test_split(test_size=val_fraction, seed=seed, stratify_by_column=None)
     except ValueError:  # too few reviews for a held-out part
@@ -73,14 +80,14 @@ def prepare_text_data(
             f"with --val-fraction {val_fraction}; give more reviews"
         ) from None
     train, val = split["train"], split["test"]
-    cache = Path(cache_dir or Path(output_dir) / "cache")
-    key = cache_key(_source_key(source), len(train), val_fraction, seed, PIPELINE_VERSION)
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    key = cache_key(fingerprints["train data"], len(train), val_fraction, seed, PIPELINE_VERSION)
     num_proc = min(4, os.cpu_count() or 1) if len(train) > 5000 else None
 
-    def tokenize(batch):
+    def tokenize(batch: dict[str, list[str]]) -> dict[str, list[list[str]]]:
         return {"tokens": [basic_english(text) for text in batch["text"]]}
 
-    vocab_path = Path(output_dir) / "vocab.json"
+    vocab_path = cache / f"vocab-{cache_key(key, min_freq, max_vocab)}.json"
     with accelerator.main_process_first():
         cache.mkdir(parents=True, exist_ok=True)
         tokens = train.map(
@@ -92,9 +99,10 @@ def prepare_text_data(
             cache_file_name=str(cache / f"train-{key}-tokens.arrow"),
         )
         if accelerator.is_main_process:
-            vocab = Vocab.from_counts(_token_counts(tokens), min_freq, max_vocab)
-            vocab_path.parent.mkdir(parents=True, exist_ok=True)
-            vocab.save(vocab_path)
+            try:  # cached with the encoded data it indexes
+                Vocab.load(vocab_path)
+            except (OSError, ValueError, KeyError, TypeError):  # missing, or damaged: built again
+                Vocab.from_counts(_token_counts(tokens), min_freq, max_vocab).save(vocab_path)
     vocab = Vocab.load(vocab_path)
     if len(vocab) <= 2:  # every rank raises: the vocabulary is read by all of them
         raise UserError(
@@ -122,7 +130,8 @@ def prepare_text_data(
         )
 
     def encode_split(split_data: datasets.Dataset, name: str) -> datasets.Dataset:
-        split_key = cache_key(key, name, vocab.itos[:50], len(vocab), max_length)
+        source_key = fingerprints["test data"] if name == "test" else None  # train and val: in `key`
+        split_key = cache_key(key, name, source_key, vocab.itos, max_length)
         tokenized = (
             tokens
             if name == "train"
@@ -153,7 +162,18 @@ def prepare_text_data(
         test_ids = encode_split(test, "test") if test is not None else None
     full_lengths = train_ids.data.table.column("full_length").to_numpy()
     truncated = int((full_lengths > max_length).sum()) if max_length else 0
-    return TextData(train_ids, val_ids, test_ids, vocab, source, synthetic, truncated, time.perf_counter() - start)
+    return TextData(
+        train_ids,
+        val_ids,
+        test_ids,
+        vocab,
+        source,
+        synthetic,
+        truncated,
+        time.perf_counter() - start,
+        vocab_path,
+        fingerprints,
+    )
 
 
 def _token_counts(tokenized: datasets.Dataset) -> dict[str, int]:
@@ -180,12 +200,12 @@ class EncodedReviews(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
         chunk = int(np.searchsorted(self.chunk_starts, index, side="right")) - 1
         offsets, row = self.offsets[chunk], index - self.chunk_starts[chunk]
         return self.values[chunk][offsets[row] : offsets[row + 1]], int(self.labels[index])
 
-    def __getitems__(self, indices: list[int]):
+    def __getitems__(self, indices: list[int]) -> list[tuple[np.ndarray, int]]:
         return [self[index] for index in indices]
 
 
@@ -195,7 +215,7 @@ class PadCollate:
     def __init__(self, pad_id: int, min_length: int = 1):
         self.pad_id, self.min_length = pad_id, min_length
 
-    def __call__(self, samples):
+    def __call__(self, samples: list[tuple[np.ndarray, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(self.min_length, max(len(ids) for ids, _ in samples))
         input_ids = np.full((len(samples), width), self.pad_id, dtype=np.int64)
         for row, (ids, _) in enumerate(samples):
@@ -225,7 +245,7 @@ def make_loader(
     )
 
 
-def cache_key(*parts) -> str:
+def cache_key(*parts: Any) -> str:
     """A short hash of everything an encoded cache file depends on."""
     return hashlib.sha256(json.dumps(parts, default=str, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -246,7 +266,7 @@ class BucketBatchSampler(Sampler[list[int]]):
         self.drop_last = False
 
     @property
-    def sampler(self):
+    def sampler(self) -> BucketBatchSampler:
         # Accelerate's DataLoaderShard.set_epoch reaches a sharded batch sampler's epoch through `.sampler`
         return self
 

@@ -40,7 +40,7 @@ def _normalise_labels(dataset: datasets.Dataset, source: str) -> datasets.Datase
     if bad:
         raise UserError(f"{source}: labels must be 0/1 or pos/neg (positive/negative), found {bad[:5]}")
 
-    def to_int(batch):
+    def to_int(batch: dict[str, list]) -> dict[str, list[int]]:
         return {"label": [_LABEL_NAMES[str(label).strip().lower()] for label in batch["label"]]}
 
     dataset = dataset.map(to_int, batched=True, desc="labels")
