@@ -14,7 +14,7 @@ import torch
 from accelerate import Accelerator
 
 from ddp_accel.errors import UserError
-from ddp_accel.files import finite_or_null
+from ddp_accel.files import finite_or_null, writing
 from ddp_accel.identity import compare_identity
 from ddp_accel.state import TrainState
 
@@ -89,7 +89,7 @@ def save_checkpoint(accelerator: Accelerator, root: Path, state: TrainState, lim
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
     accelerator.wait_for_everyone()
-    try:
+    with writing(partial, cleanup=partial):
         accelerator.save_state(str(partial))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
@@ -103,9 +103,6 @@ def save_checkpoint(accelerator: Accelerator, root: Path, state: TrainState, lim
             if limit:
                 for old in complete_checkpoints(root)[:-limit]:
                     shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)  # a full disk: no half-written folder is left to fill it
-        raise
     accelerator.wait_for_everyone()
     return final
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -41,10 +40,10 @@ class ArgumentParser(argparse.ArgumentParser):
                     break
         # Under a launcher every process parses the same arguments: one of them says it, and torch elastic's
         # failure report shows the message instead of 'To enable traceback see ...'
-        from ddp_accel.runtime import report_to_launcher
+        from ddp_accel.runtime import process_rank, report_to_launcher
 
         report_to_launcher(f"error: {message}")
-        if os.environ.get("RANK", "0") != "0":
+        if process_rank() != 0:
             # the launcher stops every process once one has ended: let rank 0 end first, having printed
             time.sleep(10)
             self.exit(2)

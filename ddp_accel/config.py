@@ -72,7 +72,7 @@ class TrainConfig:
         if check_output_dir:
             self.check_output_dir()
         if self.signals is not None:  # a stop before training leaves its marker there
-            self.signals.output_dir = Path(self.output_dir)
+            self.signals.set_output_dir(Path(self.output_dir))
         # a missing tracker package: one line, before anything. The trackers start at the first log (TrackerLog)
         trackers = make_trackers(
             tracker_names(self.report_to, self.with_tracking),

@@ -97,7 +97,7 @@ def compare_identity(saved: dict[str, Any] | None, current: dict[str, Any], what
     ]
     if differences:
         raise UserError(
-            f"{what} belongs to another run: "
+            f"{what} was made with other options or data: "
             + "; ".join(differences)
             + ". Use the same options and data, or another --output-dir"
         )

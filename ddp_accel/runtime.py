@@ -22,7 +22,7 @@ from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_
 
 from ddp_accel.errors import UserError
 from ddp_accel.loaders import kill_leftover_workers
-from ddp_accel.stopping import PREEMPTED_EXIT_CODE, Preempted, StopSignals
+from ddp_accel.stopping import PEER_STOPPED_EXIT_CODE, PREEMPTED_EXIT_CODE, Preempted, StopSignals
 
 
 def _cache_per_step_package_probe() -> None:
@@ -71,6 +71,7 @@ def build_accelerator(
     cpu = not has_accelerator()
     if cpu and mixed_precision == "fp16":
         raise UserError("--mixed-precision fp16 needs a GPU; on CPU use bf16 or no")
+    check_launch_environment()
     init_elastic_process_group(cpu, timeout_s)
     accelerator = Accelerator(
         cpu=cpu,
@@ -115,6 +116,69 @@ def init_elastic_process_group(cpu: bool, timeout_s: int) -> None:
         world_size=int(os.environ["WORLD_SIZE"]),
         timeout=timeout,
     )
+
+
+def check_launch_environment(env: dict[str, str] | None = None) -> None:
+    """The launcher variables a process starts with must describe one job: mistakes here otherwise end in a hang, a
+    traceback deep in torch, or N duplicate trainings into one folder."""
+    env = dict(os.environ if env is None else env)
+    step_tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1") or 1) if env.get("SLURM_STEP_NUM_TASKS", "1").isdigit() else 1
+    if step_tasks > 1 and "TORCHELASTIC_RUN_ID" not in env and "WORLD_SIZE" not in env:
+        raise UserError(
+            f"SLURM started {step_tasks} tasks of this script without a launcher: each would train alone, into one "
+            "folder. Start one launcher per node (srun --ntasks-per-node=1 accelerate launch ..., as "
+            "slurm/train.sbatch does), or export WORLD_SIZE, RANK, MASTER_ADDR and MASTER_PORT to every task",
+            every_process=True,
+        )
+    if "RANK" in env and "WORLD_SIZE" not in env:
+        if "LOCAL_RANK" in env or "MASTER_ADDR" in env:  # a launcher's variables, half of them
+            raise UserError(
+                f"RANK={env['RANK']} is set but WORLD_SIZE is not: set both (and MASTER_ADDR, MASTER_PORT), or unset "
+                "RANK and let a launcher (accelerate launch, torchrun) set them",
+                every_process=True,
+            )
+        return  # a stray RANK in a shell: a lone process, as if it were not there
+    try:
+        world_size, rank = int(env.get("WORLD_SIZE", "1")), int(env.get("RANK", "0"))
+    except ValueError:
+        raise UserError(
+            f"WORLD_SIZE={env.get('WORLD_SIZE')!r} and RANK={env.get('RANK')!r} must be whole numbers",
+            every_process=True,
+        ) from None
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise UserError(
+            f"RANK={rank} does not fit WORLD_SIZE={world_size}: ranks go from 0 to WORLD_SIZE - 1", every_process=True
+        )
+    if world_size > 1 and "TORCHELASTIC_RUN_ID" not in env:
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
+        if missing:
+            raise UserError(
+                f"WORLD_SIZE={world_size} without {' and '.join(missing)}: an env:// launch (srun, mp.spawn) needs "
+                "the address and port of rank 0 in every process",
+                every_process=True,
+            )
+
+
+def available_memory_bytes() -> int | None:
+    """What this machine can still give (Linux: MemAvailable), or None where it cannot be read."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def check_memory(needed_bytes: float, what: str) -> None:
+    """Refuse, before allocating, what cannot fit: the options that size a tensor are checked against the memory the
+    machine has, instead of a process killed by the kernel (or a machine swapping) minutes later."""
+    available = available_memory_bytes()
+    if available is not None and needed_bytes > available:
+        raise UserError(
+            f"{what} needs about {needed_bytes / 2**30:,.1f} GiB of memory, and this machine has "
+            f"{available / 2**30:,.1f} GiB available; choose smaller values"
+        )
 
 
 def check_topology(accelerator: Accelerator) -> None:
@@ -167,13 +231,16 @@ def print_banner(accelerator: Accelerator, title: str, **extra: Any) -> None:
         print("\n".join(lines), flush=True)
 
 
-def _rank() -> int:
+def process_rank() -> int:
     """This process's rank: the process group's, else the launcher's (RANK, only with a WORLD_SIZE above 1: a stray
     RANK in a shell must not silence a lone process's errors)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        return int(os.environ.get("RANK", "0") or 0)
+    try:
+        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+            return int(os.environ.get("RANK", "0") or 0)
+    except ValueError:  # inconsistent launcher variables: check_launch_environment says so, from every process
+        pass
     return 0
 
 
@@ -242,28 +309,29 @@ def run_main(main: Callable[..., Any]) -> None:
     """Run a script's main(): user errors as one line (exit 2), a preemption after its checkpoint (exit 0), a clean
     distributed shutdown (exit 0). The process's StopSignals watch SIGTERM/SIGUSR1 from here to the exit; a main
     that takes one argument receives them (to pass to fit)."""
-    signals = StopSignals().install()
+    signals = StopSignals()
     exit_code = 0
     try:
+        signals.install()  # a signal that came during the imports is handled here: Preempted (nothing trained yet)
         main(signals) if inspect.signature(main).parameters else main()
         signals.enter("done")
     except UserError as error:
         signals.enter("done")
         message = f"error: {_one_line(error)}"
-        if _rank() == 0:
+        if process_rank() == 0 or error.every_process:
             print(message, file=sys.stderr, flush=True)
         report_to_launcher(message)
         exit_code = 2
         error.__traceback__ = None  # drop frames holding models before teardown
     except Preempted as preempted:  # every rank saved its part of the checkpoint (or nothing was trained yet)
         signals.enter("done")
-        if _rank() == 0 or "before training started" in preempted.message:
+        if process_rank() == 0 or "before training started" in preempted.message:
             print(preempted.message, file=sys.stderr, flush=True)
-        exit_code = PREEMPTED_EXIT_CODE
+        exit_code = PEER_STOPPED_EXIT_CODE if preempted.by_peer else PREEMPTED_EXIT_CODE
         preempted.__traceback__ = None
     except KeyboardInterrupt:
         signals.enter("done")
-        if _rank() == 0:
+        if process_rank() == 0:
             print(f"\ninterrupted (Ctrl-C). {signals.resume_hint}", file=sys.stderr, flush=True)
         exit_code = 130
     except Exception as error:
@@ -271,12 +339,12 @@ def run_main(main: Callable[..., Any]) -> None:
         exit_code = 1
         if isinstance(error, OSError) and error.filename is not None:  # read-only, full, a file for a folder...
             message, exit_code = f"error: cannot write or read {error.filename}: {error.strerror}", 2
-            if _rank() == 0:
+            if process_rank() == 0:
                 print(message, file=sys.stderr, flush=True)
             report_to_launcher(message)
         elif _lost_peers(error):
             print(
-                f"error: process {_rank()} lost contact with the others: another process ended (its own message "
+                f"error: process {process_rank()} lost contact with the others: another process ended (its own message "
                 f"says why), or no answer came within the collective timeout (--timeout-s): a machine or the network "
                 f"between them is gone ({type(error).__name__})",
                 file=sys.stderr,
@@ -286,6 +354,6 @@ def run_main(main: Callable[..., Any]) -> None:
             traceback.print_exc()
             report_to_launcher(f"{type(error).__name__}: {error}")
     kill_leftover_workers()
-    shutdown(clean=exit_code == 0)
+    shutdown(clean=exit_code in (0, PEER_STOPPED_EXIT_CODE))
     signals.uninstall()
     sys.exit(exit_code)

@@ -20,6 +20,7 @@ class TrainState:
     model_fingerprint: str = ""
     last_loss: float | None = None  # the last logged training loss (None before the first log)
     last_eval_step: int = -1  # the step of the last complete evaluation
+    eval_metrics: dict[str, Any] = field(default_factory=dict)  # its metrics (metrics.json reports them at the end)
     eval_pending: bool = False  # a stop interrupted the evaluation due at `step`: run it first after resume
     best_metric: float | None = None  # the best value of fit's `best_metric` so far, and its step
     best_step: int | None = None

@@ -33,6 +33,9 @@ from ddp_accel.files import write_json
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 PREEMPTED_EXIT_CODE = 0  # a launcher neither restarts the group in place nor reports a crash; see docs/clusters.md
+# a rank that stopped only because a peer was signalled: non-zero, so that its elastic agent (which was not signalled)
+# forms the group again with the machines that remain (a node leaving), instead of ending the run unfinished
+PEER_STOPPED_EXIT_CODE = 3
 PREEMPTED_MARKER = "preempted.json"  # in the output dir: the run stopped early; `phase` says where
 NO_CHECKPOINT_HINT = "No checkpoint was saved (--checkpointing-steps N saves every N steps)."
 
@@ -44,9 +47,9 @@ class Preempted(BaseException):
     save). A BaseException, so that `except Exception` in user code does not swallow it; run_main turns it into
     PREEMPTED_EXIT_CODE."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, by_peer: bool = False):
         super().__init__(message)
-        self.message = message
+        self.message, self.by_peer = message, by_peer
 
 
 class StopSignals:
@@ -66,7 +69,9 @@ class StopSignals:
             try:
                 self._previous[signum] = signal.signal(signum, self._handle)
             except ValueError:  # not the main thread (e.g. a debug launcher): no handler, no preemption stop
-                break
+                return self
+        # the scripts block these signals before their imports: one that came meanwhile is handled now
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPTION_SIGNALS)
         return self
 
     def uninstall(self) -> None:
@@ -90,7 +95,14 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = self.received or signum
-        if self.phase == "startup":  # nothing trained, nothing to save: stop now, not after a long data preparation
+        # nothing trained, nothing to save: stop now, not after a long data preparation (once the marker's folder is
+        # known: a signal during the imports or the argument parsing stops when the output dir is set)
+        if self.phase == "startup" and self.output_dir is not None:
+            self.stop_before_training()
+
+    def set_output_dir(self, output_dir: Path) -> None:
+        self.output_dir = output_dir
+        if self.phase == "startup" and self.received:
             self.stop_before_training()
 
     def stop_before_training(self) -> None:

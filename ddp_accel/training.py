@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -25,7 +26,7 @@ from ddp_accel.checkpoint import complete_checkpoints, load_checkpoint, model_fi
 from ddp_accel.checkpoint import save_checkpoint as write_checkpoint
 from ddp_accel.config import TrainConfig
 from ddp_accel.errors import UserError
-from ddp_accel.files import write_json
+from ddp_accel.files import write_json, writing
 from ddp_accel.identity import compare_identity
 from ddp_accel.locking import lock_output_dir
 from ddp_accel.plots import plot_history
@@ -234,12 +235,12 @@ class TrainingRun:
         )
         self.meter, self.window = ThroughputMeter(), LossWindow(accelerator.device)
         self.agreement = StepAgreement(accelerator)
-        self.eval_metrics: dict[str, Any] = {}
         self.test_metrics: dict[str, Any] = {}
         self.resumed_from: Path | None = None
         self.lock: int | None = None  # the main process's flock on the output dir, held until fit returns
         self.progress: tqdm | None = None
         self.tick = time.perf_counter()  # when the current step began waiting for its batch
+        self.grace_warned = False
         self.interactive = sys.stderr.isatty()  # in a log file, a line every 30 s instead of a redraw per step
         self.wall_start = time.perf_counter()
 
@@ -294,6 +295,10 @@ class TrainingRun:
             dynamic_ncols=True,
             mininterval=0.1 if self.interactive else 30,
         )
+        marker = self.output_dir / PREEMPTED_MARKER
+        if self.resumed_from is not None and marker.is_file():  # the save time of the last stop, if it said
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                self.warn_if_save_outlasts_grace(float(json.loads(marker.read_text()).get("save_s") or 0))
         self.signals.enter("train")
         return None
 
@@ -301,7 +306,7 @@ class TrainingRun:
         """A run whose artifacts were committed for at least the steps this command asks for, under the same
         identity, is complete: `--resume-from-checkpoint` then changes nothing."""
         path = self.output_dir / "metrics.json"
-        if self.config.resume_from_checkpoint is None or not path.is_file():
+        if self.config.resume_from_checkpoint != "latest" or not path.is_file():
             return None
         try:
             committed = json.loads(path.read_text())
@@ -457,7 +462,7 @@ class TrainingRun:
             stop_check=self.stop_check,
         )
         self.signals.enter(phase)
-        state.eval_pending, state.last_eval_step, self.eval_metrics = False, state.step, metrics
+        state.eval_pending, state.last_eval_step, state.eval_metrics = False, state.step, metrics
         self.tracking.log(metrics, state.step)
         self.accelerator.print(f"step {state.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in numbers(metrics).items()))
         self.history.record(self.accelerator, state.step, state.step / self.steps_per_epoch, state.last_loss, metrics)
@@ -522,9 +527,27 @@ class TrainingRun:
 
     # --- checkpoints and stops ---
     def save(self) -> Path:
+        started = time.perf_counter()
         path = write_checkpoint(self.accelerator, self.root, self.state, limit=self.config.checkpoint_limit)
         self.signals.resume_hint = self.resume_hint(path)
+        self.warn_if_save_outlasts_grace(time.perf_counter() - started)
         return path
+
+    def warn_if_save_outlasts_grace(self, save_s: float) -> None:
+        """A launcher passes a preemption signal on, then kills its processes after a grace of its own: a save that
+        takes longer is lost. Said once, at the first save that would not fit (or at start, from the last stop)."""
+        grace = shutdown_grace_s()
+        if grace is None or save_s <= grace or self.grace_warned:
+            return
+        self.grace_warned = True
+        if self.accelerator.is_main_process:
+            print(
+                f"warning: saving a checkpoint takes {save_s:.0f} s, more than the {grace:.0f} s the launcher waits "
+                "after passing on a preemption signal before it kills the processes: a preempted run would lose it. "
+                "Raise TORCH_ELASTIC_SHUTDOWN_TIMEOUT (slurm/train.sbatch: GRACE_S) above the save time",
+                file=sys.stderr,
+                flush=True,
+            )
 
     @staticmethod
     def resume_hint(path: Path) -> str:
@@ -567,9 +590,12 @@ class TrainingRun:
                 },
             )
         self.accelerator.wait_for_everyone()  # no process exits (and makes a launcher kill the rest) before the marker
+        if self.signals.received is None:  # the signal reached a peer: it may still be on its way to this process
+            time.sleep(1.0)
         raise Preempted(
             f"preempted by {verdict.signal} at step {state.step} ({phase}): checkpoint {path} saved in {saved_s:.2f} s;"
-            " to continue, run the same command with --resume-from-checkpoint latest"
+            " to continue, run the same command with --resume-from-checkpoint latest",
+            by_peer=self.signals.received is None,
         )
 
     # --- the end: every final artifact committed at once ---
@@ -583,7 +609,7 @@ class TrainingRun:
         if self.progress is not None:
             self.progress.close()
         metrics = {
-            **self.eval_metrics,
+            **state.eval_metrics,
             **self.test_metrics,
             "train_loss": state.last_loss,
             "steps": state.step,
@@ -602,10 +628,11 @@ class TrainingRun:
         }
         accelerator.wait_for_everyone()
         final = self.staging / "model"
-        accelerator.save_model(self.model, str(final))  # every rank: under FSDP the full weights are gathered
-        accelerator.wait_for_everyone()  # every rank is done with the folder before it goes
-        if accelerator.is_main_process:
-            self.move_final_artifacts(final, metrics)
+        with writing(final, cleanup=final):
+            accelerator.save_model(self.model, str(final))  # every rank: under FSDP the full weights are gathered
+            accelerator.wait_for_everyone()  # every rank is done with the folder before it goes
+            if accelerator.is_main_process:
+                self.move_final_artifacts(final, metrics)
         self.tracking.log({f"final_{key}": value for key, value in numbers(metrics).items()}, state.step)
         self.tracking.finish([output_dir / "model.safetensors", output_dir / "training_curves.png"])
         self.signals.enter("done")
@@ -665,7 +692,7 @@ def fit(
         make_scheduler=make_scheduler, best_metric=best_metric, title=title, banner=banner,
         extra_metrics=extra_metrics, artifacts=artifacts, identity=identity,
     )  # fmt: skip
-    run.signals.output_dir = run.output_dir
+    run.signals.set_output_dir(run.output_dir)
     with run.signals if signals is None else _already_installed(), run:
         committed = run.start()
         if committed is not None:
@@ -695,6 +722,18 @@ def fit(
 @contextmanager
 def _already_installed() -> Iterator[None]:
     yield
+
+
+def shutdown_grace_s() -> float | None:
+    """How long the launcher above this process waits after passing on a signal before it kills: torch elastic's
+    --shutdown-timeout or TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default; None without such a launcher."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    for name in ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        with contextlib.suppress(ValueError):
+            if os.environ.get(name):
+                return float(os.environ[name])
+    return 30.0
 
 
 def summary_line(metrics: dict[str, Any], output_dir: Path) -> str:

@@ -11,6 +11,11 @@ for a whole 8-GPU node is `-b 32`). Unreadable images stop the run with the file
 
 from __future__ import annotations
 
+import signal
+
+# A preemption signal during the imports below waits until run_main handles it (it then leaves preempted.json)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+
 import argparse
 import math
 import os
@@ -26,6 +31,7 @@ from ddp_accel.cli import nonnegative, nonnegative_int, number, positive, positi
 from ddp_accel.files import write_json
 from ddp_accel.identity import make_identity
 from ddp_accel.metrics import classification_metrics, classification_values
+from ddp_accel.runtime import check_memory
 from ddp_accel.state import TrainState
 from ddp_accel.stopping import StopSignals
 from ddp_accel.sync_bn import convert_sync_batchnorm
@@ -171,6 +177,8 @@ def main(signals: StopSignals) -> None:
         torch.use_deterministic_algorithms(True)
     else:
         torch.backends.cudnn.benchmark = True  # fixed image size: let cuDNN time its conv algorithms once
+    if args.dummy:  # the classifier alone: up to 2048 features per class, with its gradient and momentum
+        check_memory(args.dummy_classes * 2048 * 4 * 3, f"--dummy-classes {args.dummy_classes}")
     accelerator = config.make_accelerator(check_output_dir=not args.evaluate)
     train_set, val_set, classes = datasets_for(args)
     model = build_model(args.arch, len(classes), args.pretrained)

@@ -11,6 +11,11 @@ Adam 1e-3, clip 0.1, batch 128, vocabulary min frequency 20, dim 64). Labels: 1 
 
 from __future__ import annotations
 
+import signal
+
+# A preemption signal during the imports below waits until run_main handles it (it then leaves preempted.json)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+
 import argparse
 import json
 import re
@@ -25,6 +30,7 @@ from ddp_accel.cli import fraction, nonnegative, nonnegative_int, positive_int, 
 from ddp_accel.identity import make_identity
 from ddp_accel.metrics import classification_values
 from ddp_accel.optim import Optimizers, SparseAdamW
+from ddp_accel.runtime import check_memory
 from ddp_accel.stopping import StopSignals
 from ddp_accel.text.models import KERNEL_SIZE, STRIDE, build_model
 from ddp_accel.text.pipeline import make_loader, prepare_text_data
@@ -213,6 +219,9 @@ def train(args: argparse.Namespace, signals: StopSignals) -> None:
         cache_dir=args.cache_dir,
     )
     sparse, embedding_gradients = sparse_tables(args, accelerator)
+    # the embedding table with its gradient and two Adam moments
+    rows = len(text.vocab) + (args.buckets if args.model == "bag" and args.ngrams > 1 else 0)
+    check_memory(rows * args.dim * 4 * 4, f"a table of {rows:,} rows x --dim {args.dim}")
     model = build_model(args.model, len(text.vocab), text.vocab.pad_id, **model_options(args), sparse=sparse)
     min_length = getattr(model, "min_length", 1)
 

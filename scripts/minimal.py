@@ -8,6 +8,11 @@ accelerator.prepare: DDP wrap, sampler sharding, device placement). Then every r
 itself and the main process prints an all_gather_object of one dict per rank.
 """
 
+import signal
+
+# A preemption signal during the imports below waits until run_main handles it (it then leaves preempted.json)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+
 import torch
 from accelerate.utils import gather_object
 from torch.utils.data import DataLoader, TensorDataset

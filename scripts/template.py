@@ -11,6 +11,11 @@ The built-in task: 3-class Gaussian blobs in 16 dimensions, an MLP with BatchNor
 
 from __future__ import annotations
 
+import signal
+
+# A preemption signal during the imports below waits until run_main handles it (it then leaves preempted.json)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset

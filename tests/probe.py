@@ -5,6 +5,11 @@ consumed, in order) to OUTPUT_DIR. Evaluation returns the ids it was given, so t
 every validation sample was counted exactly once.
 """
 
+import signal
+
+# A preemption signal during the imports below waits until run_main handles it (it then leaves preempted.json)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+
 import json
 import os
 import time
@@ -63,7 +68,7 @@ class IdDataset(Dataset):
         return index, self.x[index], self.y[index]
 
 
-def main(signals: StopSignals) -> None:
+def main(signals: StopSignals | None = None) -> None:
     parser = add_training_args(ArgumentParser())
     parser.add_argument("--train-size", type=int, default=64)
     parser.add_argument("--val-size", type=int, default=23)
@@ -76,6 +81,9 @@ def main(signals: StopSignals) -> None:
         action="store_true",
         help="an EmbeddingBag with sparse gradients first (SparseAdamW + AdamW as one optimizer)",
     )
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (training and evaluation)")
+    parser.add_argument("--eval-ms", type=float, default=0, help="a slow evaluation batch: makes the phase easy to hit")
+    parser.add_argument("--test-size", type=int, default=0, help="a test set evaluated once at the end")
     args = parser.parse_args()
     config = TrainConfig.from_args(args, signals=signals)
     accelerator = config.make_accelerator()
@@ -95,8 +103,14 @@ def main(signals: StopSignals) -> None:
         )
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
-    train = DataLoader(IdDataset(args.train_size, seed=1), batch_size=config.batch_size, shuffle=True)
-    val = DataLoader(IdDataset(args.val_size, seed=2), batch_size=config.batch_size)
+
+    def loader(size: int, seed: int, shuffle: bool = False) -> DataLoader:
+        return DataLoader(
+            IdDataset(size, seed), batch_size=config.batch_size, shuffle=shuffle, num_workers=args.workers
+        )
+
+    train, val = loader(args.train_size, 1, shuffle=True), loader(args.val_size, 2)
+    test = loader(args.test_size, 3) if args.test_size else None
     seen: list[list[int]] = []
 
     def loss_fn(model, batch):
@@ -107,6 +121,7 @@ def main(signals: StopSignals) -> None:
 
     def eval_fn(model, batch):
         ids, x, y = batch
+        time.sleep(args.eval_ms / 1000)
         return {"id": ids, **classification_values(model(x), y)}
 
     def metrics_fn(outputs):
@@ -128,6 +143,7 @@ def main(signals: StopSignals) -> None:
         eval_loader=val,
         eval_fn=eval_fn,
         metrics_fn=metrics_fn,
+        test_loader=test,
         make_scheduler=warmup_then_decay,
     )
     Path(config.output_dir, f"seen_rank{accelerator.process_index}.json").write_text(json.dumps(seen))

@@ -1,15 +1,20 @@
 """The torchelastic + etcd recipe for real: a private etcd (v2 API) on a free loopback port, 2 nodes joining
-through `torchrun --rdzv_backend etcd-v2`. Skips when the etcd binary or python-etcd is missing (.ci/run
+through `torchrun --rdzv_backend etcd-v2`, and a membership change with `--rdzv_backend etcd` (a node joins a
+running job, then one leaves). Skips when the etcd binary or python-etcd is missing (.ci/run
 installs Debian's etcd-server and PyPI's python-etcd)."""
 
+import json
+import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
 import time
 import urllib.request
 
 import pytest
-from conftest import BIN, free_port, start_node, wait_nodes
+from conftest import BIN, ROOT, checkpoint_steps, free_port, kill_tree, start_node, wait_for, wait_nodes
 
 ETCD = shutil.which("etcd")
 
@@ -81,3 +86,65 @@ def test_two_nodes_rendezvous_through_etcd(tmp_path, etcd_endpoint):
         int(rank) for out in outputs for rank in re.findall(r"^rank (\d+) local_rank 0 world_size 2", out, re.M)
     )
     assert ranks == [0, 1], outputs
+
+
+def agent_log(path) -> str:
+    return path.read_text() if path.is_file() else ""
+
+
+@pytest.mark.system
+def test_a_node_joins_then_one_leaves_and_the_run_goes_on(tmp_path, etcd_endpoint):
+    """torchelastic's etcd rendezvous (the seeds' recipe): agent A trains alone; agent B joins, A's worker saves the
+    step reached and both continue at world size 2 from it; then B is stopped (SIGTERM), its worker saves, A's worker
+    (stopped only by its peer) exits non-zero so that agent A forms the group again alone, and it finishes at world
+    size 1. Both agents of the join exit 0 when the run ends; the one stopped by SIGTERM exits with torch's status."""
+    output_dir = tmp_path / "out"
+    command = [str(BIN / "torchrun"), "--nnodes", "1:2", "--nproc_per_node", "1", "--rdzv_backend", "etcd"]
+    command += ["--rdzv_endpoint", etcd_endpoint, "--rdzv_id", "join-leave", "--max_restarts", "3"]
+    command += ["--rdzv_conf", "last_call_timeout=2", "--monitor_interval", "1", str(ROOT / "tests" / "probe.py")]
+    command += ["--output-dir", str(output_dir), "--batch-size", "4", "--epochs", "2", "--train-size", "1024"]
+    command += [
+        "--step-ms",
+        "30",
+        "--dropout",
+        "0",
+        "--checkpointing-steps",
+        "50",
+        "--resume-from-checkpoint",
+        "latest",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    logs = [tmp_path / "agent_a.log", tmp_path / "agent_b.log"]
+    start = [lambda i=i: subprocess.Popen(command, stdout=open(logs[i], "w"), stderr=subprocess.STDOUT, cwd=ROOT,
+                                          env=env, start_new_session=True) for i in (0, 1)]  # fmt: skip
+    a = start[0]()
+    try:
+        wait_for(lambda: checkpoint_steps(output_dir), timeout=120, alive=a, what="agent A training alone")
+        b = start[1]()
+        try:
+            # the group forms again with both: every rank resumes at world size 2
+            wait_for(lambda: agent_log(logs[1]).count("resumed from") >= 1, timeout=180, alive=b, what="B to join")
+            joined = agent_log(logs[0])
+            assert "preempted by SIGTERM" in joined, joined[-3000:]  # A's worker saved the step reached
+            both = lambda: agent_log(logs[0]) + agent_log(logs[1])  # noqa: E731 (rank 0, whose banner it is, may be B)
+            assert re.search(r"world_size\s+2\b", both()), both()[-3000:]
+            before = set(checkpoint_steps(output_dir))  # then a checkpoint written at world size 2
+            wait_for(lambda: set(checkpoint_steps(output_dir)) - before, timeout=120, alive=b,
+                     what="training at world size 2")  # fmt: skip
+            b.send_signal(signal.SIGTERM)  # node B leaves
+            b.wait(timeout=120)
+        finally:
+            kill_tree(b)
+        assert a.wait(timeout=300) == 0, agent_log(logs[0])[-4000:]
+    finally:
+        kill_tree(a)
+    text = agent_log(logs[0])
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["world_size"] == 1 and not (output_dir / "preempted.json").exists()
+    resumed = re.findall(r"resumed from \S+: step (\d+)", text)
+    assert len(resumed) >= 2, text[-4000:]  # after the join (world size 2), after the leave (world size 1)
+    print(
+        f"\njoin: A saved and both resumed from step {resumed[0]} at world size 2; leave: A resumed alone from step "
+        f"{resumed[-1]} and finished at {metrics['steps']} steps (world size 1)",
+        file=sys.stderr,
+    )

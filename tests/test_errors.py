@@ -274,3 +274,66 @@ def test_ctrl_c_says_where_the_newest_checkpoint_is(tmp_path):
     assert process.returncode == 130, output[-2000:]
     assert "interrupted (Ctrl-C). The newest checkpoint is" in output and "--resume-from-checkpoint latest" in output
     assert "Traceback" not in output, output[-2000:]
+
+
+@inprocess
+@pytest.mark.parametrize(
+    "env,fragment",
+    [
+        ({"RANK": "1", "LOCAL_RANK": "1"}, "RANK=1 is set but WORLD_SIZE is not"),
+        ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK=2 does not fit WORLD_SIZE=2"),
+        ({"RANK": "0", "WORLD_SIZE": "two"}, "must be whole numbers"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}, "WORLD_SIZE=2 without MASTER_ADDR"),
+        ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"}, "SLURM started 2 tasks of this script without a launcher"),
+    ],
+)
+def test_inconsistent_launcher_variables_are_one_line(tmp_path, env, fragment):
+    result = run_script("scripts/template.py", "--output-dir", tmp_path / "out", "--epochs", 1, env=env)
+    assert_clean_error(result, fragment)
+    assert not (tmp_path / "out").exists()
+
+
+@inprocess
+def test_valid_env_launches_and_a_stray_rank_pass_the_launcher_check():
+    from ddp_accel.runtime import check_launch_environment
+
+    check_launch_environment({"RANK": "7"})  # a stray RANK in a shell: a lone process
+    check_launch_environment({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})
+    check_launch_environment({"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"})  # torchrun's own store
+    check_launch_environment({"SLURM_STEP_NUM_TASKS": "2", "TORCHELASTIC_RUN_ID": "x"})  # a launcher under srun
+
+
+@inprocess
+def test_a_stray_rank_does_not_silence_a_lone_process(tmp_path):
+    result = run_script("scripts/template.py", "--output-dir", tmp_path / "out", "--lr", "-1", env={"RANK": "7"})
+    assert_clean_error(result, "--lr: must be > 0")
+
+
+def config_with(**changes) -> str:
+    """multi_gpu.yaml with some keys replaced, added, or (None) left out."""
+    lines = (ROOT / "accelerate_configs" / "multi_gpu.yaml").read_text().splitlines()
+    kept = [line for line in lines if line.split(":")[0] not in changes]
+    return "\n".join(kept + [f"{key}: {value}" for key, value in changes.items() if value is not None]) + "\n"
+
+
+@inprocess
+@pytest.mark.parametrize(
+    "content,fragment",
+    [
+        (config_with(main_process_port=99999), "main_process_port must be between 1 and 65535"),
+        (config_with(main_process_port="'x'"), "main_process_port must be a whole number"),
+        (config_with(mixed_precision="banana"), "mixed_precision must be one of no, fp16, bf16, fp8"),
+        (config_with(mixed_precision="fp8"), "mixed_precision fp8 needs one of"),
+        (config_with(distributed_type="DEEPSPEED"), "DEEPSPEED needs the deepspeed package"),
+        (config_with(machine_rank="'zero'"), "machine_rank must be a whole number"),
+        (config_with(machine_rank=3, num_machines=2), "machine_rank must be between 0 and num_machines - 1"),
+        (config_with(num_processes=None), "accelerate launch would refuse it: You need to manually pass in"),
+        ("- a\n- list\n", "the top level must be a mapping"),
+        ("just a string\n", "the top level must be a mapping"),
+        ("key: [unclosed\n", "not valid YAML"),
+        (b"num_processes: 2\n\xff\xfe\n", "not UTF-8 text"),
+        (config_with(num_proceses=4), "unknown keys"),
+    ],
+)
+def test_check_config_refuses_what_accelerate_launch_would_refuse(tmp_path, content, fragment):
+    assert_clean_error(check_config(write(tmp_path / "bad.yaml", content)), fragment)

@@ -313,7 +313,6 @@ def test_nb_weighted_bag_on_real_imdb_reaches_92_percent_held_out(tmp_path):
             tmp_path,
             "--epochs",
             2,
-            timeout=900,
         )
     )
     metrics = json.loads((tmp_path / "metrics.json").read_text())

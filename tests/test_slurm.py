@@ -2,6 +2,7 @@
 (USR1 -> checkpoint -> requeue -> resume) and a preemption (SIGTERM to the job step), each ending with the
 weights of an uninterrupted run."""
 
+import os
 import re
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, weights
+from conftest import ROOT, wait_for_checkpoint, weights
 from slurm_cluster import LocalSlurm, missing_binaries
 
 pytestmark = pytest.mark.skipif(
@@ -67,13 +68,6 @@ def finish(slurm: LocalSlurm, job: str, log: Path, requeues: int = 0) -> str:
     text = log.read_text()
     assert state["JobState"] == "COMPLETED", f"{state}\n{text[-4000:]}"
     return text
-
-
-def wait_for_checkpoint(output_dir: Path, step: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not (output_dir / "checkpoints" / f"step_{step}" / "training_state.json").is_file():
-        assert time.monotonic() < deadline, f"no checkpoint of step {step} after {timeout} s"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +132,71 @@ def test_signal_checkpoint_requeue_resume_loses_nothing(slurm, uninterrupted, tm
         f"the requeued run started {rerun_s:.0f} s after the signal (the test starts it once the nodes are idle)",
         file=sys.stderr,
     )
+
+
+@pytest.mark.system
+def test_an_array_job_keys_each_task_on_its_own_and_each_resumes_its_own_run(slurm, uninterrupted, tmp_path):
+    """Two tasks of one array job, each on one node with 2 processes (the uninterrupted 2-node job's global batch):
+    an explicit OUTPUT_DIR gets a folder per task, both are preempted (the time-limit warning to each batch shell),
+    each requeues itself by its own id (not the whole array), and each resumes its own run, bitwise."""
+    output_dir = tmp_path / "array"
+    log = tmp_path / "array-%a.slurm.log"
+    env = {
+        "SCRIPT": "tests/probe.py",
+        "SCRIPT_ARGS": PROBE_ARGS,
+        "OUTPUT_DIR": str(output_dir),
+        "PROCESSES_PER_NODE": "2",
+        "VENV": str(Path(sys.executable).parent.parent),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    options = ["--array=0-1", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={log}"]
+    array = slurm.sbatch(ROOT / "slurm" / "train.sbatch", *options, env=env, cwd=ROOT)
+    tasks = [f"{array}_{index}" for index in (0, 1)]
+    folders = [output_dir / f"task_{index}" for index in (0, 1)]
+    for folder in folders:
+        wait_for_checkpoint(folder, 5, timeout=180)
+    time.sleep(0.3)
+    for task in tasks:
+        subprocess.run(["scancel", "--signal=USR1", "--batch", task], env=slurm.env, check=True)
+    for task in tasks:  # each requeued by its own id
+        deadline = time.monotonic() + 120
+        while int(slurm.job(task).get("Restarts", 0)) < 1:
+            assert time.monotonic() < deadline, f"{task} was not requeued: {slurm.job(task)}"
+            time.sleep(0.1)
+    slurm.wait_idle()
+    time.sleep(3)
+    for task in tasks:
+        slurm.scontrol("update", f"JobId={task}", "StartTime=now", check=False)
+    reference = weights(uninterrupted[0])
+    for index, (task, folder) in enumerate(zip(tasks, folders, strict=True)):
+        state = slurm.wait_state(task, "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+        text = (tmp_path / f"array-{index}.slurm.log").read_text()
+        assert state["JobState"] == "COMPLETED", f"{state}\n{text[-4000:]}"
+        assert f"requeueing job {task}" in text and f"job {task} run 2:" in text, text[-3000:]
+        stopped = int(re.search(r"preempted by \S+ at step (\d+)", text).group(1))
+        assert re.search(rf"resumed from {re.escape(str(folder))}/checkpoints/step_{stopped}: step {stopped},", text)
+        final = weights(folder)
+        assert all(torch.equal(reference[key], final[key]) for key in reference), f"task {index} differs"
+
+
+@pytest.mark.system
+def test_several_tasks_without_a_launcher_stop_with_one_line(slurm, tmp_path):
+    """`srun -n 2 python scripts/template.py` would start two lone trainings into one folder."""
+    command = ["srun", "-N", "2", "-n", "2", sys.executable, str(ROOT / "scripts" / "template.py")]
+    command += ["--output-dir", str(tmp_path / "out")]
+    env = {**slurm.env, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert errors and all("without a launcher" in line for line in errors), output[-3000:]
+    assert "Traceback" not in output and not (tmp_path / "out").exists()
+
+
+@pytest.mark.multiprocess
+def test_the_job_script_outside_slurm_stops_with_one_line(tmp_path):
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")}
+    result = subprocess.run(["bash", str(ROOT / "slurm" / "train.sbatch")], env=env, capture_output=True, text=True)
+    assert result.returncode == 2 and "unbound variable" not in result.stderr
+    assert result.stderr.count("error: ") == 1 and "submit it with 'sbatch slurm/train.sbatch'" in result.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, ROOT, check_ok, free_port, launch, weights
+from conftest import BIN, ROOT, check_ok, free_port, launch, wait_for_checkpoint, weights
 
 MULTI_NODE_YAML = ROOT / "accelerate_configs" / "multi_node.yaml"
 PROBE_ARGS = [
@@ -109,10 +109,7 @@ def run_both(machines, output_dir: Path, tmp_path: Path, attempt: str, cut_after
     nodes.append(start_machine(machines, 1, output_dir, port, logs[1]))
     cut_at = None
     if cut_after_step is not None:
-        deadline = time.monotonic() + 180
-        while not (output_dir / "checkpoints" / f"step_{cut_after_step}" / "training_state.json").is_file():
-            assert time.monotonic() < deadline and all(n.poll() is None for n in nodes), logs[0].read_text()[-3000:]
-            time.sleep(0.05)
+        wait_for_checkpoint(output_dir, cut_after_step, timeout=180, alive=nodes[0])
         time.sleep(0.3)
         ip("-n", machines["namespaces"][1], "link", "set", machines["veths"][1], "down")
         cut_at = time.monotonic()

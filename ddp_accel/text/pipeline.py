@@ -21,6 +21,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader, Sampler
 
 from ddp_accel.errors import UserError
+from ddp_accel.files import writing
 from ddp_accel.identity import source_fingerprint
 from ddp_accel.text import sources
 from ddp_accel.text.tokenizer import basic_english
@@ -90,7 +91,8 @@ def prepare_text_data(
     vocab_path = cache / f"vocab-{cache_key(key, min_freq, max_vocab)}.json"
     with accelerator.main_process_first():
         cache.mkdir(parents=True, exist_ok=True)
-        tokens = train.map(
+        tokens = cached_map(
+            train,
             tokenize,
             batched=True,
             num_proc=num_proc,
@@ -135,7 +137,8 @@ def prepare_text_data(
         tokenized = (
             tokens
             if name == "train"
-            else split_data.map(
+            else cached_map(
+                split_data,
                 tokenize,
                 batched=True,
                 num_proc=num_proc,
@@ -144,18 +147,15 @@ def prepare_text_data(
                 cache_file_name=str(cache / f"{name}-{split_key}-tokens.arrow"),
             )
         )
-        return (
-            tokenized.with_format("arrow")
-            .map(
-                encode,
-                batched=True,
-                batch_size=5000,
-                remove_columns=["tokens"],
-                desc=f"encode {name}",
-                cache_file_name=str(cache / f"{name}-{split_key}-ids.arrow"),
-            )
-            .with_format(None)
-        )
+        return cached_map(
+            tokenized.with_format("arrow"),
+            encode,
+            batched=True,
+            batch_size=5000,
+            remove_columns=["tokens"],
+            desc=f"encode {name}",
+            cache_file_name=str(cache / f"{name}-{split_key}-ids.arrow"),
+        ).with_format(None)
 
     with accelerator.main_process_first():
         train_ids, val_ids = encode_split(train, "train"), encode_split(val, "val")
@@ -174,6 +174,24 @@ def prepare_text_data(
         vocab_path,
         fingerprints,
     )
+
+
+def cached_map(dataset: datasets.Dataset, function: Any, *, cache_file_name: str, **options: Any) -> datasets.Dataset:
+    """`dataset.map` into a cache file, read back when it exists. A damaged cache file (cut short by a full disk or
+    a killed run) is deleted and built again once; a file-system failure while building it is one line."""
+    path = Path(cache_file_name)
+    for attempt in (1, 2):
+        try:
+            with writing(path, cleanup=None):
+                mapped = dataset.map(function, cache_file_name=cache_file_name, **options)
+                len(mapped.data)  # the arrow file is read here, if it was cached
+                return mapped
+        except (OSError, ValueError, pa.ArrowException) as error:
+            if attempt == 2 or not path.is_file():
+                raise
+            print(f"warning: the cache file {path} is damaged ({type(error).__name__}); building it again", flush=True)
+            path.unlink(missing_ok=True)
+    raise AssertionError("unreachable")
 
 
 def _token_counts(tokenized: datasets.Dataset) -> dict[str, int]:

@@ -6,6 +6,7 @@ Labels everywhere: 1 = positive, 0 = negative (the Hugging Face IMDB convention)
 
 from __future__ import annotations
 
+import json
 import random
 import socket
 import urllib.parse
@@ -36,15 +37,44 @@ def _normalise_labels(dataset: datasets.Dataset, source: str) -> datasets.Datase
     if text.null_count:
         row = pc.index(pc.is_null(text), True).as_py()
         raise UserError(f"{source}: row {row + 1} has no text (null)")
-    bad = sorted({str(label) for label in dataset.unique("label") if str(label).strip().lower() not in _LABEL_NAMES})
-    if bad:
-        raise UserError(f"{source}: labels must be 0/1 or pos/neg (positive/negative), found {bad[:5]}")
+    labels = dataset.data.table.column("label").to_pylist()
+    quoted = [isinstance(label, str) and label.startswith('"') for label in labels]
+    if any(quoted):  # a JSON column of numbers and strings: the reader kept every value as its JSON text
+        row = quoted.index(not quoted[0])
+        raise UserError(
+            f"{source}: labels of mixed types: row 1 has {_json_value(labels[0])!r}, row {row + 1} has "
+            f"{_json_value(labels[row])!r}; use one kind for every row, 0/1 or pos/neg"
+        )
+    for row, label in enumerate(labels):
+        if not _is_label(label):
+            bad = sorted({repr(value) for value in labels if not _is_label(value)})
+            raise UserError(
+                f"{source}: row {row + 1} has the label {label!r} ({type(label).__name__}); labels must be 0/1 or "
+                f"pos/neg (positive/negative) (found {', '.join(bad[:5])})"
+            )
+    classes = {_LABEL_NAMES[str(label).strip().lower()] for label in labels}
+    if len(classes) < 2 and len(labels) > 1:  # (one review: the split says it is too few)
+        raise UserError(
+            f"{source}: every review is labelled {'positive' if classes == {1} else 'negative'}; a classifier needs "
+            "reviews of both classes"
+        )
 
     def to_int(batch: dict[str, list]) -> dict[str, list[int]]:
         return {"label": [_LABEL_NAMES[str(label).strip().lower()] for label in batch["label"]]}
 
     dataset = dataset.map(to_int, batched=True, desc="labels")
     return dataset.cast_column("label", datasets.Value("int64")).select_columns(["text", "label"])
+
+
+def _json_value(text: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _is_label(value: object) -> bool:
+    return isinstance(value, int | str) and not isinstance(value, bool) and str(value).strip().lower() in _LABEL_NAMES
 
 
 def load_file(path: str | Path) -> datasets.Dataset:

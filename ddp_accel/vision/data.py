@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 from torch.utils.data import Dataset
 from torchvision import datasets, transforms
 from torchvision.datasets.folder import IMG_EXTENSIONS
@@ -46,7 +49,41 @@ def check_image_folder(data_dir: str | Path) -> tuple[Path, Path]:
     unknown = sorted(set(classes["val"]) - set(classes["train"]))
     if unknown:
         raise UserError(f"{root}/val has classes that train/ lacks: {', '.join(unknown[:5])}")
+    if len(classes["train"]) < 2:
+        raise UserError(
+            f"{root}/train has one class folder ({classes['train'][0]}); a classifier needs two or more "
+            "(one sub-folder of images per class)"
+        )
     return root / "train", root / "val"
+
+
+def walk_images(folder: Path) -> Iterator[Path]:
+    """Image files under `folder`, links followed, in a stable order; a link that leads back into the folders
+    already walked (a file-system loop) is one line, not the same images counted again and again."""
+    seen: set[tuple[int, int]] = set()
+    for current, subfolders, files in os.walk(folder, followlinks=True):
+        stat = os.stat(current)
+        if (stat.st_dev, stat.st_ino) in seen:
+            raise UserError(
+                f"{current} leads back to a folder already read (a symbolic-link loop under {folder}); remove the link"
+            )
+        seen.add((stat.st_dev, stat.st_ino))
+        subfolders.sort()
+        for name in sorted(files):
+            if name.lower().endswith(IMG_EXTENSIONS):
+                yield Path(current, name)
+
+
+def load_image(path: str) -> Image.Image:
+    """An RGB image as it is: 16-bit and 32-bit grey (which PIL's convert("RGB") clips to white) scaled to 8 bits,
+    palette, CMYK, grey and alpha images converted. A decompression bomb (more pixels than PIL's limit) is refused."""
+    with Image.open(path) as image:
+        image.load()
+        if image.mode not in ("I;16", "I;16B", "I;16L", "I", "F"):
+            return image.convert("RGB")
+        values = np.asarray(image, dtype=np.float64)
+        top = 65535.0 if image.mode.startswith("I;16") else max(float(values.max()), 1.0)
+        return Image.fromarray(np.clip(values / top * 255.0, 0, 255).astype(np.uint8), mode="L").convert("RGB")
 
 
 class CheckedImageFolder(datasets.ImageFolder):
@@ -65,11 +102,21 @@ class CheckedImageFolder(datasets.ImageFolder):
     ) -> None:
         self._fixed_classes = class_to_idx
         self.seed, self.epoch = seed, 0
-        super().__init__(str(root), transform=transform)
+        super().__init__(str(root), transform=transform, loader=load_image)
 
     def set_epoch(self, epoch: int) -> None:
         """Accelerate's prepared loader calls this at each epoch start (fit's start_epoch)."""
         self.epoch = epoch
+
+    def make_dataset(
+        self, directory: str, class_to_idx: dict[str, int], *args: Any, **kwargs: Any
+    ) -> list[tuple[str, int]]:
+        """(path, class index) of every image, walked without following a link loop (see walk_images)."""
+        return [
+            (str(path), index)
+            for name, index in sorted(class_to_idx.items())
+            for path in walk_images(Path(directory, name))
+        ]
 
     def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
         if self._fixed_classes is not None:  # val uses train's class indices even if it lacks a class
@@ -81,7 +128,12 @@ class CheckedImageFolder(datasets.ImageFolder):
         path, target = self.samples[index]
         try:
             image = self.loader(path)
-        except (OSError, ValueError) as error:  # PIL's UnidentifiedImageError is an OSError
+        except Image.DecompressionBombError:
+            raise UserError(
+                f"image {path} has more pixels than PIL's decompression-bomb limit ({Image.MAX_IMAGE_PIXELS}); "
+                "delete it or replace it with a smaller copy"
+            ) from None
+        except (OSError, ValueError, SyntaxError) as error:  # PIL's UnidentifiedImageError is an OSError
             raise UserError(f"cannot read image {path} ({type(error).__name__}); delete or replace it") from None
         with augmentation_seed(self.seed, self.epoch, index):
             return self.transform(image), target

@@ -1,0 +1,161 @@
+"""Mutation check: does the suite catch these bugs? Each patch in tests/mutations/*.patch puts one bug into the code;
+this applies each alone, runs the whole suite with -x (tier by tier: inprocess, multiprocess, system, so that the
+cheapest test that catches it runs first), records the first test that failed, and takes the patch back out. A
+collection error or a timeout does not count as caught. Not part of CI (12 suite runs).
+
+    .venv/bin/python tests/mutations/check.py                      # every mutation, table to stdout
+    .venv/bin/python tests/mutations/check.py --only rotation_deletes_newest
+    .venv/bin/python tests/mutations/check.py --make               # write the patches again from MUTATIONS below
+
+`--tree DIR --patches DIR --no-tiers` run another checkout (e.g. an older commit with its own patches) the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+# name -> (file, the code, the bug): what --make turns into NAME.patch (applied to this checkout's code)
+MUTATIONS: dict[str, tuple[str, str, str]] = {
+    "resume_skips_one_batch_too_few": (
+        "ddp_accel/training.py",
+        "skip, leftover = state.batches_in_epoch, 0",
+        "skip, leftover = max(0, state.batches_in_epoch - 1), 0",
+    ),
+    "eval_keeps_padding_duplicates": (
+        "ddp_accel/training.py",
+        "accelerator.gather_for_metrics(eval_fn(model, batch))",
+        "accelerator.gather(eval_fn(model, batch))",
+    ),
+    "set_epoch_not_called": (
+        "ddp_accel/training.py",
+        "        loader.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank\n",
+        "",
+    ),
+    "nb_weights_count_held_out": (
+        "scripts/imdb.py",
+        "model.fit_nb_weights(loader(text.train, False))",
+        "model.fit_nb_weights([*loader(text.train, False), *loader(text.val, False)])",
+    ),
+    "rotation_deletes_newest": (
+        "ddp_accel/checkpoint.py",
+        "complete_checkpoints(root)[:-limit]",
+        "complete_checkpoints(root)[limit:]",
+    ),
+    "preemption_flag_ignored_on_rank_1": (
+        "ddp_accel/stopping.py",
+        "verdict = self.submit(step, signum or 0, count_nonfinite)",
+        "verdict = self.submit(step, 0 if self.accelerator.process_index == 1 else signum or 0, count_nonfinite)",
+    ),
+    "step_agreement_all_reduce_skipped": (
+        "ddp_accel/stopping.py",
+        "            if self.distributed:\n                self._host.copy_(torch.tensor(flags))\n"
+        "                dist.all_reduce(self._host, op=dist.ReduceOp.MAX)\n"
+        "                flags = self._host.tolist()\n"
+        "            return self._verdict(step, *flags)",
+        "            return self._verdict(step, *flags)",
+    ),
+    "renamed_before_training_state_is_written": (
+        "ddp_accel/checkpoint.py",
+        "            (partial / TRAINING_STATE).write_text(json.dumps(finite_or_null(state.state_dict()), indent=2))\n"
+        "            if final.exists():\n                shutil.rmtree(final)\n            partial.rename(final)\n",
+        "            if final.exists():\n                shutil.rmtree(final)\n            partial.rename(final)\n"
+        "            (final / TRAINING_STATE).write_text(json.dumps(finite_or_null(state.state_dict()), indent=2))\n",
+    ),
+    # four in code this change moved or wrote
+    "train_state_forgets_the_last_evaluation": (
+        "ddp_accel/state.py",
+        "        known = {f.name for f in fields(self)}",
+        '        known = {f.name for f in fields(self)} - {"last_eval_step"}',
+    ),
+    "commit_keeps_the_preempted_marker": (
+        "ddp_accel/training.py",
+        "        (output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # this run reached its end\n",
+        "",
+    ),
+    "workers_not_shielded_from_preemption": (
+        "ddp_accel/loaders.py",
+        "        signal.signal(signum, signal.SIG_IGN)\n",
+        "        pass\n",
+    ),
+    "identity_options_not_compared": (
+        "ddp_accel/identity.py",
+        '        if key in saved.get("options", {}) and saved["options"][key] != value',
+        '        if key in saved.get("options", {}) and saved["options"][key] != value and False',
+    ),
+}
+
+
+def make_patches() -> None:
+    for name, (path, code, bug) in MUTATIONS.items():
+        source = (ROOT / path).read_text()
+        assert source.count(code) == 1, f"{name}: the code to change is not exactly once in {path}"
+        (ROOT / path).write_text(source.replace(code, bug))
+        try:
+            patch = subprocess.run(["git", "diff", "--", path], cwd=ROOT, capture_output=True, text=True, check=True)
+        finally:
+            (ROOT / path).write_text(source)
+        (HERE / f"{name}.patch").write_text(patch.stdout)
+        print(f"wrote {name}.patch")
+
+
+def first_failure(output: str) -> str | None:
+    found = re.search(r"^FAILED (\S+)", output, re.M)
+    return found.group(1) if found else None
+
+
+def run_suite(tree: Path, tiers: bool, timeout_s: int) -> tuple[str, float]:
+    """The first failing test, or 'not caught' / 'collection error' / 'timeout'."""
+    started = time.monotonic()
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    for marker in ("inprocess", "multiprocess", "system") if tiers else (None,):
+        command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts="]
+        command += ["-m", marker] if marker else []
+        left = timeout_s - (time.monotonic() - started)
+        try:
+            result = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=max(left, 1))
+        except subprocess.TimeoutExpired:
+            return "timeout", time.monotonic() - started
+        output = result.stdout + result.stderr
+        if result.returncode in (2, 3, 4) or "ERROR collecting" in output or " error" in output.splitlines()[-1:][0]:
+            return "collection error", time.monotonic() - started
+        if result.returncode == 1:
+            return first_failure(output) or "failed (no test named)", time.monotonic() - started
+    return "not caught", time.monotonic() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--make", action="store_true", help="write the patches from MUTATIONS")
+    parser.add_argument("--only", nargs="*", help="these mutations only")
+    parser.add_argument("--tree", type=Path, default=ROOT, help="the checkout to test (default: this one)")
+    parser.add_argument("--patches", type=Path, default=HERE, help="the folder of NAME.patch files")
+    parser.add_argument("--no-tiers", action="store_true", help="one plain `pytest -x` (a suite without tier markers)")
+    parser.add_argument("--timeout-s", type=int, default=3600, help="per mutation")
+    args = parser.parse_args()
+    if args.make:
+        make_patches()
+        return
+    patches = sorted(args.patches.glob("*.patch"))
+    if args.only:
+        patches = [patch for patch in patches if patch.stem in args.only]
+    print("| mutation | caught by | seconds |\n|---|---|---|", flush=True)
+    for patch in patches:
+        subprocess.run(["git", "apply", str(patch)], cwd=args.tree, check=True)
+        try:
+            caught, seconds = run_suite(args.tree, not args.no_tiers, args.timeout_s)
+        finally:
+            subprocess.run(["git", "apply", "-R", str(patch)], cwd=args.tree, check=True)
+        print(f"| {patch.stem} | {caught} | {seconds:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

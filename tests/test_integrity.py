@@ -1,0 +1,234 @@
+"""Nothing a user trained is destroyed or falsified: a run's identity, artifacts committed once, a full disk, data
+that parses but is wrong, values the libraries underneath reject. In-process through run_main."""
+
+import contextlib
+import fcntl
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+from conftest import assert_clean_error, check_ok, run_script, snapshot
+from PIL import Image
+
+from ddp_accel.files import write_json
+
+pytestmark = pytest.mark.inprocess
+
+IMDB = ["--buckets", 1000, "--min-freq", 1, "--batch-size", 8, "--epochs", 2]
+
+
+def reviews(path, count: int, offset: int = 0, labels=None):
+    words = ["great fun", "awful mess"]
+    rows = [
+        {"text": f"{words[i % 2]} film {i + offset}", "label": labels[i] if labels else (i + 1) % 2}
+        for i in range(count)
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture
+def text_files(tmp_path):
+    return reviews(tmp_path / "train.jsonl", 60), reviews(tmp_path / "test.jsonl", 30, 100)
+
+
+def test_a_new_test_file_is_evaluated_not_a_cached_one(tmp_path, text_files):
+    train, test = text_files
+    test10 = reviews(tmp_path / "test10.jsonl", 10, 500)
+    out = tmp_path / "out"
+    check_ok(run_script("scripts/imdb.py", *IMDB, "--train-file", train, "--test-file", test, "--output-dir", out))
+    assert json.loads((out / "metrics.json").read_text())["test_samples"] == 30
+    common = ["--train-file", train, "--test-file", test10, "--output-dir", out, "--overwrite-output-dir"]
+    check_ok(run_script("scripts/imdb.py", *IMDB, *common))
+    assert json.loads((out / "metrics.json").read_text())["test_samples"] == 10
+
+
+def test_a_resume_under_another_identity_is_one_line_and_changes_nothing(tmp_path, text_files):
+    train, _ = text_files
+    out = tmp_path / "out"
+    first = ["--train-file", train, "--output-dir", out, "--checkpointing-steps", 3, "--max-steps", 3]
+    check_ok(run_script("scripts/imdb.py", *IMDB, *first))
+    before = snapshot(out)
+    resume = ["--train-file", train, "--output-dir", out, "--resume-from-checkpoint", "latest"]
+    assert_clean_error(run_script("scripts/imdb.py", *IMDB, *resume, "--ngrams", 3), "--ngrams was 2, now 3")
+    other = reviews(tmp_path / "other.jsonl", 60, 1000)
+    assert_clean_error(
+        run_script("scripts/imdb.py", *IMDB, *resume[2:], "--train-file", other), "train data was 'file sha256:"
+    )
+    assert snapshot(out) == before
+
+
+def test_a_failed_command_leaves_every_file_of_the_output_dir_as_it_was(tmp_path, text_files):
+    train, _ = text_files
+    out = tmp_path / "out"
+    check_ok(run_script("scripts/imdb.py", *IMDB, "--train-file", train, "--output-dir", out))
+    before = snapshot(out)
+    predicted = check_ok(run_script("scripts/imdb.py", "--output-dir", out, "--predict", "great fun film"))
+    other = reviews(tmp_path / "other.jsonl", 60, 1000)
+    mistyped = ["--resume-from-checkpoint", out / "checkpoints" / "step_9", "--overwrite-output-dir"]
+    result = run_script("scripts/imdb.py", *IMDB, "--train-file", other, "--output-dir", out, *mistyped)
+    assert_clean_error(result, "no such checkpoint")
+    assert snapshot(out) == before  # vocab.json and args.json included: --predict still answers the same
+    assert check_ok(run_script("scripts/imdb.py", "--output-dir", out, "--predict", "great fun film")) == predicted
+
+
+def test_rerunning_a_finished_run_changes_nothing_and_a_longer_one_continues(tmp_path):
+    out = tmp_path / "out"
+    args = ["--batch-size", 4, "--epochs", 2, "--checkpointing-steps", 4, "--output-dir", out]
+    check_ok(run_script("tests/probe.py", *args, "--resume-from-checkpoint", "latest"))
+    before = snapshot(out)
+    again = check_ok(run_script("tests/probe.py", *args, "--resume-from-checkpoint", "latest"))
+    assert "is complete (32 steps); nothing to do" in again
+    assert {k: v for k, v in snapshot(out).items() if not k.startswith("seen_rank")} == {
+        k: v for k, v in before.items() if not k.startswith("seen_rank")
+    }
+    longer = check_ok(
+        run_script("tests/probe.py", *args[:2], "--epochs", 3, *args[4:], "--resume-from-checkpoint", "latest")
+    )
+    assert "resumed from" in longer and json.loads((out / "metrics.json").read_text())["steps"] == 48
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["train_loss"] is not None and metrics["train_samples"] > 0
+
+
+def test_a_resume_past_the_steps_asked_for_is_refused(tmp_path):
+    out = tmp_path / "out"
+    check_ok(
+        run_script(
+            "tests/probe.py", "--batch-size", 4, "--max-steps", 8, "--checkpointing-steps", 4, "--output-dir", out
+        )
+    )
+    (out / "model.safetensors").unlink()  # an unfinished run: checkpoints up to step 8
+    (out / "metrics.json").unlink()
+    before = snapshot(out)
+    result = run_script(
+        "tests/probe.py", "--batch-size", 4, "--max-steps", 5, "--output-dir", out, "--resume-from-checkpoint", "latest"
+    )
+    assert_clean_error(result, "is at step 8, past the 5 steps this command asks for")
+    assert snapshot(out) == before
+    step_4 = out / "checkpoints" / "step_4"  # an earlier step, given explicitly: allowed
+    check_ok(
+        run_script(
+            "tests/probe.py",
+            "--batch-size",
+            4,
+            "--max-steps",
+            5,
+            "--output-dir",
+            out,
+            "--resume-from-checkpoint",
+            step_4,
+        )
+    )
+
+
+def test_the_imagenet_best_model_and_score_survive_a_rerun(tmp_path):
+    from test_imagenet import SMALL, make_image_folder
+
+    data = make_image_folder(tmp_path / "images", classes=3, train=4, val=2)
+    out = tmp_path / "out"
+    args = [data, *SMALL, "--epochs", 2, "--checkpointing-steps", "epoch", "--output-dir", out, "--resume", "latest"]
+    check_ok(run_script("scripts/imagenet.py", *args))
+    best = json.loads((out / "metrics.json").read_text())["best_top1"]
+    assert best >= 0 and (out / "model_best.safetensors").is_file()
+    before = snapshot(out)
+    check_ok(run_script("scripts/imagenet.py", *args))
+    assert snapshot(out) == before and json.loads((out / "metrics.json").read_text())["best_top1"] == best
+
+
+def test_metrics_are_valid_json_without_nan(tmp_path):
+    write_json(tmp_path / "m.json", {"loss": float("nan"), "list": [float("inf"), 1.0], "ok": 2})
+    assert json.loads((tmp_path / "m.json").read_text()) == {"loss": None, "list": [None, 1.0], "ok": 2}
+
+
+def test_a_second_run_into_one_output_dir_names_the_holder(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    descriptor = os.open(out, os.O_RDONLY)  # this process plays the run that holds the folder
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        result = run_script("tests/probe.py", "--output-dir", out, "--max-steps", 2)
+        assert_clean_error(result, f"is in use by another run (pid {os.getpid()}:")
+        assert list(out.iterdir()) == []
+    finally:
+        os.close(descriptor)  # the holder ends: its lock goes with it
+    check_ok(run_script("tests/probe.py", "--output-dir", out, "--max-steps", 2))
+
+
+@contextlib.contextmanager
+def tiny_disk(path, size: str = "3m"):
+    path.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("a full disk is simulated with a tmpfs mount, which needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode().strip()})")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_a_full_disk_is_one_line_naming_the_path_and_leaves_no_partial_files(tmp_path):
+    with tiny_disk(tmp_path / "disk") as disk:
+        out = disk / "out"
+        args = ["--hidden", 20000, "--max-steps", 2, "--checkpointing-steps", 1, "--output-dir", out]
+        result = run_script("tests/probe.py", *args)  # a checkpoint of ~1 MB of weights and 2 MB of Adam moments
+        line = assert_clean_error(result, "no space left on its device")
+        assert str(out) in line
+        assert not list(out.rglob(".tmp_step_*")) and not list(out.rglob("*.partial"))
+
+
+def test_data_that_parses_but_is_wrong_is_one_line(tmp_path):
+    def imdb(train):
+        return run_script("scripts/imdb.py", *IMDB, "--train-file", train, "--output-dir", tmp_path / "out")
+
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text('{"text": "a", "label": 1}\n{"text": "b", "label": "neg"}\n{"text": "c", "label": 0}\n')
+    assert_clean_error(imdb(mixed), "labels of mixed types: row 1 has 1, row 2 has 'neg'")
+    listed = tmp_path / "list.jsonl"
+    listed.write_text('{"text": "a", "label": [1]}\n{"text": "b", "label": [0]}\n')
+    assert_clean_error(imdb(listed), "row 1 has the label [1] (list)")
+    one_class = reviews(tmp_path / "one.jsonl", 20, labels=["pos"] * 20)
+    assert_clean_error(imdb(one_class), "every review is labelled positive")
+    assert not (tmp_path / "out").exists()
+
+
+def test_images_are_decoded_as_they_are_or_refused_with_a_line(tmp_path):
+    from test_imagenet import SMALL, make_image_folder
+
+    from ddp_accel.vision.data import load_image
+
+    grey16 = tmp_path / "grey16.png"
+    Image.fromarray((np.arange(32 * 32).reshape(32, 32) * 60).astype(np.uint16)).save(grey16)
+    assert Image.open(grey16).mode == "I;16"
+    assert 100 < np.asarray(load_image(str(grey16))).mean() < 160  # not clipped to white (255)
+    Image.new("P", (8, 8), 3).save(tmp_path / "palette.png")
+    Image.new("CMYK", (8, 8), (0, 0, 0, 0)).save(tmp_path / "cmyk.jpg")
+    assert all(load_image(str(tmp_path / name)).mode == "RGB" for name in ("palette.png", "cmyk.jpg"))
+
+    data = make_image_folder(tmp_path / "images", classes=2, train=2, val=1)
+    run = ["scripts/imagenet.py", data, *SMALL, "--output-dir", tmp_path / "out"]
+    os.symlink(data / "train", data / "train" / "class0" / "loop")  # a link back up: a file-system loop
+    assert_clean_error(run_script(*run), "a symbolic-link loop", "class0/loop")
+    (data / "train" / "class0" / "loop").unlink()
+    limit = Image.MAX_IMAGE_PIXELS
+    Image.new("L", (100, 100)).save(data / "train" / "class0" / "bomb.png")
+    Image.MAX_IMAGE_PIXELS = 1000  # the 100x100 image is now over twice PIL's limit: a decompression bomb to PIL
+    try:
+        assert_clean_error(run_script(*run), "bomb.png has more pixels than PIL's decompression-bomb limit")
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
+    (data / "train" / "class0" / "bomb.png").unlink()
+    for path in (data / "train" / "class1").iterdir():
+        path.unlink()
+    (data / "train" / "class1").rmdir()
+    (data / "val" / "class1").joinpath("0.jpg").unlink()
+    (data / "val" / "class1").rmdir()
+    assert_clean_error(run_script(*run), "has one class folder (class0)")
+
+
+def test_values_that_would_not_fit_in_memory_are_refused_before_allocating(tmp_path):
+    result = run_script("scripts/imagenet.py", "--dummy", "--dummy-classes", 10**12, "--output-dir", tmp_path / "out")
+    assert_clean_error(result, "--dummy-classes 1000000000000 needs about", "GiB of memory")

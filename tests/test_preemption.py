@@ -1,0 +1,238 @@
+"""Preemption as clusters deliver it: a signal to every process of the job (launcher, ranks, DataLoader workers) at
+any moment of its life. One chained run is signalled again and again, at moments drawn from a seeded random
+generator, until every phase was hit (before training, training, an evaluation, the final evaluations, the commit of
+the final artifacts); each stop leaves `preempted.json` with its phase (or a complete run), no process of the tree
+outlives the stop by 10 s, and the chain ends bitwise equal to an uninterrupted run. Then one moment each for
+accelerate launch, one process, SIGUSR1 and a second signal during the save."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import BIN, ROOT, free_port, kill_tree, wait_for, weights
+
+pytestmark = pytest.mark.system
+
+PROBE = str(ROOT / "tests" / "probe.py")
+# 2 ranks x batch 4 over 96 samples: 12 steps an epoch, 8 epochs; a slow evaluation every 8 steps and at epoch ends
+# (3 batches of 250 ms per rank), a slow test set at the end; 2 DataLoader workers per rank (training, evaluation)
+ARGS = ["--batch-size", "4", "--train-size", "96", "--dropout", "0.3", "--workers", "2"]
+ARGS += ["--step-ms", "60", "--eval-steps", "8", "--eval-ms", "250", "--test-size", "24", "--checkpointing-steps", "10"]
+LAST_STEP = 96
+PHASES = ("startup", "train", "eval", "final", "commit")
+# torchrun passes SIGUSR1 on only when told to (slurm/train.sbatch does the same)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+ENV["PET_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def start(output_dir: Path, launcher: str = "torchrun", nproc: int = 2, epochs: int = 8) -> subprocess.Popen:
+    """The probe under `launcher`, resuming from its latest checkpoint (the chain: 8 epochs; single moments: 2)."""
+    log = open(output_dir.with_suffix(".log"), "a")
+    args = [
+        PROBE,
+        "--output-dir",
+        str(output_dir),
+        *ARGS,
+        "--epochs",
+        str(epochs),
+        "--resume-from-checkpoint",
+        "latest",
+    ]
+    if launcher == "torchrun":
+        command = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), *args]
+    elif launcher == "accelerate":
+        command = [
+            str(BIN / "accelerate"),
+            "launch",
+            "--config_file",
+            str(ROOT / "accelerate_configs" / "multi_gpu.yaml"),
+        ]
+        command += ["--num_processes", str(nproc), "--main_process_port", str(free_port()), *args]
+    else:
+        command = [sys.executable, *args]
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=ENV, start_new_session=True)
+
+
+def tree(root: int) -> list[int]:
+    """`root` and every process below it (ranks, DataLoader workers), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def signal_every_process(agent: subprocess.Popen, signum: int) -> list[int]:
+    """What SLURM does to a job step: the signal to every process of it at once."""
+    pids = tree(agent.pid)
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def alive(pids: list[int]) -> list[int]:
+    living = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            living.append(pid)
+    return living
+
+
+def assert_all_gone(pids: list[int], by: float) -> None:
+    """No process of the tree is alive at `by` (10 s after the signal)."""
+    wait_for(lambda: not alive(pids), timeout=max(0.1, by - time.monotonic()), what="every process to end")
+
+
+def marker(output_dir: Path) -> dict | None:
+    path = output_dir / "preempted.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def assert_only_the_launchers_traceback(text: str) -> None:
+    """torchrun's agent, signalled itself, exits with a SignalException traceback (torch's behaviour); any other
+    traceback is a process that did not stop in order."""
+    for block in text.split("Traceback (most recent call last):")[1:]:
+        assert "SignalException" in "\n".join(block.splitlines()[:80]), block[:3000]
+
+
+def log_of(output_dir: Path) -> str:
+    return output_dir.with_suffix(".log").read_text()
+
+
+def stop_at(output_dir: Path, agent: subprocess.Popen, phase: str, rng: random.Random, signum: int) -> float:
+    """Signal the whole tree at a moment of `phase`, drawn at random within it; returns when it was sent."""
+    log_start = len(log_of(output_dir))
+
+    def new_log() -> str:
+        return log_of(output_dir)[log_start:]
+
+    if phase == "startup":  # the ranks' interpreter start, imports, data and model: a few seconds
+        wait_for(lambda: len(tree(agent.pid)) >= 3, timeout=60, interval=0.01, alive=agent, what="the ranks")
+        time.sleep(rng.uniform(0.0, 1.5))
+    elif phase in ("train", "eval"):  # training steps of 60 ms, and an evaluation of ~0.75 s every 8 steps
+        wait_for(lambda: "total_steps" in new_log(), timeout=120, alive=agent, what="training")  # the banner
+        time.sleep(rng.uniform(0.3, 1.5))
+    elif phase == "final":  # the test set (3 slow batches per rank) after the last step's evaluation
+        wait_for(lambda: f"step {LAST_STEP}: eval" in new_log(), timeout=180, alive=agent, what="the last evaluation")
+        time.sleep(rng.uniform(0.05, 0.4))
+    elif phase == "commit":  # model, curves (matplotlib) and metrics, after the test set's line
+        wait_for(lambda: "test: " in new_log(), timeout=180, alive=agent, what="the test evaluation")
+        time.sleep(rng.uniform(0.0, 0.05))
+    sent = time.monotonic()
+    signal_every_process(agent, signum)
+    return sent
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Uninterrupted runs, made once per (launcher, epochs): every 2-process launcher gives bitwise the same weights
+    (test_launchers.py), so torchrun's stands for accelerate launch's."""
+    made: dict[tuple[str, int], Path] = {}
+
+    def reference(launcher: str = "torchrun", epochs: int = 8) -> Path:
+        key = ("python" if launcher == "python" else "torchrun", epochs)
+        if key not in made:
+            output_dir = tmp_path_factory.mktemp("preemption") / f"reference_{key[0]}_{epochs}"
+            assert start(output_dir, key[0], epochs=epochs).wait(timeout=300) == 0, log_of(output_dir)[-3000:]
+            made[key] = output_dir
+        return made[key]
+
+    return reference
+
+
+def test_signals_to_every_process_at_any_moment_lose_nothing(tmp_path, references):
+    rng = random.Random(20261126)
+    output_dir, stops, hit = tmp_path / "chained", [], set()
+    # before training, training and evaluation at least once each, in random order, with 6 more drawn from them;
+    # then the final evaluations and the commit (after which the run is complete): 11 signals
+    plan = rng.sample(["startup", "train", "eval"] + [rng.choice(["startup", "train", "eval"]) for _ in range(6)], 9)
+    plan += ["final", "commit"]
+    for number, phase in enumerate(plan, 1):
+        (output_dir / "preempted.json").unlink(missing_ok=True)  # as slurm/train.sbatch does before each run
+        agent = start(output_dir)
+        pids_before = tree(agent.pid)
+        sent = stop_at(output_dir, agent, phase, rng, signal.SIGTERM)
+        pids = list(set(pids_before) | set(tree(agent.pid)))
+        try:
+            code = agent.wait(timeout=60)
+        finally:
+            kill_tree(agent)
+        assert_all_gone(pids, by=sent + 10)
+        found = marker(output_dir)
+        assert_only_the_launchers_traceback(log_of(output_dir))
+        if found is None:  # complete: only a signal in the commit, which finishes its work
+            assert phase == "commit" and (output_dir / "metrics.json").is_file(), log_of(output_dir)[-3000:]
+            stops.append((number, phase, "complete", code))
+            hit.add("commit")
+            break
+        assert found["signal"] == "SIGTERM", found
+        assert found["phase"] in PHASES, found
+        if found["phase"] != "startup":
+            assert Path(found["checkpoint"]).joinpath("training_state.json").is_file(), found
+        hit.add(found["phase"])
+        stops.append((number, phase, found["phase"], found.get("step"), found.get("save_s"), code))
+    print("\n" + "\n".join(f"signal {s[0]}: aimed at {s[1]}, hit {s[2:]}" for s in stops), file=sys.stderr)
+    assert len(stops) >= 10, stops
+    assert hit >= set(PHASES), f"phases hit: {hit}"
+    text = log_of(output_dir)
+    for line in text.splitlines():  # the workers never turned an orderly stop into a crash
+        assert "DataLoader worker" not in line and "exited unexpectedly" not in line, line
+    assert marker(output_dir) is None
+    reference_weights, final = weights(references()), weights(output_dir)
+    assert all(torch.equal(reference_weights[key], final[key]) for key in reference_weights)
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["steps"] == LAST_STEP and metrics["test_samples"] == 24
+
+
+@pytest.mark.parametrize("how", ["accelerate", "one_process", "sigusr1", "double_signal"])
+def test_one_moment_each_for_another_launcher_one_process_sigusr1_and_a_second_signal(tmp_path, how, references):
+    output_dir = tmp_path / how
+    launcher = {"accelerate": "accelerate", "one_process": "python"}.get(how, "torchrun")
+    signum = signal.SIGUSR1 if how == "sigusr1" else signal.SIGTERM
+    agent = start(output_dir, launcher, epochs=2)
+    wait_for(lambda: (output_dir / "checkpoints" / "step_10" / "training_state.json").is_file(), alive=agent,
+             what="the checkpoint of step 10")  # fmt: skip
+    time.sleep(0.2)
+    pids = tree(agent.pid)
+    signal_every_process(agent, signum)
+    if how == "double_signal":  # again, while the processes save
+        wait_for(lambda: any(output_dir.glob("checkpoints/.tmp_step_*")) or marker(output_dir), interval=0.002)
+        signal_every_process(agent, signum)
+    try:
+        agent.wait(timeout=60)
+    finally:
+        kill_tree(agent)
+    assert_all_gone(pids, by=time.monotonic() + 10)
+    found = marker(output_dir)
+    assert found is not None and found["signal"] == signal.Signals(signum).name, log_of(output_dir)[-3000:]
+    assert found["phase"] in ("train", "eval"), found
+    assert_only_the_launchers_traceback(log_of(output_dir))
+    again = start(output_dir, launcher, epochs=2)
+    assert again.wait(timeout=300) == 0, log_of(output_dir)[-3000:]
+    assert f"resumed from {found['checkpoint']}: step {found['step']}," in log_of(output_dir)
+    assert marker(output_dir) is None
+    expected, final = weights(references(launcher, epochs=2)), weights(output_dir)
+    assert all(torch.equal(expected[key], final[key]) for key in expected)
