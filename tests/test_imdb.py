@@ -334,3 +334,25 @@ def test_nb_weights_favour_the_features_that_tell_the_classes_apart():
     assert not bag.nb_weights.requires_grad and "nb_weights" in bag.state_dict()
     # a review is the nb-weighted mean of its features: padding adds nothing
     assert torch.allclose(bag(torch.tensor([[2, 4, 1, 1]])), bag(torch.tensor([[2, 4]])))
+
+
+@pytest.mark.inprocess
+def test_nb_weights_are_fitted_on_the_training_part_only(tmp_path):
+    # the held-out part must not leak into the NB weights (they would score it as if they had seen its labels)
+    from accelerate import Accelerator
+    from safetensors.torch import load_file
+
+    from ddp_accel.text.pipeline import make_loader, prepare_text_data
+
+    rows = [
+        {"text": f"{'great fun' if i % 2 else 'awful mess'} film {i} word{i % 7}", "label": i % 2} for i in range(80)
+    ]
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    options = ["--min-freq", 1, "--buckets", 500, "--val-fraction", 0.25, "--max-steps", 1]
+    check_ok(run_script("scripts/imdb.py", "--train-file", train_file, *options, "--output-dir", tmp_path / "out"))
+    trained = load_file(str(tmp_path / "out" / "model.safetensors"))["nb_weights"]
+    text = prepare_text_data(Accelerator(cpu=True), train_file=str(train_file), val_fraction=0.25, min_freq=1)
+    bag = NgramBag(len(text.vocab), text.vocab.pad_id, dim=64, ngrams=2, buckets=500, nb_weights=True)
+    bag.fit_nb_weights(make_loader(text.train, 64, text.vocab.pad_id, shuffle=False, seed=0))
+    assert torch.equal(trained, bag.nb_weights)

@@ -244,3 +244,24 @@ def test_resume_with_another_batch_size_skips_by_samples_and_says_so(tmp_path):
     order = [i for batch in json.loads((tmp_path / "full" / "seen_rank0.json").read_text()) for i in batch]
     resumed = json.loads((tmp_path / "cut" / "seen_rank0.json").read_text())
     assert resumed[0] == order[16:24] and [i for b in resumed for i in b] == order[16:]
+
+
+@inprocess
+def test_a_checkpoint_is_renamed_into_place_only_once_complete(tmp_path):
+    # a save that fails before training_state.json is written leaves no step_N folder that looks complete
+    from accelerate import Accelerator
+
+    from ddp_accel.checkpoint import complete_checkpoints, save_checkpoint
+    from ddp_accel.state import TrainState
+
+    class Unwritable(TrainState):
+        def state_dict(self):
+            raise OSError("disk gone")
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    with pytest.raises(OSError, match="disk gone"):
+        save_checkpoint(accelerator, tmp_path, Unwritable(step=3))
+    assert not (tmp_path / "step_3").exists() and complete_checkpoints(tmp_path) == []
+    save_checkpoint(accelerator, tmp_path, TrainState(step=4))
+    assert complete_checkpoints(tmp_path) == [tmp_path / "step_4"] and model is not None

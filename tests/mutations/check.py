@@ -71,10 +71,10 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            (final / TRAINING_STATE).write_text(json.dumps(finite_or_null(state.state_dict()), indent=2))\n",
     ),
     # four in code this change moved or wrote
-    "train_state_forgets_the_last_evaluation": (
+    "train_state_forgets_the_global_batch": (
         "ddp_accel/state.py",
         "        known = {f.name for f in fields(self)}",
-        '        known = {f.name for f in fields(self)} - {"last_eval_step"}',
+        '        known = {f.name for f in fields(self)} - {"global_batch"}',
     ),
     "commit_keeps_the_preempted_marker": (
         "ddp_accel/training.py",
