@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_accel import ArgumentParser, TrainConfig, add_training_args, fit, run_main
+from ddp_accel.identity import make_identity
 from ddp_accel.metrics import classification_metrics, classification_values
 from ddp_accel.optim import Optimizers, SparseAdamW
 from ddp_accel.stopping import StopSignals
@@ -145,6 +146,7 @@ def main(signals: StopSignals | None = None) -> None:
         metrics_fn=metrics_fn,
         test_loader=test,
         make_scheduler=warmup_then_decay,
+        identity=make_identity({key: getattr(args, key) for key in ("hidden", "complex", "sparse_embedding")}),
     )
     Path(config.output_dir, f"seen_rank{accelerator.process_index}.json").write_text(json.dumps(seen))
     # where each rank ran (the SLURM tests check the machine ranks)

@@ -232,3 +232,34 @@ def test_images_are_decoded_as_they_are_or_refused_with_a_line(tmp_path):
 def test_values_that_would_not_fit_in_memory_are_refused_before_allocating(tmp_path):
     result = run_script("scripts/imagenet.py", "--dummy", "--dummy-classes", 10**12, "--output-dir", tmp_path / "out")
     assert_clean_error(result, "--dummy-classes 1000000000000 needs about", "GiB of memory")
+
+
+def test_a_weights_file_that_is_not_a_state_dict_is_one_line(tmp_path):
+    import torch
+
+    from ddp_accel.errors import UserError
+    from ddp_accel.vision.models import build_model
+
+    torch.save([torch.zeros(3)], tmp_path / "list.pth")
+    (tmp_path / "garbage.pth").write_bytes(b"not a torch file at all")
+    for name, message in (("list.pth", "not a state dict"), ("garbage.pth", "cannot be read as weights")):
+        with pytest.raises(UserError, match=message):
+            build_model("cifar_resnet20", 10, pretrained=str(tmp_path / name))
+    source = build_model("cifar_resnet20", 10)  # a classic checkpoint dict, DDP's module. prefix included
+    wrapped = {"epoch": 3, "model_state_dict": {f"module.{k}": v for k, v in source.state_dict().items()}}
+    torch.save(wrapped, tmp_path / "checkpoint.pth")
+    loaded = build_model("cifar_resnet20", 10, pretrained=str(tmp_path / "checkpoint.pth"))
+    assert all(
+        torch.equal(a, b) for a, b in zip(source.state_dict().values(), loaded.state_dict().values(), strict=True)
+    )
+
+
+def test_a_save_longer_than_the_launchers_grace_is_warned_once(tmp_path):
+    # under torch elastic (TORCHELASTIC_RUN_ID) with a grace far below any save time
+    env = {"TORCHELASTIC_RUN_ID": "test", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "0"}
+    result = run_script(
+        "tests/probe.py", "--max-steps", 2, "--checkpointing-steps", 1, "--output-dir", tmp_path, env=env
+    )
+    output = check_ok(result)
+    assert output.count("warning: saving a checkpoint takes") == 1, output[-2000:]
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in output and "GRACE_S" in output

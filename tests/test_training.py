@@ -265,3 +265,21 @@ def test_a_checkpoint_is_renamed_into_place_only_once_complete(tmp_path):
     assert not (tmp_path / "step_3").exists() and complete_checkpoints(tmp_path) == []
     save_checkpoint(accelerator, tmp_path, TrainState(step=4))
     assert complete_checkpoints(tmp_path) == [tmp_path / "step_4"] and model is not None
+
+
+@inprocess
+def test_a_checkpoint_of_729a739_still_resumes_bitwise_with_a_warning(tmp_path):
+    # tests/fixtures/checkpoint_729a739/step_5: written by tests/probe.py of ddp_accel 729a739 (before TrainState,
+    # files.json and run identities) with the arguments below, at world size 1
+    from pathlib import Path
+
+    common = ["--batch-size", 4, "--epochs", 2, "--checkpointing-steps", 5, "--dropout", "0.3"]
+    fixture = Path(__file__).parent / "fixtures" / "checkpoint_729a739" / "step_5"
+    shutil.copytree(fixture, tmp_path / "old" / "checkpoints" / "step_5")
+    output = check_ok(
+        run_script(PROBE, "--output-dir", tmp_path / "old", *common, "--resume-from-checkpoint", "latest")
+    )
+    assert "resumed from" in output and "step 5, epoch 0, skipping 5 batches" in output, output[-2000:]
+    assert "written before run identities were recorded" in output
+    check_ok(run_script(PROBE, "--output-dir", tmp_path / "new", *common))
+    assert_same_weights(tmp_path / "new", tmp_path / "old", atol=0)

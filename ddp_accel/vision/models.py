@@ -9,6 +9,7 @@ import torch
 import torchvision
 from torch import nn
 
+from ddp_accel.checkpoint import strip_module_prefix
 from ddp_accel.errors import UserError
 
 
@@ -135,7 +136,7 @@ def build_model(arch: str, num_classes: int, pretrained: str | None = None) -> n
         cls, kwargs = CIFAR_ARCHS[arch]
         model = cls(num_classes=num_classes, **kwargs)
         if pretrained:
-            model.load_state_dict(_load_state_dict_file(pretrained, arch))
+            _load_into(model, _load_state_dict_file(pretrained, arch), pretrained, arch)
         return model
     if not pretrained:
         return torchvision.models.get_model(arch, num_classes=num_classes)
@@ -143,7 +144,7 @@ def build_model(arch: str, num_classes: int, pretrained: str | None = None) -> n
     if pretrained == "default":
         model.load_state_dict(_torchvision_weights(arch))
     else:
-        model.load_state_dict(_load_state_dict_file(pretrained, arch))
+        _load_into(model, _load_state_dict_file(pretrained, arch), pretrained, arch)
     if num_classes != _output_features(model):
         _replace_head(model, num_classes)
     return model
@@ -162,13 +163,41 @@ def _torchvision_weights(arch: str) -> dict:
 
 
 def _load_state_dict_file(path: str, arch: str) -> dict:
+    """A state dict from a .safetensors or torch file; a checkpoint dict holding one (`state_dict`,
+    `model_state_dict`, `model`) is unwrapped. Anything else is one line."""
     if not Path(path).is_file():
         raise UserError(f"--pretrained {path}: no such file (a state dict of {arch}, .pth or .safetensors)")
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
 
-        return load_file(path)
-    return torch.load(path, map_location="cpu", weights_only=True)
+            loaded: object = load_file(path)
+        else:
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated, not a torch file, or pickled objects weights_only refuses
+        first = str(error).strip().splitlines()[0][:150] if str(error).strip() else ""
+        raise UserError(f"--pretrained {path}: cannot be read as weights ({type(error).__name__}: {first})") from None
+    if isinstance(loaded, dict):
+        for key in ("state_dict", "model_state_dict", "model"):
+            if isinstance(loaded.get(key), dict):
+                loaded = loaded[key]
+                break
+    if not isinstance(loaded, dict) or not all(isinstance(value, torch.Tensor) for value in loaded.values()):
+        raise UserError(
+            f"--pretrained {path}: not a state dict (a mapping of names to tensors); found {type(loaded).__name__}"
+        )
+    return loaded
+
+
+def _load_into(model: nn.Module, weights: dict, path: str, arch: str) -> None:
+    try:
+        model.load_state_dict(strip_module_prefix(weights))
+    except RuntimeError as error:
+        lines = str(error).splitlines()
+        raise UserError(
+            f"--pretrained {path} holds weights of another model than -a {arch} "
+            f"({lines[1].strip() if len(lines) > 1 else lines[0]})"
+        ) from None
 
 
 def _last_linear(model: nn.Module) -> tuple[nn.Module, str, nn.Linear]:
