@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import shutil
 import sys
@@ -31,15 +32,27 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
-    """`step_N` folders that finished writing, oldest first."""
+    """`step_N` folders that finished writing, oldest first: by how far training had got (epoch, samples into it),
+    not by N alone. A resume with another global batch (another world size, an elastic join or leave) counts
+    steps of the new size from a lower N, next to the higher N of earlier, older checkpoints."""
     if not root.is_dir():
         return []
     found = []
     for path in root.iterdir():
         match = _STEP_DIR.match(path.name)
         if match and (path / TRAINING_STATE).is_file():
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
+            found.append((training_progress(path), int(match.group(1)), path.name, path))
+    return [path for *_, path in sorted(found)]
+
+
+def training_progress(path: Path) -> tuple[float, float]:
+    """(epoch, samples seen in it) of a checkpoint; one whose training_state.json cannot be read sorts as the
+    newest, so that `latest` reports it as damaged rather than passing over it."""
+    try:
+        state = read_training_state(path)
+        return float(state["epoch"]), float(state["samples_in_epoch"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return math.inf, math.inf
 
 
 def resolve_resume(value: str | None, root: Path, accelerator: Accelerator | None = None) -> Path | None:

@@ -84,12 +84,28 @@ class Result:
 _SCRIPTS: dict[str, object] = {}
 
 
+@pytest.fixture(autouse=True)
+def _signal_state_restored():
+    """Each test leaves pytest's signal mask and handlers as it found them: a SIGTERM blocked in pytest would be
+    blocked in every process a later test starts (a launcher that never hears the SIGTERM a test sends it)."""
+    signums = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    mask, handlers = signal.pthread_sigmask(signal.SIG_BLOCK, []), {s: signal.getsignal(s) for s in signums}
+    yield
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+
+
 def load_script(script: str):
     """scripts/x.py or tests/x.py as a module (imported once per session)."""
     if script not in _SCRIPTS:
         spec = importlib.util.spec_from_file_location(Path(script).stem + "_under_test", ROOT / script)
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        try:
+            spec.loader.exec_module(module)
+        finally:  # the script blocks SIGTERM/SIGUSR1 until run_main: pytest and its children must not keep that
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         _SCRIPTS[script] = module
     return _SCRIPTS[script]
 

@@ -109,7 +109,7 @@ def test_a_node_joins_then_one_leaves_and_the_run_goes_on(tmp_path, etcd_endpoin
         "--dropout",
         "0",
         "--checkpointing-steps",
-        "50",
+        "10",
         "--resume-from-checkpoint",
         "latest",
     ]
@@ -131,6 +131,9 @@ def test_a_node_joins_then_one_leaves_and_the_run_goes_on(tmp_path, etcd_endpoin
             before = set(checkpoint_steps(output_dir))  # then a checkpoint written at world size 2
             wait_for(lambda: set(checkpoint_steps(output_dir)) - before, timeout=120, alive=b,
                      what="training at world size 2")  # fmt: skip
+            # B must leave while the run has steps left (A trains alone while B starts: B starts at A's first
+            # checkpoint, step 10)
+            assert not (output_dir / "metrics.json").exists(), "the run finished before node B could leave"
             b.send_signal(signal.SIGTERM)  # node B leaves
             b.wait(timeout=120)
         finally:

@@ -267,7 +267,9 @@ def test_ctrl_c_says_where_the_newest_checkpoint_is(tmp_path):
         "5",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+    # as from a terminal: a shell that starts pytest in the background hands its children SIGINT ignored
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     wait_for_checkpoint(tmp_path, 5, alive=process)
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=60)

@@ -135,6 +135,12 @@ def test_a_dead_or_hung_rank_ends_the_job_with_an_error(tmp_path, fault):
     victim = workers(agent)[-1]
     started = time.monotonic()
     os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    if fault == "hang":
+        # the other rank gives up after --timeout-s with one line; then torch's agent would wait 30 s (its shutdown
+        # timeout, which torch 2.14 ignores on this path) for the stopped rank to obey SIGTERM before it SIGKILLs it
+        log_file = output_dir.with_suffix(".log")
+        wait_for(lambda: "lost contact" in log_file.read_text(), timeout=8 + 60, what="the other rank's error line")
+        os.kill(victim, signal.SIGKILL)
     code, log = finish(agent, output_dir, timeout=120)
     elapsed = time.monotonic() - started
     assert code != 0, log[-3000:]

@@ -230,7 +230,7 @@ def test_two_processes_learn_real_cifar10_mini(tmp_path):
             "--label-smoothing",
             "0.1",
             "--epochs",
-            "4",
+            "2",
             "--channels-last",
             *(["--mixed-precision", "bf16"] if cpu_has_fast_bf16() else []),
             "--output-dir",
@@ -241,7 +241,7 @@ def test_two_processes_learn_real_cifar10_mini(tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["eval_samples"] == 2000
     assert len(metrics["eval_per_class_top1"]) == 10
-    assert metrics["best_top1"] > 0.5, metrics  # 59.5% measured (4 epochs, 43 s)
+    assert metrics["best_top1"] > 0.4, metrics  # chance is 0.1; 48.8% measured (2 epochs: 38% after the first)
 
 
 @pytest.mark.parametrize("workers", [("1", "2"), ("0", "0")], ids=["workers-1-then-2", "main-process"])

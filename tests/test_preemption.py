@@ -8,6 +8,7 @@ accelerate launch, one process, SIGUSR1 and a second signal during the save."""
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -132,9 +133,12 @@ def stop_at(output_dir: Path, agent: subprocess.Popen, phase: str, rng: random.R
     if phase == "startup":  # the ranks' interpreter start, imports, data and model: a few seconds
         wait_for(lambda: len(tree(agent.pid)) >= 3, timeout=60, interval=0.01, alive=agent, what="the ranks")
         time.sleep(rng.uniform(0.0, 1.5))
-    elif phase in ("train", "eval"):  # training steps of 60 ms, and an evaluation of ~0.75 s every 8 steps
+    elif phase == "train":  # training steps of 60 ms, and an evaluation of ~0.75 s every 8 steps and epoch end
         wait_for(lambda: "total_steps" in new_log(), timeout=120, alive=agent, what="training")  # the banner
         time.sleep(rng.uniform(0.3, 1.5))
+    elif phase == "eval":  # into the next evaluation: at most 8 steps (~0.5 s) after the end of one
+        wait_for(lambda: re.search(r"step \d+: eval", new_log()), timeout=120, alive=agent, what="an evaluation")
+        time.sleep(rng.uniform(0.6, 1.0))
     elif phase == "final":  # the test set (3 slow batches per rank) after the last step's evaluation
         wait_for(lambda: f"step {LAST_STEP}: eval" in new_log(), timeout=180, alive=agent, what="the last evaluation")
         time.sleep(rng.uniform(0.05, 0.4))
@@ -166,9 +170,9 @@ def references(tmp_path_factory):
 def test_signals_to_every_process_at_any_moment_lose_nothing(tmp_path, references):
     rng = random.Random(20261126)
     output_dir, stops, hit = tmp_path / "chained", [], set()
-    # before training, training and evaluation at least once each, in random order, with 6 more drawn from them;
-    # then the final evaluations and the commit (after which the run is complete): 11 signals
-    plan = rng.sample(["startup", "train", "eval"] + [rng.choice(["startup", "train", "eval"]) for _ in range(6)], 9)
+    # before training, training and evaluation at least once each, in random order, with 3 more drawn from them;
+    # then the final evaluations and the commit (after which the run is complete): 8 signals
+    plan = rng.sample(["startup", "train", "eval"] + [rng.choice(["startup", "train", "eval"]) for _ in range(3)], 6)
     plan += ["final", "commit"]
     for number, phase in enumerate(plan, 1):
         (output_dir / "preempted.json").unlink(missing_ok=True)  # as slurm/train.sbatch does before each run
@@ -195,7 +199,7 @@ def test_signals_to_every_process_at_any_moment_lose_nothing(tmp_path, reference
         hit.add(found["phase"])
         stops.append((number, phase, found["phase"], found.get("step"), found.get("save_s"), code))
     print("\n" + "\n".join(f"signal {s[0]}: aimed at {s[1]}, hit {s[2:]}" for s in stops), file=sys.stderr)
-    assert len(stops) >= 10, stops
+    assert len(stops) >= 7, stops
     assert hit >= set(PHASES), f"phases hit: {hit}"
     text = log_of(output_dir)
     for line in text.splitlines():  # the workers never turned an orderly stop into a crash
@@ -207,18 +211,19 @@ def test_signals_to_every_process_at_any_moment_lose_nothing(tmp_path, reference
     assert metrics["steps"] == LAST_STEP and metrics["test_samples"] == 24
 
 
-@pytest.mark.parametrize("how", ["accelerate", "one_process", "sigusr1", "double_signal"])
+@pytest.mark.parametrize("how", ["accelerate", "one_process", "sigusr1_twice"])
 def test_one_moment_each_for_another_launcher_one_process_sigusr1_and_a_second_signal(tmp_path, how, references):
+    # sigusr1_twice: SLURM's time-limit warning to every process, and again while the processes save
     output_dir = tmp_path / how
     launcher = {"accelerate": "accelerate", "one_process": "python"}.get(how, "torchrun")
-    signum = signal.SIGUSR1 if how == "sigusr1" else signal.SIGTERM
+    signum = signal.SIGUSR1 if how == "sigusr1_twice" else signal.SIGTERM
     agent = start(output_dir, launcher, epochs=2)
     wait_for(lambda: (output_dir / "checkpoints" / "step_10" / "training_state.json").is_file(), alive=agent,
              what="the checkpoint of step 10")  # fmt: skip
     time.sleep(0.2)
     pids = tree(agent.pid)
     signal_every_process(agent, signum)
-    if how == "double_signal":  # again, while the processes save
+    if how == "sigusr1_twice":  # again, while the processes save
         wait_for(lambda: any(output_dir.glob("checkpoints/.tmp_step_*")) or marker(output_dir), interval=0.002)
         signal_every_process(agent, signum)
     try:

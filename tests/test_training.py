@@ -268,6 +268,27 @@ def test_a_checkpoint_is_renamed_into_place_only_once_complete(tmp_path):
 
 
 @inprocess
+def test_latest_and_rotation_follow_training_progress_when_the_global_batch_changed(tmp_path):
+    # at world size 1 (batch 4) a run saved step_98; resumed at world size 2 (batch 8) it counts from step 49 and
+    # saves step_50, step_60: newer than step_98 although numbered lower
+    from accelerate import Accelerator
+
+    from ddp_accel.checkpoint import complete_checkpoints, resolve_resume, save_checkpoint
+    from ddp_accel.state import TrainState
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    save_checkpoint(accelerator, tmp_path, TrainState(step=98, batches_in_epoch=98, global_batch=4))
+    save_checkpoint(accelerator, tmp_path, TrainState(step=50, batches_in_epoch=50, global_batch=8), limit=2)
+    assert complete_checkpoints(tmp_path) == [tmp_path / "step_98", tmp_path / "step_50"]
+    assert resolve_resume("latest", tmp_path, accelerator) == tmp_path / "step_50"
+    save_checkpoint(accelerator, tmp_path, TrainState(step=60, batches_in_epoch=60, global_batch=8), limit=2)
+    assert complete_checkpoints(tmp_path) == [tmp_path / "step_50", tmp_path / "step_60"]  # step_98 rotated out
+    save_checkpoint(accelerator, tmp_path, TrainState(step=61, epoch=1, global_batch=8), limit=2)  # the next epoch
+    assert resolve_resume("latest", tmp_path, accelerator) == tmp_path / "step_61" and model is not None
+
+
+@inprocess
 def test_a_checkpoint_of_729a739_still_resumes_bitwise_with_a_warning(tmp_path):
     # tests/fixtures/checkpoint_729a739/step_5: written by tests/probe.py of ddp_accel 729a739 (before TrainState,
     # files.json and run identities) with the arguments below, at world size 1
