@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import signal
 
-# A preemption signal during the imports below waits until run_main handles it (it then leaves preempted.json)
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+# A preemption signal during the imports below waits until run_main handles it (it then leaves preempted.json);
+# only when run as a script: a program that imports this module keeps its own signal handling
+if __name__ == "__main__":
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
 
 import argparse
 import math

@@ -10,8 +10,10 @@ itself and the main process prints an all_gather_object of one dict per rank.
 
 import signal
 
-# A preemption signal during the imports below waits until run_main handles it (it then leaves preempted.json)
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+# A preemption signal during the imports below waits until run_main handles it (it then leaves preempted.json);
+# only when run as a script: a program that imports this module keeps its own signal handling
+if __name__ == "__main__":
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
 
 import torch
 from accelerate.utils import gather_object

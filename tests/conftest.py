@@ -86,12 +86,16 @@ _SCRIPTS: dict[str, object] = {}
 
 @pytest.fixture(autouse=True)
 def _signal_state_restored():
-    """Each test leaves pytest's signal mask and handlers as it found them: a SIGTERM blocked in pytest would be
-    blocked in every process a later test starts (a launcher that never hears the SIGTERM a test sends it)."""
+    """Each test starts with SIGTERM/SIGUSR1 unblocked and leaves pytest's handlers as it found them: a signal
+    blocked in pytest is blocked in every process a later test starts (a launcher that never hears the SIGTERM a
+    test sends it)."""
     signums = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-    mask, handlers = signal.pthread_sigmask(signal.SIG_BLOCK, []), {s: signal.getsignal(s) for s in signums}
+    assert not {signal.SIGTERM, signal.SIGUSR1} & signal.pthread_sigmask(signal.SIG_BLOCK, []), (
+        "SIGTERM/SIGUSR1 are blocked in pytest: an imported script blocked them at import"
+    )
+    handlers = {s: signal.getsignal(s) for s in signums}
     yield
-    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGUSR1})
     for signum, handler in handlers.items():
         signal.signal(signum, handler)
 
@@ -101,11 +105,7 @@ def load_script(script: str):
     if script not in _SCRIPTS:
         spec = importlib.util.spec_from_file_location(Path(script).stem + "_under_test", ROOT / script)
         module = importlib.util.module_from_spec(spec)
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-        try:
-            spec.loader.exec_module(module)
-        finally:  # the script blocks SIGTERM/SIGUSR1 until run_main: pytest and its children must not keep that
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        spec.loader.exec_module(module)
         _SCRIPTS[script] = module
     return _SCRIPTS[script]
 

@@ -7,8 +7,10 @@ every validation sample was counted exactly once.
 
 import signal
 
-# A preemption signal during the imports below waits until run_main handles it (it then leaves preempted.json)
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+# A preemption signal during the imports below waits until run_main handles it (it then leaves preempted.json);
+# only when run as a script: a program that imports this module keeps its own signal handling
+if __name__ == "__main__":
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
 
 import json
 import os
@@ -83,6 +85,7 @@ def main(signals: StopSignals | None = None) -> None:
         help="an EmbeddingBag with sparse gradients first (SparseAdamW + AdamW as one optimizer)",
     )
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (training and evaluation)")
+    parser.add_argument("--persistent-workers", action="store_true", help="keep the workers across epochs")
     parser.add_argument("--eval-ms", type=float, default=0, help="a slow evaluation batch: makes the phase easy to hit")
     parser.add_argument("--test-size", type=int, default=0, help="a test set evaluated once at the end")
     args = parser.parse_args()
@@ -107,7 +110,11 @@ def main(signals: StopSignals | None = None) -> None:
 
     def loader(size: int, seed: int, shuffle: bool = False) -> DataLoader:
         return DataLoader(
-            IdDataset(size, seed), batch_size=config.batch_size, shuffle=shuffle, num_workers=args.workers
+            IdDataset(size, seed),
+            batch_size=config.batch_size,
+            shuffle=shuffle,
+            num_workers=args.workers,
+            persistent_workers=args.persistent_workers and args.workers > 0,
         )
 
     train, val = loader(args.train_size, 1, shuffle=True), loader(args.val_size, 2)

@@ -33,7 +33,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 ENV["PET_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
-def start(output_dir: Path, launcher: str = "torchrun", nproc: int = 2, epochs: int = 8) -> subprocess.Popen:
+def start(
+    output_dir: Path, launcher: str = "torchrun", nproc: int = 2, epochs: int = 8, extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
     """The probe under `launcher`, resuming from its latest checkpoint (the chain: 8 epochs; single moments: 2)."""
     log = open(output_dir.with_suffix(".log"), "a")
     args = [
@@ -41,6 +43,7 @@ def start(output_dir: Path, launcher: str = "torchrun", nproc: int = 2, epochs: 
         "--output-dir",
         str(output_dir),
         *ARGS,
+        *extra,
         "--epochs",
         str(epochs),
         "--resume-from-checkpoint",
@@ -211,11 +214,13 @@ def test_signals_to_every_process_at_any_moment_lose_nothing(tmp_path, reference
 
 @pytest.mark.parametrize("how", ["accelerate", "one_process", "sigusr1_twice"])
 def test_one_moment_each_for_another_launcher_one_process_sigusr1_and_a_second_signal(tmp_path, how, references):
-    # sigusr1_twice: SLURM's time-limit warning to every process, and again while the processes save
+    # sigusr1_twice: SLURM's time-limit warning to every process, and again while the processes save;
+    # accelerate: with persistent DataLoader workers (the others start workers each epoch)
     output_dir = tmp_path / how
     launcher = {"accelerate": "accelerate", "one_process": "python"}.get(how, "torchrun")
     signum = signal.SIGUSR1 if how == "sigusr1_twice" else signal.SIGTERM
-    agent = start(output_dir, launcher, epochs=2)
+    extra = ("--persistent-workers",) if how == "accelerate" else ()
+    agent = start(output_dir, launcher, epochs=2, extra=extra)
     wait_for(lambda: (output_dir / "checkpoints" / "step_10" / "training_state.json").is_file(), alive=agent,
              what="the checkpoint of step 10")  # fmt: skip
     time.sleep(0.2)
@@ -233,7 +238,7 @@ def test_one_moment_each_for_another_launcher_one_process_sigusr1_and_a_second_s
     assert found is not None and found["signal"] == signal.Signals(signum).name, log_of(output_dir)[-3000:]
     assert found["phase"] in ("train", "eval"), found
     assert_only_the_launchers_traceback(log_of(output_dir))
-    again = start(output_dir, launcher, epochs=2)
+    again = start(output_dir, launcher, epochs=2, extra=extra)
     assert again.wait(timeout=300) == 0, log_of(output_dir)[-3000:]
     assert f"resumed from {found['checkpoint']}: step {found['step']}," in log_of(output_dir)
     assert marker(output_dir) is None
