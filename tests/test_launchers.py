@@ -1,5 +1,6 @@
-"""Every way to launch gives the same run: accelerate launch, torchrun, python -m torch.distributed.run,
-notebook_launcher and debug_launcher (bitwise equal final weights), and the notebook in a real kernel."""
+"""Every way to launch gives the same run: accelerate launch, torchrun (= python -m torch.distributed.run),
+torch.distributed.launch, notebook_launcher and debug_launcher (bitwise equal final weights), and the notebook in a
+real kernel."""
 
 import json
 import os
@@ -40,7 +41,8 @@ def run_with(launcher: str, output_dir) -> str:
 
 @pytest.mark.multiprocess
 def test_all_launchers_give_bitwise_identical_weights(tmp_path):
-    launchers = ["accelerate", "torchrun", "torch.distributed.run", "torch.distributed.launch", "notebook", "debug"]
+    # (`python -m torch.distributed.run` is torchrun's own entry point: torchrun stands for it)
+    launchers = ["accelerate", "torchrun", "torch.distributed.launch", "notebook", "debug"]
     for launcher in launchers:
         run_with(launcher, tmp_path / launcher)
         metrics = json.loads((tmp_path / launcher / "metrics.json").read_text())

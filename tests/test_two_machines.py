@@ -28,7 +28,7 @@ PROBE_ARGS = [
     "--step-ms",
     "30",
     "--timeout-s",
-    "15",
+    "10",
 ]
 
 
@@ -132,7 +132,7 @@ def test_two_machines_with_their_own_addresses_survive_a_cut_link(two_machines, 
     for rank, log in enumerate(logs):
         ours = [line for line in log.splitlines() if line.startswith("error: ")]
         assert len(ours) == 1 and "lost contact" in ours[0], (rank, log[-3000:])
-    assert ended_s < 15 + 60, f"the machines took {ended_s:.0f} s to give up"
+    assert ended_s < 10 + 60, f"the machines took {ended_s:.0f} s to give up"
 
     ip("-n", two_machines["namespaces"][1], "link", "set", two_machines["veths"][1], "up")
     codes, logs, _ = run_both(two_machines, output_dir, tmp_path, "resume")
@@ -144,7 +144,7 @@ def test_two_machines_with_their_own_addresses_survive_a_cut_link(two_machines, 
     a, b = weights(reference), weights(output_dir)
     assert all(torch.equal(a[key], b[key]) for key in a)
     print(
-        f"\nlink cut after step 5: both machines ended {ended_s:.1f} s later (--timeout-s 15); resumed from "
+        f"\nlink cut after step 5: both machines ended {ended_s:.1f} s later (--timeout-s 10); resumed from "
         f"{[line for line in logs[0].splitlines() if 'resumed from' in line][0].split(': ')[1]}",
         file=__import__("sys").stderr,
     )
