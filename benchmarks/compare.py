@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--imdb", help="a jsonl/csv/parquet file of reviews")
     parser.add_argument("--fail-below", type=float, default=0.9, help="exit 1 when a ratio is below this")
     args = parser.parse_args()
+    args.imdb = str(Path(args.imdb).resolve()) if args.imdb else None  # the runs' working folder is each tree
     with tempfile.TemporaryDirectory(prefix="ddp_accel_compare_") as tmp:
         work = Path(tmp)
         base = work / "base"
