@@ -148,6 +148,12 @@ def test_a_dead_or_hung_rank_ends_the_job_with_an_error(tmp_path, fault):
     print(f"\n{fault}: job ended with exit {code} {elapsed:.1f} s after the fault", file=sys.stderr)
 
 
+def rank_of(pid: int) -> int:
+    """The RANK torchrun gave a worker process."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(entry for entry in environ if entry.startswith(b"RANK=")).split(b"=")[1])
+
+
 def read_marker(output_dir: Path) -> dict | None:
     path = output_dir / "preempted.json"
     return json.loads(path.read_text()) if path.is_file() else None
@@ -171,11 +177,13 @@ def test_preemption_signal_saves_the_step_reached_and_resume_loses_nothing(unint
     if target == "agent":
         agent.send_signal(signal.SIGTERM)
     else:
-        os.kill(workers(agent)[-1], signal.SIGUSR1)
+        os.kill(next(pid for pid in workers(agent) if rank_of(pid) == 1), signal.SIGUSR1)  # not rank 0's
     marker = wait_for(lambda: read_marker(output_dir), timeout=60)
     signal_to_saved = time.monotonic() - signalled
     code, log = finish(agent, output_dir)
     stopped_at = marker["step"]
+    # at the next step (~step 13), not at the epoch's evaluation (step 32), where the ranks also compare notes
+    assert marker["phase"] == "train" and stopped_at < 32, marker
     assert f"preempted by {'SIGTERM' if target == 'agent' else 'SIGUSR1'} at step {stopped_at}" in log, log[-3000:]
     assert stopped_at in checkpoint_steps(output_dir) and stopped_at > 5
     assert "Traceback" not in log.split("preempted by")[0], log[-3000:]  # the workers stopped cleanly
