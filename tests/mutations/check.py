@@ -144,7 +144,7 @@ def main() -> None:
     if args.make:
         make_patches()
         return
-    patches = sorted(args.patches.glob("*.patch"))
+    patches = sorted(args.patches.resolve().glob("*.patch"))  # git apply runs in --tree
     if args.only:
         patches = [patch for patch in patches if patch.stem in args.only]
     print("| mutation | caught by | seconds |\n|---|---|---|", flush=True)
