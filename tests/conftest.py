@@ -188,6 +188,26 @@ def wait_for_checkpoint(output_dir: Path, step: int, timeout: float = 120, alive
     )
 
 
+def workers(agent: subprocess.Popen) -> list[int]:
+    """PIDs of the probe processes a torchrun agent started (its children)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if ppid == agent.pid and "probe.py" in (entry / "cmdline").read_text():
+                    found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return sorted(found)
+
+
+def rank_of(pid: int) -> int:
+    """The RANK torchrun gave a worker process."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(entry for entry in environ if entry.startswith(b"RANK=")).split(b"=")[1])
+
+
 def kill_tree(process: subprocess.Popen) -> None:
     """A process started with start_new_session=True, and everything in its session."""
     if process.poll() is None:

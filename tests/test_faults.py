@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, ROOT, checkpoint_steps, wait_for, weights
+from conftest import BIN, ROOT, checkpoint_steps, rank_of, wait_for, weights, workers
 
 PROBE = str(ROOT / "tests" / "probe.py")
 # 256 samples, 2 ranks x batch 4: 32 steps an epoch, 3 epochs; a checkpoint every 5 steps; dropout on, so
@@ -38,20 +38,6 @@ def torchrun(output_dir: Path, *args, max_restarts: int = 0, env: dict | None = 
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
-
-
-def workers(agent: subprocess.Popen) -> list[int]:
-    """PIDs of the probe processes the torchrun agent started (its children)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                if ppid == agent.pid and "probe.py" in (entry / "cmdline").read_text():
-                    found.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                pass
-    return sorted(found)
 
 
 def finish(agent: subprocess.Popen, output_dir: Path, timeout: float = 300) -> tuple[int, str]:
@@ -146,12 +132,6 @@ def test_a_dead_or_hung_rank_ends_the_job_with_an_error(tmp_path, fault):
     assert code != 0, log[-3000:]
     assert elapsed < 8 + 60, f"the job took {elapsed:.0f} s to end"
     print(f"\n{fault}: job ended with exit {code} {elapsed:.1f} s after the fault", file=sys.stderr)
-
-
-def rank_of(pid: int) -> int:
-    """The RANK torchrun gave a worker process."""
-    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return int(next(entry for entry in environ if entry.startswith(b"RANK=")).split(b"=")[1])
 
 
 def read_marker(output_dir: Path) -> dict | None:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, ROOT, assert_clean_error, run_script
+from conftest import BIN, ROOT, assert_clean_error, rank_of, run_script, workers
 
 from ddp_accel import tracking
 from ddp_accel.errors import UserError
@@ -118,12 +118,7 @@ def test_every_tracker_keeps_one_run_across_a_kill_and_resume(tmp_path):
     logged_before_kill = tracking.read_state(output_dir)["last_logged_step"]
     # rank 1 dies: the main process (the one that talks to the trackers) ends through its error path, so that
     # W&B, which buffers in a process of its own, writes what it holds (a SIGKILLed main process loses that part)
-    workers = [
-        int(p) for p in subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
-    ]
-    rank1 = next(
-        pid for pid in workers if b"RANK=1\x00" in Path(f"/proc/{pid}/environ").read_bytes().replace(b"LOCAL_RANK", b"")
-    )
+    rank1 = next(pid for pid in workers(agent) if rank_of(pid) == 1)
     os.kill(rank1, signal.SIGKILL)
     assert agent.wait(timeout=240) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
     text = (tmp_path / "torchrun.log").read_text()
