@@ -6,39 +6,118 @@ DataLoader workers included. A worker killed by SIGTERM makes its parent raise `
 into a crash. So the workers ignore the preemption signals (the parent decides when to stop), and every iterator is
 shut down before the process exits: a worker that ignores SIGTERM would otherwise hang Python's exit, which
 terminates daemonic children with SIGTERM and waits for them.
+
+Workers are not forked from the training process. A training process runs other threads (gloo, the progress bar,
+the feeder threads of the previous epoch's worker queues, which may still be exiting), and a fork while another
+thread holds one of the interpreter's own locks gives a child that hangs before it runs a line: CPython gh-112275,
+fixed in 3.11.7 and 3.12, present in Debian 12's Python 3.11.2, where about one fork in a few thousand hangs and a
+long job forks thousands of workers. So workers come from a `forkserver`: one single-threaded process per training
+process, started once, that has imported torch and the dataset's modules and forks a worker on request (cheap: no
+import per worker). In an interactive session (a notebook), where objects defined in `__main__` cannot be
+re-imported by a forkserver's children, workers are forked as before. `DDP_ACCEL_WORKER_START=fork|spawn|forkserver`
+overrides the choice; a loader created with its own `multiprocessing_context` keeps it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import multiprocessing
+import multiprocessing.context
+import multiprocessing.forkserver
+import multiprocessing.spawn
+import os
 import signal
+import sys
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
+from ddp_accel.errors import UserError
 from ddp_accel.stopping import PREEMPTION_SIGNALS
+
+WORKER_START_VARIABLE = "DDP_ACCEL_WORKER_START"
+WORKER_START_METHODS = ("forkserver", "fork", "spawn")
 
 
 def _ignore_preemption(user_init: Callable[[int], None] | None, worker_id: int) -> None:
-    """A worker's first act: ignore the preemption signals, then unblock them (they were blocked across the fork,
-    so a signal sent before this point waits, then is dropped)."""
+    """A worker's first act: ignore the preemption signals, then unblock them (the forkserver, or the fork's parent,
+    had them blocked, so a signal sent before this point waits, then is dropped)."""
     for signum in PREEMPTION_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPTION_SIGNALS)
+    # what the worker inherited stays out of garbage collections, which would copy every page of it
+    gc.freeze()
+    if "ddp_accel.worker_server" in sys.modules:  # our forkserver turned the collector off (see there)
+        gc.enable()
     if user_init is not None:
         user_init(worker_id)
 
 
 def shield_workers(loader: Any) -> Any:
-    """Make the workers `loader` starts ignore preemption signals (idempotent). Returns the loader."""
+    """Make the workers `loader` starts ignore preemption signals and come from a fork-safe start
+    (`worker_context`), idempotent. Returns the loader."""
     for target in (loader, getattr(loader, "base_dataloader", None)):
         if target is None or getattr(target, "num_workers", 0) == 0:
             continue
         init = target.worker_init_fn
         if not (isinstance(init, functools.partial) and init.func is _ignore_preemption):
             target.worker_init_fn = functools.partial(_ignore_preemption, init)
+        if target.multiprocessing_context is None:
+            target.multiprocessing_context = worker_context(target)
     return loader
+
+
+def worker_start_method() -> str:
+    """forkserver, unless `__main__` cannot be imported again (an interactive session) or the variable says."""
+    chosen = os.environ.get(WORKER_START_VARIABLE, "").strip()
+    if chosen:
+        if chosen not in WORKER_START_METHODS:
+            raise UserError(
+                f"{WORKER_START_VARIABLE}={chosen!r} is not a start method; use {', '.join(WORKER_START_METHODS)}"
+            )
+        return chosen
+    main = sys.modules.get("__main__")
+    interactive = getattr(main, "__file__", None) is None and getattr(main, "__spec__", None) is None
+    return "fork" if interactive else "forkserver"
+
+
+def worker_context(loader: Any) -> multiprocessing.context.BaseContext:
+    """The context that starts `loader`'s workers; a forkserver is started here, once per process, with the
+    preemption signals blocked in it (`ddp_accel.worker_server`) and the modules the workers need imported."""
+    method = worker_start_method()
+    if method == "forkserver" and not _forkserver_running():
+        multiprocessing.forkserver.set_forkserver_preload(_modules_for(loader))
+        main = multiprocessing.spawn.get_preparation_data("ignore")
+        start_with = {  # the forkserver's environment is this process's at its start (worker_server reads them)
+            "DDP_ACCEL_FORKSERVER_MAIN": main.get("init_main_from_path", ""),
+            "DDP_ACCEL_FORKSERVER_MAIN_MODULE": main.get("init_main_from_name", ""),
+        }
+        os.environ.update(start_with)
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            for name in start_with:
+                os.environ.pop(name, None)
+    return multiprocessing.get_context(method)
+
+
+def _forkserver_running() -> bool:
+    server = multiprocessing.forkserver._forkserver
+    return getattr(server, "_forkserver_pid", None) is not None
+
+
+def _modules_for(loader: Any) -> list[str]:
+    """What a worker unpickles its dataset, collate and init functions from, imported once in the forkserver instead
+    of in every worker (torch alone takes seconds); `ddp_accel.worker_server` also imports the training script."""
+    init = loader.worker_init_fn
+    user_init = init.args[0] if isinstance(init, functools.partial) and init.func is _ignore_preemption else init
+    modules = ["ddp_accel.worker_server", "torch"]
+    for thing in (loader.dataset, loader.collate_fn, user_init):
+        module = getattr(thing, "__module__", None) or type(thing).__module__
+        if module and module not in modules and module != "builtins" and not module.startswith("__"):
+            modules.append(module)
+    return modules
 
 
 @contextlib.contextmanager
@@ -46,12 +125,19 @@ def batches(loader: Any) -> Iterator[Iterator[Any]]:
     """`for batch in batches:` over `loader`, its workers shielded; on any exit (the end, a break, an exception) the
     iterator is closed and the workers are shut down."""
     shield_workers(loader)
+    running_before = set(multiprocessing.active_children())
     iterating = _iterate(loader)
     try:
         yield iterating
     finally:
         iterating.close()
         shutdown_workers(loader)
+        # torch ends a worker that does not stop in time with SIGTERM, which ours ignore: a worker stuck in the
+        # dataset would otherwise outlive its loader and hang the interpreter's exit
+        for child in set(multiprocessing.active_children()) - running_before:
+            if child.daemon:
+                child.kill()
+                child.join(1)
 
 
 def _iterate(loader: Any) -> Generator[Any, None, None]:
@@ -61,14 +147,18 @@ def _iterate(loader: Any) -> Generator[Any, None, None]:
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
     try:
         iterator = iter(loader)
-        first = next(iterator, _END)
-    finally:
+    except BaseException:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        raise
     try:
+        try:
+            first = next(iterator, _END)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         if first is not _END:
             yield first
             yield from iterator
-    finally:
+    finally:  # also when the first batch fails: its workers must not outlive it (they would hang the exit)
         close = getattr(iterator, "close", None)
         if close is not None:  # a generator: closing it drops the torch iterator inside, and its workers
             close()

@@ -1,7 +1,7 @@
 """Mutation check: does the suite catch these bugs? Each patch in tests/mutations/*.patch puts one bug into the code;
 this applies each alone, runs the whole suite with -x (tier by tier: inprocess, multiprocess, system, so that the
 cheapest test that catches it runs first), records the first test that failed, and takes the patch back out. A
-collection error or a timeout does not count as caught. Not part of CI (12 suite runs).
+collection error or a timeout does not count as caught. Not part of CI (one suite run per mutation).
 
     .venv/bin/python tests/mutations/check.py                      # every mutation, table to stdout
     .venv/bin/python tests/mutations/check.py --only rotation_deletes_newest
@@ -85,6 +85,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "ddp_accel/loaders.py",
         "        signal.signal(signum, signal.SIG_IGN)\n",
         "        pass\n",
+    ),
+    "workers_forked_from_the_training_process": (
+        "ddp_accel/loaders.py",
+        '    return "fork" if interactive else "forkserver"',
+        '    return "fork"',
     ),
     "identity_options_not_compared": (
         "ddp_accel/identity.py",

@@ -1,0 +1,115 @@
+"""DataLoader workers: started by a forkserver, never forked from the training process (whose other threads may hold
+locks at the moment of a fork), shielded from preemption signals, always shut down."""
+
+import multiprocessing.forkserver
+import os
+import signal
+import threading
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ddp_accel import loaders
+from ddp_accel.errors import UserError
+
+pytestmark = pytest.mark.inprocess
+
+# held by a thread of the training process while its workers start: a forked worker inherits it held, forever
+HELD_AT_FORK = threading.Lock()
+
+
+def signal_masks(pid: int) -> dict[str, int]:
+    """SigBlk / SigIgn of a process, from /proc."""
+    lines = open(f"/proc/{pid}/status").read().splitlines()
+    return {line.split(":")[0]: int(line.split()[1], 16) for line in lines if line.startswith(("SigBlk", "SigIgn"))}
+
+
+def has(mask: int, signum: int) -> bool:
+    return bool(mask & (1 << (signum - 1)))
+
+
+class WhereAmI(Dataset):
+    """Each sample: the worker's parent, whether it ignores SIGTERM and SIGUSR1; it first takes HELD_AT_FORK."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        with HELD_AT_FORK:
+            ignored = signal_masks(os.getpid())["SigIgn"]
+        return torch.tensor([os.getppid(), has(ignored, signal.SIGTERM), has(ignored, signal.SIGUSR1)])
+
+
+def read_all(loader) -> torch.Tensor:
+    with loaders.batches(loader) as batches:
+        return torch.cat(list(batches))
+
+
+def test_workers_start_while_another_thread_holds_a_lock_they_need():
+    # what CPython gh-112275 does with an interpreter lock (Debian 12's Python 3.11.2), here with a lock of our own:
+    # a worker forked while another thread holds it inherits it held and waits forever (the loader's timeout says so)
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with HELD_AT_FORK:
+            taken.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    taken.wait(10)
+    try:
+        values = read_all(DataLoader(WhereAmI(), batch_size=2, num_workers=2, timeout=10))
+    finally:
+        release.set()
+        holder.join()
+    assert len(values) == 8
+    parents = set(values[:, 0].tolist())
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    assert parents == {server} and server != os.getpid(), (parents, server, os.getpid())
+    assert values[:, 1:].all(), "every worker ignores SIGTERM and SIGUSR1 (the training process decides when to stop)"
+    blocked = signal_masks(server)["SigBlk"]  # a job-wide SIGTERM does not end the forkserver
+    assert has(blocked, signal.SIGTERM) and has(blocked, signal.SIGUSR1)
+
+
+def test_a_loader_with_its_own_start_method_keeps_it():
+    loader = DataLoader(WhereAmI(), batch_size=2, num_workers=1, multiprocessing_context="spawn")
+    loaders.shield_workers(loader)
+    assert loader.multiprocessing_context.get_start_method() == "spawn"
+
+
+def test_the_start_method_can_be_chosen_and_a_wrong_one_is_one_line(monkeypatch):
+    monkeypatch.setenv(loaders.WORKER_START_VARIABLE, "fork")
+    assert loaders.worker_start_method() == "fork"
+    monkeypatch.setenv(loaders.WORKER_START_VARIABLE, "threads")
+    with pytest.raises(UserError, match="DDP_ACCEL_WORKER_START='threads' is not a start method"):
+        loaders.worker_start_method()
+    monkeypatch.delenv(loaders.WORKER_START_VARIABLE)
+    assert loaders.worker_start_method() == "forkserver"
+
+
+def test_an_interactive_session_forks_its_workers(monkeypatch):
+    # a notebook's `__main__` cannot be imported again by a forkserver's children, so classes defined in it could
+    # not reach the workers
+    class Interactive:
+        pass
+
+    monkeypatch.setitem(__import__("sys").modules, "__main__", Interactive())
+    assert loaders.worker_start_method() == "fork"
+
+
+def test_a_first_batch_that_fails_shuts_its_workers_down():
+    class Broken(Dataset):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, index: int) -> int:
+            raise ValueError("broken sample")
+
+    loader = DataLoader(Broken(), batch_size=2, num_workers=1, multiprocessing_context="fork")
+    before = {child.pid for child in multiprocessing.active_children()}
+    with pytest.raises(ValueError, match="broken sample"):
+        read_all(loader)
+    left = [child for child in multiprocessing.active_children() if child.pid not in before and child.daemon]
+    assert not left, "a worker that ignores SIGTERM would hang the interpreter's exit"
