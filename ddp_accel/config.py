@@ -10,7 +10,7 @@ from typing import Any
 
 from accelerate import Accelerator
 
-from ddp_accel.cli import checkpointing_steps, positive, positive_int, seed_value, timeout_seconds
+from ddp_accel.cli import checkpointing_steps, nonnegative, positive, positive_int, seed_value, timeout_seconds
 from ddp_accel.errors import UserError
 from ddp_accel.runtime import build_accelerator
 from ddp_accel.stopping import StopSignals
@@ -56,6 +56,13 @@ class TrainConfig:
     )
     timeout_s: int = option(
         600, "collective timeout: a dead or hung rank ends the job after this long", type=timeout_seconds
+    )
+    hang_timeout_s: float | None = option(
+        None,
+        "a rank with no training step or evaluation batch for this long writes its stacks to OUTPUT_DIR/hangs/ and "
+        "exits with status 4 (a restart resumes); default: 20x the slowest step, at least 120 s. Before the first "
+        "steps and during a checkpoint save: 30 min. 0: off",
+        type=nonnegative,
     )
     hparams: dict[str, Any] | None = field(default=None, repr=False)  # what args.json records; default: this
     # the process's preemption state (run_main's, handed to the script's main); None: fit watches while it runs

@@ -34,6 +34,7 @@ from ddp_accel.runtime import print_banner, topology
 from ddp_accel.state import TrainState
 from ddp_accel.stopping import PREEMPTED_MARKER, Preempted, StepAgreement, StopSignals, Verdict
 from ddp_accel.tracking import TRACKING_STATE, TrackerLog
+from ddp_accel.watchdog import ProgressWatchdog
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]  # (model, batch) -> mean loss of the batch
 EvalFn = Callable[[torch.nn.Module, Any], dict[str, torch.Tensor]]  # (model, batch) -> per-sample values
@@ -243,11 +244,18 @@ class TrainingRun:
         self.grace_warned = False
         self.interactive = sys.stderr.isatty()  # in a log file, a line every 30 s instead of a redraw per step
         self.wall_start = time.perf_counter()
+        self.watchdog = ProgressWatchdog(
+            self.output_dir,
+            accelerator.process_index,
+            config.hang_timeout_s,
+            phase=lambda: self.signals.phase,
+        )
 
     def __enter__(self) -> TrainingRun:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.watchdog.stop()
         if self.progress is not None:
             self.progress.close()  # an error line then starts on a line of its own
         if self.lock is not None:
@@ -300,6 +308,7 @@ class TrainingRun:
             with contextlib.suppress(ValueError, TypeError, AttributeError):
                 self.warn_if_save_outlasts_grace(float(json.loads(marker.read_text()).get("save_s") or 0))
         self.signals.enter("train")
+        self.watchdog.start()
         return None
 
     def committed_run(self) -> dict[str, Any] | None:
@@ -404,6 +413,7 @@ class TrainingRun:
         done = time.perf_counter()
         self.meter.add(find_batch_size(batch) * accelerator.num_processes, done - self.tick, started - self.tick)
         self.tick = done
+        self.watchdog.beat(f"batch {self.state.batches_in_epoch} of epoch {self.state.epoch + 1}")
         return accelerator.sync_gradients
 
     def start_timing(self) -> None:
@@ -443,6 +453,7 @@ class TrainingRun:
 
     def stop_check(self) -> None:
         """Before each evaluation batch, on every rank: stop when any rank received a preemption signal."""
+        self.watchdog.beat(f"an evaluation batch at step {self.state.step}")
         verdict = self.agreement.preempted(self.state.step, self.signals.received)
         if verdict:
             raise StopTraining(verdict)
@@ -528,7 +539,8 @@ class TrainingRun:
     # --- checkpoints and stops ---
     def save(self) -> Path:
         started = time.perf_counter()
-        path = write_checkpoint(self.accelerator, self.root, self.state, limit=self.config.checkpoint_limit)
+        with self.watchdog.activity(f"the checkpoint of step {self.state.step}"):
+            path = write_checkpoint(self.accelerator, self.root, self.state, limit=self.config.checkpoint_limit)
         self.signals.resume_hint = self.resume_hint(path)
         self.warn_if_save_outlasts_grace(time.perf_counter() - started)
         return path
@@ -605,6 +617,7 @@ class TrainingRun:
         written aside and moved into place together; trackers closed. Signals received now are noted, not acted on:
         the commit is short, and a run stopped in it would have to redo it."""
         self.signals.enter("commit")
+        self.watchdog.stop()  # it watches training and evaluation; the commit writes files once
         accelerator, state, output_dir = self.accelerator, self.state, self.output_dir
         if self.progress is not None:
             self.progress.close()

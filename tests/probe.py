@@ -14,6 +14,7 @@ if __name__ == "__main__":
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -59,15 +60,19 @@ class Magnitude(torch.nn.Module):
 
 
 class IdDataset(Dataset):
-    def __init__(self, size: int, seed: int):
+    def __init__(self, size: int, seed: int, hang_at: int | None = None, hang_marker: Path | None = None):
         generator = torch.Generator().manual_seed(seed)
         self.x = torch.randn(size, 8, generator=generator)
         self.y = (self.x.sum(dim=1) > 0).long()
+        self.hang_at, self.hang_marker = hang_at, hang_marker
 
     def __len__(self):
         return len(self.x)
 
     def __getitem__(self, index):
+        if index == self.hang_at and self.hang_marker is not None and not self.hang_marker.exists():
+            self.hang_marker.touch()  # once per output dir: the restarted run gets past it
+            threading.Event().wait()  # a loader stuck for good (a dead network file system, a deadlock)
         return index, self.x[index], self.y[index]
 
 
@@ -88,6 +93,7 @@ def main(signals: StopSignals | None = None) -> None:
     parser.add_argument("--persistent-workers", action="store_true", help="keep the workers across epochs")
     parser.add_argument("--eval-ms", type=float, default=0, help="a slow evaluation batch: makes the phase easy to hit")
     parser.add_argument("--test-size", type=int, default=0, help="a test set evaluated once at the end")
+    parser.add_argument("--hang-at-sample", type=int, help="reading this training sample blocks forever, once")
     args = parser.parse_args()
     config = TrainConfig.from_args(args, signals=signals)
     accelerator = config.make_accelerator()
@@ -109,8 +115,9 @@ def main(signals: StopSignals | None = None) -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
 
     def loader(size: int, seed: int, shuffle: bool = False) -> DataLoader:
+        hang = (args.hang_at_sample, Path(config.output_dir) / "hung_once") if shuffle else (None, None)
         return DataLoader(
-            IdDataset(size, seed),
+            IdDataset(size, seed, *hang),
             batch_size=config.batch_size,
             shuffle=shuffle,
             num_workers=args.workers,

@@ -233,3 +233,50 @@ def test_a_stopped_job_resumes_at_another_world_size(tmp_path):
     a, b = weights(reference), weights(output_dir)
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_a_hung_dataloader_worker_is_diagnosed_and_the_restart_resumes_to_identical_weights(uninterrupted, tmp_path):
+    # one rank's loader blocks for good on one sample: without the watchdog both ranks would wait for the collective
+    # timeout (10 minutes by default); with it, each says where it waits and exits 4, torchrun restarts the group
+    output_dir = tmp_path / "hung_worker"
+    args = ["--workers", "1", "--hang-at-sample", "150", "--hang-timeout-s", "5"]
+    started = time.monotonic()
+    agent = torchrun(
+        output_dir, *COMMON, "--step-ms", "20", *args, "--resume-from-checkpoint", "latest", max_restarts=1
+    )
+    code, log = finish(agent, output_dir)
+    assert code == 0, log[-3000:]
+    assert (output_dir / "hung_once").is_file(), "the sample never hung"
+    hung = [line for line in log.splitlines() if "made no progress for" in line]
+    assert any("it waits for its DataLoader workers (pid" in line for line in hung), log[-3000:]
+    assert all(line.startswith("error: rank ") and "Exiting with status 4" in line for line in hung), hung
+    reports = sorted(path.name for path in (output_dir / "hangs").iterdir())
+    assert reports and set(reports) <= {"rank_0.txt", "rank_1.txt"}, reports
+    assert "resumed from" in log or "resume" not in log
+    assert_bitwise_equal(uninterrupted, output_dir)
+    print(f"\nhung worker -> diagnosed, restarted and finished in {time.monotonic() - started:.0f} s", file=sys.stderr)
+
+
+@pytest.mark.multiprocess
+def test_a_stopped_rank_is_diagnosed_by_its_peer_and_the_restart_resumes_to_identical_weights(uninterrupted, tmp_path):
+    # SIGSTOP: a rank that stops making progress without a word (a stuck driver, a swapped-out node)
+    output_dir = tmp_path / "stopped_rank"
+    args = ["--hang-timeout-s", "5", "--resume-from-checkpoint", "latest"]
+    agent = torchrun(output_dir, *COMMON, "--step-ms", "20", *args, max_restarts=1)
+    wait_for(lambda: 10 in checkpoint_steps(output_dir))
+    victim = next(pid for pid in workers(agent) if rank_of(pid) == 1)
+    os.kill(victim, signal.SIGSTOP)
+    stopped = time.monotonic()
+    log_file = output_dir.with_suffix(".log")
+    wait_for(lambda: "rank 0 made no progress" in log_file.read_text(), timeout=60, what="rank 0's watchdog line")
+    diagnosed_s = time.monotonic() - stopped
+    os.kill(victim, signal.SIGCONT)  # torch's agent stops it (a stopped process cannot obey its SIGTERM)
+    code, log = finish(agent, output_dir)
+    assert code == 0, log[-3000:]
+    line = next(line for line in log.splitlines() if "rank 0 made no progress" in line)
+    assert "another rank" in line and "Exiting with status 4" in line, line
+    assert 5 <= diagnosed_s < 30, diagnosed_s
+    assert "resumed from" in log
+    assert_bitwise_equal(uninterrupted, output_dir)
+    print(f"\nSIGSTOP of rank 1 -> rank 0's diagnosis after {diagnosed_s:.1f} s", file=sys.stderr)
