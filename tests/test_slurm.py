@@ -34,11 +34,11 @@ def slurm(tmp_path_factory):
         yield cluster
 
 
-def submit(slurm: LocalSlurm, output_dir: Path) -> tuple[str, Path]:
+def submit(slurm: LocalSlurm, output_dir: Path, extra: str = "") -> tuple[str, Path]:
     log = output_dir.parent / f"{output_dir.name}.slurm.log"
     env = {
         "SCRIPT": "tests/probe.py",
-        "SCRIPT_ARGS": PROBE_ARGS,
+        "SCRIPT_ARGS": f"{PROBE_ARGS} {extra}".strip(),
         "OUTPUT_DIR": str(output_dir),
         "PROCESSES_PER_NODE": "1",
         "VENV": str(Path(sys.executable).parent.parent),
@@ -200,3 +200,17 @@ def test_the_job_script_outside_slurm_stops_with_one_line(tmp_path):
     result = subprocess.run(["bash", str(ROOT / "slurm" / "train.sbatch")], env=env, capture_output=True, text=True)
     assert result.returncode == 2 and "unbound variable" not in result.stderr
     assert result.stderr.count("error: ") == 1 and "submit it with 'sbatch slurm/train.sbatch'" in result.stderr
+
+
+@pytest.mark.system
+def test_a_hung_rank_is_requeued_by_the_job_script_and_resumes_to_the_same_weights(slurm, uninterrupted, tmp_path):
+    # one rank's DataLoader worker blocks for good on a sample: its progress watchdog (5 s here) ends the step with
+    # a report in OUTPUT_DIR/hangs/, the job script requeues the job, the rerun resumes from the newest checkpoint
+    output_dir = tmp_path / "hung"
+    job, log = submit(slurm, output_dir, extra="--workers 1 --hang-at-sample 150 --hang-timeout-s 5")
+    text = finish(slurm, job, log, requeues=1)
+    assert "made no progress for" in text and "a rank hung; requeueing job" in text, text[-3000:]
+    assert (output_dir / "hangs" / "requeues").read_text().strip() == "1"
+    assert re.search(r"resumed from \S+: step (\d+),", text), text[-3000:]
+    reference, final = weights(uninterrupted[0]), weights(output_dir)
+    assert all(torch.equal(reference[key], final[key]) for key in reference), "weights differ"
