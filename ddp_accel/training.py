@@ -343,28 +343,34 @@ class TrainingRun:
         global_batch, world_size = state.global_batch, state.world_size
         for warning in load_checkpoint(accelerator, path, state):
             accelerator.print(f"warning: {warning}")
-        if state.step > self.total_steps:
-            raise UserError(
-                f"checkpoint {path} is at step {state.step}, past the {self.total_steps} steps this command asks for; "
-                "raise --epochs or --max-steps, or give an earlier step_N folder to --resume-from-checkpoint"
-            )
         # The global sample order of an epoch depends on neither the world size nor the batch size, so a restart
         # with another global batch skips by samples.
         saved_batch, seen = state.global_batch or global_batch, state.samples_in_epoch
         skip, leftover = divmod(seen, global_batch)
         if saved_batch == global_batch:
             skip, leftover = state.batches_in_epoch, 0
-        else:  # steps count batches of the new size from here on
-            state.step = state.epoch * self.steps_per_epoch + skip // self.accumulation
-            if accelerator.is_main_process:
-                print(
-                    f"warning: the global batch changed from {saved_batch} to {global_batch} samples: resuming after "
-                    f"{skip * global_batch} of the {seen} samples this epoch had seen"
-                    + (f" ({leftover} of them are seen again)" if leftover else "")
-                    + f", at step {state.step} of the new size; the LR schedule goes on from its saved position",
-                    file=sys.stderr,
-                    flush=True,
-                )
+        # Steps count the optimizer steps of this command's global batch and accumulation: the position in the data
+        # (epoch, batches) says how many of them are done, whatever the checkpoint's own step counted
+        saved_step, state.step = state.step, state.epoch * self.steps_per_epoch + skip // self.accumulation
+        if accelerator.is_main_process and (saved_batch != global_batch or saved_step != state.step):
+            changed = (
+                f"the global batch changed from {saved_batch} to {global_batch} samples: resuming after "
+                f"{skip * global_batch} of the {seen} samples this epoch had seen"
+                + (f" ({leftover} of them are seen again)" if leftover else "")
+                if saved_batch != global_batch
+                else f"the gradient accumulation changed: {skip} batches into epoch {state.epoch + 1}"
+            )
+            print(
+                f"warning: {changed}, at step {state.step} of this command's {self.total_steps} (step {saved_step} "
+                "as the checkpoint counted); the LR schedule goes on from its saved position",
+                file=sys.stderr,
+                flush=True,
+            )
+        if state.step > self.total_steps:
+            raise UserError(
+                f"checkpoint {path} is at step {state.step}, past the {self.total_steps} steps this command asks for; "
+                "raise --epochs or --max-steps, or give an earlier step_N folder to --resume-from-checkpoint"
+            )
         state.batches_in_epoch, state.global_batch, state.world_size = skip, global_batch, world_size
         scale = f", fp16 loss scale {accelerator.scaler.get_scale():g}" if accelerator.scaler is not None else ""
         accelerator.print(

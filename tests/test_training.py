@@ -304,3 +304,51 @@ def test_a_checkpoint_of_729a739_still_resumes_bitwise_with_a_warning(tmp_path):
     assert "written before run identities were recorded" in output
     check_ok(run_script(PROBE, "--output-dir", tmp_path / "new", *common))
     assert_same_weights(tmp_path / "new", tmp_path / "old", atol=0)
+
+
+def samples_of(output_dir) -> list[int]:
+    """The training sample ids rank 0 consumed in its last run, in order."""
+    return [i for batch in json.loads((output_dir / "seen_rank0.json").read_text()) for i in batch]
+
+
+@pytest.fixture(scope="module")
+def stopped_past_the_middle(tmp_path_factory):
+    """One process, batch 4, 2 epochs of 64 samples (32 steps); its checkpoint of step 20: 16 samples into epoch 2."""
+    root = tmp_path_factory.mktemp("past_the_middle")
+    probe(root / "full", "--batch-size", 4, "--epochs", 2, "--checkpointing-steps", 20, nproc=1)
+    return root
+
+
+@pytest.mark.parametrize(
+    "change",
+    [("--batch-size", "8"), ("--gradient-accumulation-steps", "2")],
+    ids=["global-batch-4-to-8", "accumulation-1-to-2"],
+)
+@inprocess
+def test_a_resume_past_the_middle_with_fewer_steps_per_epoch_continues_from_its_place_in_the_data(
+    stopped_past_the_middle, tmp_path, change
+):
+    # step 20 of 32 at 4 samples a step is step 10 of 16 at 8: comparing raw step numbers refused this resume
+    full = stopped_past_the_middle / "full"
+    shutil.copytree(full / "checkpoints" / "step_20", tmp_path / "cut" / "checkpoints" / "step_20")
+    output = probe(
+        tmp_path / "cut", "--batch-size", 4, "--epochs", 2, *change, "--resume-from-checkpoint", "latest", nproc=1
+    )
+    assert "step 20 as the checkpoint counted" in output and "at step 10 of this command's 16" in output, output
+    assert "resumed from" in output and "step 10, epoch 1" in output, output[-2000:]
+    assert json.loads((tmp_path / "cut" / "metrics.json").read_text())["steps"] == 16
+    assert samples_of(tmp_path / "cut") == samples_of(full)[64 + 16 :]  # the rest of epoch 2, each sample once
+
+
+@pytest.mark.multiprocess
+def test_a_one_process_run_resumed_past_the_middle_on_two_processes_completes(stopped_past_the_middle, tmp_path):
+    # what an elastic join in the second half of a run does: world size 1 -> 2, twice the global batch
+    full = stopped_past_the_middle / "full"
+    shutil.copytree(full / "checkpoints" / "step_20", tmp_path / "joined" / "checkpoints" / "step_20")
+    output = probe(tmp_path / "joined", "--batch-size", 4, "--epochs", 2, "--resume-from-checkpoint", "latest")
+    assert "resumed from" in output and "step 10, epoch 1" in output, output[-2000:]
+    assert json.loads((tmp_path / "joined" / "metrics.json").read_text())["steps"] == 16
+    rest = samples_of(full)[64 + 16 :]
+    ranks = [json.loads((tmp_path / "joined" / f"seen_rank{rank}.json").read_text()) for rank in (0, 1)]
+    seen = sorted(i for rank in ranks for batch in rank for i in batch)
+    assert seen == sorted(rest)  # every remaining sample of epoch 2 once, across the two processes

@@ -91,6 +91,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         '    return "fork" if interactive else "forkserver"',
         '    return "fork"',
     ),
+    "resume_compares_raw_step_numbers": (
+        "ddp_accel/training.py",
+        "        saved_step, state.step = state.step, state.epoch * self.steps_per_epoch + skip // self.accumulation",
+        "        saved_step = state.step",
+    ),
     "identity_options_not_compared": (
         "ddp_accel/identity.py",
         '        if key in saved.get("options", {}) and saved["options"][key] != value',
