@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from preemption import tree  # benchmarks/preemption.py: a process and every process below it
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 METHODS = ("fork", "forkserver")
@@ -31,18 +33,8 @@ METHODS = ("fork", "forkserver")
 
 def tree_pss_mb(root: int) -> float:
     """PSS of `root` and every process below it (the forkserver and the workers), in MB."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        todo += children.get(pid, [])
+    total = 0
+    for pid in tree(root):
         try:
             for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
                 if line.startswith("Pss:"):
