@@ -480,10 +480,12 @@ class TrainingRun:
         )
         self.signals.enter(phase)
         state.eval_pending, state.last_eval_step, state.eval_metrics = False, state.step, metrics
-        self.tracking.log(metrics, state.step)
+        with self.watchdog.activity("logging to the trackers"):  # a slow tracker server is not a hang
+            self.tracking.log(metrics, state.step)
         self.accelerator.print(f"step {state.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in numbers(metrics).items()))
         self.history.record(self.accelerator, state.step, state.step / self.steps_per_epoch, state.last_loss, metrics)
-        self.keep_best(metrics)
+        with self.watchdog.activity("saving the best model"):
+            self.keep_best(metrics)
 
     def keep_best(self, metrics: dict[str, Any]) -> None:
         """The best model so far (by fit's `best_metric`, higher is better), staged until the commit."""
@@ -540,7 +542,8 @@ class TrainingRun:
             postfix["skipped"] = skipped
         if self.progress is not None:
             self.progress.set_postfix(postfix, refresh=self.interactive)  # a log file: a line per 30 s
-        self.tracking.log(logs, state.step)
+        with self.watchdog.activity("logging to the trackers"):
+            self.tracking.log(logs, state.step)
 
     # --- checkpoints and stops ---
     def save(self) -> Path:
