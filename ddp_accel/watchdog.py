@@ -9,9 +9,10 @@ names the rank, the phase and where the main thread waits, kills the workers and
 which resumes from its newest checkpoint.
 
 The bound comes from the run's own pace, so that a slow but progressing run is never stopped: before the first
-step and during long work done once in a while (a checkpoint save, the best model, the trackers), `first_s` (compilation, worker start-up, cuDNN autotuning
-and slow disks take time); after it, `factor` times the longest interval between two beats so far, at least
-`floor_s`. `--hang-timeout-s S` sets that second bound to S seconds; 0 turns the watchdog off.
+steps and during long work done once in a while (a checkpoint save, the best model, the trackers), `first_s`
+(compilation, worker start-up, cuDNN autotuning, slow disks and servers take time); after it, `factor` times the
+longest interval between two beats so far, at least `floor_s`. `--hang-timeout-s S` sets that second bound to S
+seconds; 0 turns the watchdog off.
 """
 
 from __future__ import annotations
