@@ -23,9 +23,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import json
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
+import multiprocessing.reduction
 import multiprocessing.spawn
 import os
 import signal
@@ -48,7 +50,7 @@ def _ignore_preemption(user_init: Callable[[int], None] | None, worker_id: int) 
     signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPTION_SIGNALS)
     # what the worker inherited stays out of garbage collections, which would copy every page of it
     gc.freeze()
-    if "ddp_accel.worker_server" in sys.modules:  # our forkserver turned the collector off (see there)
+    if os.environ.get("DDP_ACCEL_WORKER_SERVER"):  # our forkserver turned the collector off (worker_server)
         gc.enable()
     if user_init is not None:
         user_init(worker_id)
@@ -84,14 +86,26 @@ def worker_start_method() -> str:
 
 def worker_context(loader: Any) -> multiprocessing.context.BaseContext:
     """The context that starts `loader`'s workers; a forkserver is started here, once per process, with the
-    preemption signals blocked in it (`ddp_accel.worker_server`) and the modules the workers need imported."""
+    preemption signals blocked in it (`ddp_accel.worker_server`) and the modules the workers need imported. What a
+    forkserver's workers could not receive (a dataset that cannot be pickled, a class defined in a `python -m`
+    package's `__main__`) is forked, with a warning, unless `DDP_ACCEL_WORKER_START` asked for the forkserver."""
     method = worker_start_method()
+    if method == "forkserver" and not os.environ.get(WORKER_START_VARIABLE):
+        refusal = _forkserver_refusal(loader)
+        if refusal is not None:
+            _warn_once(
+                f"warning: DataLoader workers are forked from the training process: {refusal}. A fork can hang on "
+                "Python older than 3.11.7 (CPython gh-112275); define the dataset and its functions at module level "
+                "of an importable file to avoid it"
+            )
+            method = "fork"
     if method == "forkserver" and not _forkserver_running():
         multiprocessing.forkserver.set_forkserver_preload(_modules_for(loader))
         main = multiprocessing.spawn.get_preparation_data("ignore")
         start_with = {  # the forkserver's environment is this process's at its start (worker_server reads them)
             "DDP_ACCEL_FORKSERVER_MAIN": main.get("init_main_from_path", ""),
             "DDP_ACCEL_FORKSERVER_MAIN_MODULE": main.get("init_main_from_name", ""),
+            "DDP_ACCEL_FORKSERVER_SYS_PATH": json.dumps(sys.path),
         }
         os.environ.update(start_with)
         try:
@@ -102,6 +116,34 @@ def worker_context(loader: Any) -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context(method)
 
 
+def _forkserver_refusal(loader: Any) -> str | None:
+    """Why `loader`'s workers cannot come from a forkserver; None when they can."""
+    things = (loader.dataset, loader.collate_fn, _user_init(loader))
+    main_name = multiprocessing.spawn.get_preparation_data("ignore").get("init_main_from_name", "")
+    in_main = any((getattr(thing, "__module__", None) or type(thing).__module__) == "__main__" for thing in things)
+    if in_main and main_name.endswith("__main__"):
+        return f"the dataset or one of its functions is defined in {main_name}, which workers cannot import again"
+    try:
+        multiprocessing.reduction.ForkingPickler.dumps(things)
+    except Exception as error:
+        return f"the dataset or one of its functions cannot be pickled ({type(error).__name__}: {error})"
+    return None
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned and os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+    _warned.add(message)
+
+
+def _user_init(loader: Any) -> Any:
+    init = loader.worker_init_fn
+    return init.args[0] if isinstance(init, functools.partial) and init.func is _ignore_preemption else init
+
+
 def _forkserver_running() -> bool:
     server = multiprocessing.forkserver._forkserver
     return getattr(server, "_forkserver_pid", None) is not None
@@ -110,10 +152,8 @@ def _forkserver_running() -> bool:
 def _modules_for(loader: Any) -> list[str]:
     """What a worker unpickles its dataset, collate and init functions from, imported once in the forkserver instead
     of in every worker (torch alone takes seconds); `ddp_accel.worker_server` also imports the training script."""
-    init = loader.worker_init_fn
-    user_init = init.args[0] if isinstance(init, functools.partial) and init.func is _ignore_preemption else init
     modules = ["ddp_accel.worker_server", "torch"]
-    for thing in (loader.dataset, loader.collate_fn, user_init):
+    for thing in (loader.dataset, loader.collate_fn, _user_init(loader)):
         module = getattr(thing, "__module__", None) or type(thing).__module__
         if module and module not in modules and module != "builtins" and not module.startswith("__"):
             modules.append(module)

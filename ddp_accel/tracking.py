@@ -112,8 +112,13 @@ class TrackerLog:
                 tracker.store_init_configuration(self.hyperparameters)
         self._save_state()
 
+    @property
+    def active(self) -> bool:
+        """Some tracker is configured (the same answer on every rank)."""
+        return bool(self.accelerator.log_with)
+
     def log(self, values: dict[str, Any], step: int) -> None:
-        if not self.accelerator.log_with or step <= self.horizon:
+        if not self.active or step <= self.horizon:
             return
         if not self.started:
             self._start()

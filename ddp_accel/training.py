@@ -351,7 +351,8 @@ class TrainingRun:
             skip, leftover = state.batches_in_epoch, 0
         # Steps count the optimizer steps of this command's global batch and accumulation: the position in the data
         # (epoch, batches) says how many of them are done, whatever the checkpoint's own step counted
-        saved_step, state.step = state.step, state.epoch * self.steps_per_epoch + skip // self.accumulation
+        done = self.steps_per_epoch if skip >= len(self.train_loader) else skip // self.accumulation  # a last,
+        saved_step, state.step = state.step, state.epoch * self.steps_per_epoch + done  # partial group is a step
         if accelerator.is_main_process and (saved_batch != global_batch or saved_step != state.step):
             changed = (
                 f"the global batch changed from {saved_batch} to {global_batch} samples: resuming after "
@@ -480,11 +481,11 @@ class TrainingRun:
         )
         self.signals.enter(phase)
         state.eval_pending, state.last_eval_step, state.eval_metrics = False, state.step, metrics
-        with self.watchdog.activity("logging to the trackers"):  # a slow tracker server is not a hang
+        with self.slow_on_main("logging to the trackers"):  # a slow tracker server is not a hang
             self.tracking.log(metrics, state.step)
         self.accelerator.print(f"step {state.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in numbers(metrics).items()))
         self.history.record(self.accelerator, state.step, state.step / self.steps_per_epoch, state.last_loss, metrics)
-        with self.watchdog.activity("saving the best model"):
+        with self.slow_on_main("saving the best model"):
             self.keep_best(metrics)
 
     def keep_best(self, metrics: dict[str, Any]) -> None:
@@ -542,8 +543,17 @@ class TrainingRun:
             postfix["skipped"] = skipped
         if self.progress is not None:
             self.progress.set_postfix(postfix, refresh=self.interactive)  # a log file: a line per 30 s
-        with self.watchdog.activity("logging to the trackers"):
+        with self.slow_on_main("logging to the trackers"):
             self.tracking.log(logs, state.step)
+
+    @contextmanager
+    def slow_on_main(self, what: str) -> Iterator[None]:
+        """Work that may take long on the main process only (a tracker server, a file on a slow disk): every rank
+        waits for it under the watchdog's generous bound, not in the next step's all-reduce under the short one."""
+        with self.watchdog.activity(what):
+            yield
+            if self.accelerator.num_processes > 1 and (what != "logging to the trackers" or self.tracking.active):
+                self.accelerator.wait_for_everyone()
 
     # --- checkpoints and stops ---
     def save(self) -> Path:
@@ -723,6 +733,7 @@ def fit(
         try:
             if state.eval_pending:  # stopped while evaluating this step: evaluate it first
                 run.evaluate_now()
+                run.watchdog.rearm()
             for epoch in range(state.epoch, config.epochs):
                 if state.step >= run.total_steps:
                     break

@@ -89,9 +89,13 @@ class ProgressWatchdog:
         previous, self.long_activity = self.long_activity, what
         try:
             yield
-        finally:
-            self.long_activity = previous
+        finally:  # the beat before the short bound returns: the watching thread reads the bound first (_watch)
             self.last_beat, self.last_what = time.monotonic(), what
+            self.long_activity = previous
+
+    def rearm(self) -> None:
+        """The next steps are again first steps (after an evaluation that a resume ran before any step)."""
+        self.beats, self.last_beat = 0, time.monotonic()
 
     def bound_s(self) -> float:
         if self.beats < 2 or self.long_activity is not None:
@@ -100,8 +104,9 @@ class ProgressWatchdog:
 
     def _watch(self) -> None:
         while not self._stopped.wait(min(5.0, max(0.05, self.bound_s() / 10))):
+            bound = self.bound_s()  # before the beat: a long activity that just ended has beaten already
             waited = time.monotonic() - self.last_beat
-            if waited > self.bound_s():
+            if waited > bound:
                 self._fire(waited)
                 return
 

@@ -8,18 +8,21 @@
   process killed with SIGKILL (out of memory, a lost node, a test): each worker holds the pipe that tells it its
   client is gone, and torch's workers watch their own parent, the forkserver, which stays; both would live on.
   With the forkserver gone, torch's workers see their parent change and exit within seconds.
-- It imports the training script (as `__mp_main__`, as spawn does: its `if __name__ == "__main__":` block does not
-  run), so that each worker finds it imported. Python's forkserver means to do that, but never receives the
-  script's path (3.11-3.13), and each worker then runs the script's module body again, imports and all: 0.65 s a
-  worker for a script that imports torchvision.
 - It turns the cyclic garbage collector off until a worker has started (`loaders._ignore_preemption` freezes what
-  the worker inherited, then turns it on): a collection in a freshly forked worker walks every object it inherited
-  (torch, accelerate, ...), which writes to each page and so copies it: measured, unpickling a 10,000-sample
-  dataset took 0.19 s instead of 1 ms, and the workers' memory was no longer shared.
+  the worker inherited, then turns it on: `WORKER_SERVER_VARIABLE` tells it so): a collection in a freshly forked
+  worker walks every object it inherited (torch, accelerate, ...), which writes to each page and so copies it:
+  measured, unpickling a 10,000-sample dataset took 0.19 s instead of 1 ms, and the workers' memory was no longer
+  shared.
+- It imports the training script (as `__mp_main__`, as spawn does: its `if __name__ == "__main__":` block does not
+  run), with the training process's `sys.path`, so that each worker finds it imported. Python's forkserver means to
+  do that, but never receives the script's path and ignores `sys.path` (3.11-3.13): each worker then runs the
+  script's module body again, imports and all (0.65 s a worker for a script that imports torchvision). A script
+  that fails to import here is imported by each worker, as Python does.
 """
 
 import ctypes
 import gc
+import json
 import multiprocessing.process
 import multiprocessing.spawn
 import os
@@ -28,12 +31,23 @@ import sys
 
 from ddp_accel.stopping import PREEMPTION_SIGNALS
 
+# set by loaders.worker_context for the forkserver's start only; the first is set here, for the workers
+WORKER_SERVER_VARIABLE = "DDP_ACCEL_WORKER_SERVER"
+MAIN_PATH_VARIABLE = "DDP_ACCEL_FORKSERVER_MAIN"
+MAIN_NAME_VARIABLE = "DDP_ACCEL_FORKSERVER_MAIN_MODULE"
+SYS_PATH_VARIABLE = "DDP_ACCEL_FORKSERVER_SYS_PATH"
+
 signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
+PR_SET_PDEATHSIG = 1
+if sys.platform.startswith("linux"):  # had the training process died already, multiprocessing's own pipe ends us
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+os.environ[WORKER_SERVER_VARIABLE] = "1"
 gc.disable()
 
-MAIN_PATH_VARIABLE = "DDP_ACCEL_FORKSERVER_MAIN"  # set by loaders.worker_context for the forkserver's start only
-MAIN_NAME_VARIABLE = "DDP_ACCEL_FORKSERVER_MAIN_MODULE"
 _main_path, _main_name = os.environ.pop(MAIN_PATH_VARIABLE, ""), os.environ.pop(MAIN_NAME_VARIABLE, "")
+_sys_path = os.environ.pop(SYS_PATH_VARIABLE, "")
+if _sys_path:
+    sys.path[:] = json.loads(_sys_path)
 if _main_path or _main_name:
     multiprocessing.process.current_process()._inheriting = True  # type: ignore[attr-defined]
     try:
@@ -41,9 +55,7 @@ if _main_path or _main_name:
             multiprocessing.spawn._fixup_main_from_name(_main_name)  # type: ignore[attr-defined]
         else:
             multiprocessing.spawn.import_main_path(_main_path)
+    except Exception:  # each worker imports it then, and reports what fails there
+        pass
     finally:
         del multiprocessing.process.current_process()._inheriting  # type: ignore[attr-defined]
-
-PR_SET_PDEATHSIG = 1
-if sys.platform.startswith("linux"):  # had the training process died already, multiprocessing's own pipe ends us
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -1,6 +1,7 @@
 """DataLoader workers: started by a forkserver, never forked from the training process (whose other threads may hold
 locks at the moment of a fork), shielded from preemption signals, always shut down."""
 
+import gc
 import multiprocessing.forkserver
 import os
 import signal
@@ -38,7 +39,7 @@ class WhereAmI(Dataset):
     def __getitem__(self, index: int) -> torch.Tensor:
         with HELD_AT_FORK:
             ignored = signal_masks(os.getpid())["SigIgn"]
-        return torch.tensor([os.getppid(), has(ignored, signal.SIGTERM), has(ignored, signal.SIGUSR1)])
+        return torch.tensor([os.getppid(), has(ignored, signal.SIGTERM), has(ignored, signal.SIGUSR1), gc.isenabled()])
 
 
 def read_all(loader) -> torch.Tensor:
@@ -68,7 +69,8 @@ def test_workers_start_while_another_thread_holds_a_lock_they_need():
     parents = set(values[:, 0].tolist())
     server = multiprocessing.forkserver._forkserver._forkserver_pid
     assert parents == {server} and server != os.getpid(), (parents, server, os.getpid())
-    assert values[:, 1:].all(), "every worker ignores SIGTERM and SIGUSR1 (the training process decides when to stop)"
+    assert values[:, 1:3].all(), "every worker ignores SIGTERM and SIGUSR1 (the training process decides when to stop)"
+    assert values[:, 3].all(), "the forkserver's workers collect garbage again once started"
     blocked = signal_masks(server)["SigBlk"]  # a job-wide SIGTERM does not end the forkserver
     assert has(blocked, signal.SIGTERM) and has(blocked, signal.SIGUSR1)
 
@@ -113,3 +115,32 @@ def test_a_first_batch_that_fails_shuts_its_workers_down():
         read_all(loader)
     left = [child for child in multiprocessing.active_children() if child.pid not in before and child.daemon]
     assert not left, "a worker that ignores SIGTERM would hang the interpreter's exit"
+
+
+def test_a_dataset_that_cannot_be_pickled_is_forked_with_a_warning(capsys):
+    class Local(Dataset):  # defined in a function: a forkserver's worker could not unpickle it
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, index: int) -> int:
+            return os.getppid()
+
+    parents = read_all(DataLoader(Local(), batch_size=2, num_workers=1))
+    assert set(parents.tolist()) == {os.getpid()}
+    assert "warning: DataLoader workers are forked from the training process" in capsys.readouterr().err
+
+
+def test_encoded_reviews_reach_a_worker_by_their_arrow_table_and_read_the_same():
+    import pickle
+
+    import datasets
+
+    from ddp_accel.text.pipeline import EncodedReviews
+
+    encoded = datasets.Dataset.from_dict(
+        {"input_ids": [[1, 2, 3], [4], [5, 6]], "label": [0, 1, 0], "length": [3, 1, 2]}
+    )
+    reviews = EncodedReviews(encoded)
+    copy = pickle.loads(pickle.dumps(reviews))
+    for index in range(3):
+        assert copy[index][0].tolist() == reviews[index][0].tolist() and copy[index][1] == reviews[index][1]

@@ -202,11 +202,22 @@ def _token_counts(tokenized: datasets.Dataset) -> dict[str, int]:
 
 class EncodedReviews(torch.utils.data.Dataset):
     """Reads token ids straight from the arrow files' buffers (memory-mapped): no Python lists per
-    sample, and DataLoader workers share the pages instead of each holding a copy of the corpus."""
+    sample, and DataLoader workers share the pages instead of each holding a copy of the corpus (a worker started by
+    a forkserver receives the dataset pickled: the Arrow files by path, and it maps them itself)."""
 
     def __init__(self, encoded: datasets.Dataset):
         if encoded._indices is not None:  # a select()/shuffle() view: write it out once
             encoded = encoded.flatten_indices()
+        self._map(encoded)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"encoded": self.encoded}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._map(state["encoded"])
+
+    def _map(self, encoded: datasets.Dataset) -> None:
+        self.encoded = encoded
         table = encoded.data.table
         chunks = table.column("input_ids").chunks
         self.offsets = [chunk.offsets.to_numpy() for chunk in chunks]
