@@ -1,4 +1,5 @@
 """`ddp-accel check-config FILE`: validate an accelerate YAML before launching with it.
+`ddp-accel doctor`: check the machines under the launcher you train with (ddp_accel/doctor.py).
 
 `accelerate launch` answers a bad config with a long traceback; this says what is wrong in one line.
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
-from ddp_accel.cli import ArgumentParser
+from ddp_accel.cli import ArgumentParser, positive, positive_int
 from ddp_accel.errors import UserError
 from ddp_accel.runtime import has_accelerator
 
@@ -115,7 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check-config", help="validate accelerate YAML files")
     check.add_argument("files", nargs="+")
+    doctor = commands.add_parser(
+        "doctor", help="check the machines under the launcher you train with (network, versions, shared output dir)"
+    )
+    doctor.add_argument("--output-dir", help="the folder training will write to: is it shared, is there room")
+    doctor.add_argument("--timeout-s", type=positive, default=30.0, help="how long to wait for the others")
+    doctor.add_argument("--megabytes", type=positive_int, default=64, help="the all-reduce that measures bandwidth")
     args = parser.parse_args(argv)
+    if args.command == "doctor":
+        from ddp_accel.doctor import run  # imports torch: not for check-config
+
+        return run(args.output_dir, args.timeout_s, args.megabytes)
     failed = False
     for path in args.files:
         try:
