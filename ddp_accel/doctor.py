@@ -255,7 +255,8 @@ def run(output_dir: str | None, timeout_s: float, megabytes: int) -> int:
             print(f"doctor: {line}", file=sys.stderr, flush=True)
         if not problems:
             print(table(reports))
-            print(f"doctor: all is well: {world} process(es) on {len({r.host for r in reports})} machine(s)")
+            machines = len({(r.host, r.address) for r in reports})
+            print(f"doctor: all is well: {world} process(es) on {machines} machine(s)")
     if world > 1:
         dist.destroy_process_group()
     return 1 if problems else 0

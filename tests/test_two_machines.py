@@ -148,3 +148,69 @@ def test_two_machines_with_their_own_addresses_survive_a_cut_link(two_machines, 
         f"{[line for line in logs[0].splitlines() if 'resumed from' in line][0].split(': ')[1]}",
         file=__import__("sys").stderr,
     )
+
+
+def doctor_on(machines, rank: int, port: int, output_dir: Path, name_interface: bool, private_dir: bool = False):
+    """`ddp-accel doctor` on one machine, under accelerate launch with the multi-node YAML; `private_dir`: the output
+    dir is a folder of this machine only (a mount namespace with its own tmpfs there)."""
+    launch_doctor = [
+        str(BIN / "accelerate"),
+        "launch",
+        "--config_file",
+        str(MULTI_NODE_YAML),
+        "--machine_rank",
+        str(rank),
+        "--main_process_ip",
+        machines["address"],
+        "--main_process_port",
+        str(port),
+        "-m",
+        "ddp_accel",
+        "doctor",
+        "--output-dir",
+        str(output_dir),
+        "--timeout-s",
+        "20",
+        "--megabytes",
+        "4",
+    ]
+    inner = launch_doctor
+    if private_dir:
+        quoted = " ".join(f"'{part}'" for part in launch_doctor)
+        inner = ["unshare", "-m", "sh", "-c", f"mount -t tmpfs none '{output_dir}' && exec {quoted}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if name_interface:
+        env["GLOO_SOCKET_IFNAME"] = machines["veths"][rank]
+    command = ["ip", "netns", "exec", machines["namespaces"][rank], *inner]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+
+
+def doctor_both(machines, tmp_path: Path, name_interface: bool = True, private_dir: bool = False):
+    output_dir, port = tmp_path / "shared_run", free_port()
+    output_dir.mkdir(exist_ok=True)
+    nodes = [doctor_on(machines, rank, port, output_dir, name_interface, private_dir and rank == 1) for rank in (0, 1)]
+    return [(node.wait(timeout=120), node.stdout.read()) for node in nodes]
+
+
+@pytest.mark.system
+def test_doctor_on_two_machines_reports_all_well_or_one_line_per_problem(two_machines, tmp_path):
+    started = time.monotonic()
+    (code_0, out_0), (code_1, _) = doctor_both(two_machines, tmp_path)
+    assert (code_0, code_1) == (0, 0), out_0[-3000:]
+    assert "doctor: all is well: 2 process(es) on 2 machine(s)" in out_0, out_0[-3000:]
+    assert two_machines["address"] in out_0 and two_machines["veths"][0] in out_0  # the address gloo uses
+
+    # the host name resolves to loopback on these machines (as on many clusters): without GLOO_SOCKET_IFNAME gloo
+    # would listen there; each machine says so, naming its interface, before any rendezvous
+    results = doctor_both(two_machines, tmp_path, name_interface=False)
+    for rank, (code, out) in enumerate(results):
+        lines = [line for line in out.splitlines() if line.startswith("doctor: ")]
+        assert code != 0 and len(lines) == 1, out[-3000:]
+        assert f"GLOO_SOCKET_IFNAME={two_machines['veths'][rank]}" in lines[0], lines
+
+    # machine 1 sees a folder of its own at --output-dir: checkpoints would not reach machine 0
+    (code_0, out_0), _ = doctor_both(two_machines, tmp_path, private_dir=True)
+    lines = [line for line in out_0.splitlines() if line.startswith("doctor: ")]
+    assert code_0 == 1 and len(lines) == 1 and "rank 1: --output-dir" in lines[0], out_0[-3000:]
+    assert "is not the folder rank 0" in lines[0]
+    assert time.monotonic() - started < 120
