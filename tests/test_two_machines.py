@@ -150,7 +150,15 @@ def test_two_machines_with_their_own_addresses_survive_a_cut_link(two_machines, 
     )
 
 
-def doctor_on(machines, rank: int, port: int, output_dir: Path, name_interface: bool, private_dir: bool = False):
+def doctor_on(
+    machines,
+    rank: int,
+    port: int,
+    output_dir: Path,
+    name_interface: bool,
+    private_dir: bool = False,
+    env_extra: dict | None = None,
+):
     """`ddp-accel doctor` on one machine, under accelerate launch with the multi-node YAML; `private_dir`: the output
     dir is a folder of this machine only (a mount namespace with its own tmpfs there)."""
     launch_doctor = [
@@ -178,17 +186,24 @@ def doctor_on(machines, rank: int, port: int, output_dir: Path, name_interface: 
     if private_dir:
         quoted = " ".join(f"'{part}'" for part in launch_doctor)
         inner = ["unshare", "-m", "sh", "-c", f"mount -t tmpfs none '{output_dir}' && exec {quoted}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     if name_interface:
         env["GLOO_SOCKET_IFNAME"] = machines["veths"][rank]
     command = ["ip", "netns", "exec", machines["namespaces"][rank], *inner]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+    # run from the output dir's parent: from the project root, its ddp_accel.egg-info would come first on the path
+    cwd = output_dir.parent
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env)
 
 
-def doctor_both(machines, tmp_path: Path, name_interface: bool = True, private_dir: bool = False):
+def doctor_both(machines, tmp_path: Path, name_interface=True, private_dir=False, machine_1_env: dict | None = None):
     output_dir, port = tmp_path / "shared_run", free_port()
     output_dir.mkdir(exist_ok=True)
-    nodes = [doctor_on(machines, rank, port, output_dir, name_interface, private_dir and rank == 1) for rank in (0, 1)]
+    nodes = [
+        doctor_on(
+            machines, rank, port, output_dir, name_interface, private_dir and rank == 1, machine_1_env if rank else None
+        )
+        for rank in (0, 1)
+    ]
     return [(node.wait(timeout=120), node.stdout.read()) for node in nodes]
 
 
@@ -213,4 +228,13 @@ def test_doctor_on_two_machines_reports_all_well_or_one_line_per_problem(two_mac
     lines = [line for line in out_0.splitlines() if line.startswith("doctor: ")]
     assert code_0 == 1 and len(lines) == 1 and "rank 1: --output-dir" in lines[0], out_0[-3000:]
     assert "is not the folder rank 0" in lines[0]
-    assert time.monotonic() - started < 120
+
+    # machine 1 has another ddp-accel installed (its metadata first on the path, as a stale install would be)
+    other = tmp_path / "other_install" / "ddp_accel-9.9.9.dist-info"
+    other.mkdir(parents=True)
+    (other / "METADATA").write_text("Metadata-Version: 2.1\nName: ddp-accel\nVersion: 9.9.9\n")
+    pythonpath = str(other.parent)
+    (code_0, out_0), _ = doctor_both(two_machines, tmp_path, machine_1_env={"PYTHONPATH": pythonpath})
+    lines = [line for line in out_0.splitlines() if line.startswith("doctor: ")]
+    assert code_0 == 1 and len(lines) == 1 and "rank 1: ddp-accel 9.9.9, where rank 0" in lines[0], out_0[-3000:]
+    assert time.monotonic() - started < 150
