@@ -6,6 +6,7 @@ run. The namespaces are created and deleted here; traffic goes only to the addre
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -146,7 +147,7 @@ def test_two_machines_with_their_own_addresses_survive_a_cut_link(two_machines, 
     print(
         f"\nlink cut after step 5: both machines ended {ended_s:.1f} s later (--timeout-s 10); resumed from "
         f"{[line for line in logs[0].splitlines() if 'resumed from' in line][0].split(': ')[1]}",
-        file=__import__("sys").stderr,
+        file=sys.stderr,
     )
 
 
@@ -217,17 +218,20 @@ def test_doctor_on_two_machines_reports_all_well_or_one_line_per_problem(two_mac
 
     # the host name resolves to loopback on these machines (as on many clusters): without GLOO_SOCKET_IFNAME gloo
     # would listen there; each machine says so, naming its interface, before any rendezvous
+    reported: list[str] = []
     results = doctor_both(two_machines, tmp_path, name_interface=False)
     for rank, (code, out) in enumerate(results):
         lines = [line for line in out.splitlines() if line.startswith("doctor: ")]
         assert code != 0 and len(lines) == 1, out[-3000:]
         assert f"GLOO_SOCKET_IFNAME={two_machines['veths'][rank]}" in lines[0], lines
+        reported.append(lines[0])
 
     # machine 1 sees a folder of its own at --output-dir: checkpoints would not reach machine 0
     (code_0, out_0), _ = doctor_both(two_machines, tmp_path, private_dir=True)
     lines = [line for line in out_0.splitlines() if line.startswith("doctor: ")]
     assert code_0 == 1 and len(lines) == 1 and "rank 1: --output-dir" in lines[0], out_0[-3000:]
     assert "is not the folder rank 0" in lines[0]
+    reported.append(lines[0])
 
     # machine 1 has another ddp-accel installed (its metadata first on the path, as a stale install would be)
     other = tmp_path / "other_install" / "ddp_accel-9.9.9.dist-info"
@@ -237,4 +241,5 @@ def test_doctor_on_two_machines_reports_all_well_or_one_line_per_problem(two_mac
     (code_0, out_0), _ = doctor_both(two_machines, tmp_path, machine_1_env={"PYTHONPATH": pythonpath})
     lines = [line for line in out_0.splitlines() if line.startswith("doctor: ")]
     assert code_0 == 1 and len(lines) == 1 and "rank 1: ddp-accel 9.9.9, where rank 0" in lines[0], out_0[-3000:]
+    print("\n" + "\n".join(reported), "\n" + lines[0], file=sys.stderr)
     assert time.monotonic() - started < 150
