@@ -122,11 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--output-dir", help="the folder training will write to: is it shared, is there room")
     doctor.add_argument("--timeout-s", type=positive, default=30.0, help="how long to wait for the others")
     doctor.add_argument("--megabytes", type=positive_int, default=64, help="the all-reduce that measures bandwidth")
+    doctor.add_argument("--data", help="a data file or folder: is it the same on every machine")
     args = parser.parse_args(argv)
     if args.command == "doctor":
         from ddp_accel.doctor import run  # imports torch: not for check-config
 
-        return run(args.output_dir, args.timeout_s, args.megabytes)
+        return run(args.output_dir, args.timeout_s, args.megabytes, args.data)
     failed = False
     for path in args.files:
         try:

@@ -6,14 +6,15 @@
 Every process checks what it can alone (the rendezvous address resolves and answers, the address its backend will
 use), then joins the group with a short timeout and measures an all-reduce of a small tensor (latency) and of a
 large one (bandwidth). Rank 0 then compares what every process reports: the versions of Python, torch, accelerate
-and ddp_accel, whether the output dir is the same folder on every machine (checkpoints need that), free disk, and
-the clocks. One line per problem, naming the host and what to set; a table when all is well. Exit status 0 when
-all is well, 1 when a problem was found.
+and ddp_accel, whether the output dir is the same folder on every machine (checkpoints need that), free disk, the
+clocks, and with `--data PATH` the data each machine has there. One line per problem, naming the host and what to
+set; a table when all is well. Exit status 0 when all is well, 1 when a problem was found.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import platform
 import secrets
@@ -48,6 +49,7 @@ class Report:
     clock: float = 0.0
     latency_ms: float | None = None
     bandwidth_mb_s: float | None = None
+    data: str | None = None  # data_fingerprint of --data on this machine
 
 
 def versions() -> dict[str, str]:
@@ -58,6 +60,24 @@ def versions() -> dict[str, str]:
         except PackageNotFoundError:
             found[package] = "not installed"
     return found
+
+
+def data_fingerprint(path: str) -> str:
+    """What this machine has at `path`, comparable between copies: a folder by its files' relative paths and
+    sizes (not their times, which differ between copies), a file by its content."""
+    root = Path(path)
+    digest = hashlib.sha256()
+    if root.is_file():
+        with open(root, "rb") as file:
+            for block in iter(lambda: file.read(1 << 20), b""):
+                digest.update(block)
+        return f"file of {root.stat().st_size:,} bytes, sha256 {digest.hexdigest()[:16]}"
+    if not root.is_dir():
+        return "missing"
+    files = sorted((str(item.relative_to(root)), item.stat().st_size) for item in root.rglob("*") if item.is_file())
+    for name, size in files:
+        digest.update(f"{name}\0{size}\n".encode())
+    return f"{len(files):,} files, {sum(size for _, size in files):,} bytes, listing {digest.hexdigest()[:16]}"
 
 
 def route_to(address: str, port: int) -> tuple[str, str]:
@@ -149,10 +169,18 @@ def measure(report: Report, megabytes: int) -> None:
     report.bandwidth_mb_s = 3 * megabytes / (time.perf_counter() - started)
 
 
-def compare(reports: list[Report], output_dir: str | None) -> list[str]:
+def compare(reports: list[Report], output_dir: str | None, data: str | None = None) -> list[str]:
     """Rank 0's view: what differs between the processes."""
     problems = []
     reference = reports[0]
+    for report in reports:
+        if data is not None and report.data != reference.data:
+            problems.append(
+                f"host {report.host}, rank {report.rank}: --data {data} is {report.data} there, {reference.data} on "
+                f"rank 0 ({reference.host}): copy the same data to every machine"
+            )
+        elif data is not None and report.data == "missing":
+            problems.append(f"host {report.host}, rank {report.rank}: --data {data} does not exist there")
     for report in reports[1:]:
         differs = {k: v for k, v in report.versions.items() if reference.versions.get(k) != v}
         if differs:
@@ -200,7 +228,7 @@ def table(reports: list[Report]) -> str:
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
 
 
-def run(output_dir: str | None, timeout_s: float, megabytes: int) -> int:
+def run(output_dir: str | None, timeout_s: float, megabytes: int, data: str | None = None) -> int:
     env, host = dict(os.environ), socket.gethostname()
     rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
     problems = precheck(env, host, timeout_s)
@@ -209,6 +237,7 @@ def run(output_dir: str | None, timeout_s: float, megabytes: int) -> int:
             print(f"doctor: {line}", file=sys.stderr, flush=True)
         return 1
     report = Report(rank=rank, host=host, local_rank=int(env.get("LOCAL_RANK", "0")), versions=versions())
+    report.data = data_fingerprint(data) if data else None
     report.address, report.interface = route_to(
         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500"))
     )
@@ -249,7 +278,7 @@ def run(output_dir: str | None, timeout_s: float, megabytes: int) -> int:
     reports = sorted((Report(**item) for item in gathered), key=lambda item: item.rank)
     if marker is not None and rank == 0:
         marker.unlink(missing_ok=True)
-    problems = compare(reports, output_dir)
+    problems = compare(reports, output_dir, data)
     if rank == 0:
         for line in problems:
             print(f"doctor: {line}", file=sys.stderr, flush=True)

@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import subprocess
 import time
 
@@ -9,13 +10,16 @@ import pytest
 from conftest import BIN, ROOT, free_port
 
 from ddp_accel.__main__ import main
-from ddp_accel.doctor import Report, compare, loopback_problem
+from ddp_accel.doctor import Report, compare, data_fingerprint, loopback_problem
 
 
 @pytest.mark.multiprocess
 def test_two_processes_all_well_print_a_table_and_exit_0(tmp_path):
     command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port())]
+    (tmp_path / "data" / "cat").mkdir(parents=True)
+    (tmp_path / "data" / "cat" / "1.jpg").write_bytes(b"x" * 10)
     command += ["-m", "ddp_accel", "doctor", "--output-dir", str(tmp_path / "out"), "--megabytes", "8"]
+    command += ["--data", str(tmp_path / "data")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
@@ -76,3 +80,20 @@ def test_what_differs_between_machines_is_one_line_each():
     assert any("host b: 1.0 GB free" in line for line in lines), lines
     assert any("host b: its clock is +5.0 s from rank 0's" in line for line in lines), lines
     assert compare(reports[:1], "/shared/run") == []
+
+
+@pytest.mark.inprocess
+def test_data_that_differs_between_machines_is_one_line(tmp_path):
+    (tmp_path / "a" / "cat").mkdir(parents=True)
+    (tmp_path / "a" / "cat" / "1.jpg").write_bytes(b"x" * 10)
+    copy = tmp_path / "b"
+    shutil.copytree(tmp_path / "a", copy)
+    os.utime(copy / "cat" / "1.jpg", (1, 1))  # a copy has other file times: the same data
+    assert data_fingerprint(str(tmp_path / "a")) == data_fingerprint(str(copy))
+    (copy / "cat" / "2.jpg").write_bytes(b"y")
+    reports = [
+        Report(rank=0, host="a", data=data_fingerprint(str(tmp_path / "a"))),
+        Report(rank=1, host="b", data=data_fingerprint(str(copy))),
+    ]
+    lines = compare(reports, None, "/data/cifar")
+    assert len(lines) == 1 and "host b, rank 1: --data /data/cifar is 2 files, 11 bytes" in lines[0], lines
