@@ -32,6 +32,7 @@ import multiprocessing.spawn
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
@@ -174,10 +175,23 @@ def batches(loader: Any) -> Iterator[Iterator[Any]]:
         shutdown_workers(loader)
         # torch ends a worker that does not stop in time with SIGTERM, which ours ignore: a worker stuck in the
         # dataset would otherwise outlive its loader and hang the interpreter's exit
-        for child in set(multiprocessing.active_children()) - running_before:
-            if child.daemon:
-                child.kill()
-                child.join(1)
+        leftovers = [child for child in set(multiprocessing.active_children()) - running_before if child.daemon]
+        if leftovers:
+            _kill_quietly(leftovers)
+
+
+def _kill_quietly(workers: list[Any]) -> None:
+    """SIGKILL `workers` without torch's SIGCHLD handler taking their deaths for a failure of a loader still
+    registered (an iterator that an exception left behind: its own shutdown comes when it is collected)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL) if main_thread else None
+    try:
+        for worker in workers:
+            worker.kill()
+            worker.join(1)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGCHLD, previous)
 
 
 def _iterate(loader: Any) -> Generator[Any, None, None]:

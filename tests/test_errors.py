@@ -236,8 +236,12 @@ def test_check_config_refuses_invalid_values(tmp_path, content, fragment):
     assert_clean_error(check_config(tmp_path), "is a directory")
 
 
+@pytest.mark.parametrize("start", ["forkserver", "fork"])
 @inprocess
-def test_an_unreadable_image_in_a_dataloader_worker_is_one_line(tmp_path):
+def test_an_unreadable_image_in_a_dataloader_worker_is_one_line(tmp_path, monkeypatch, start):
+    # fork: what a dataset that cannot be pickled, a notebook or DDP_ACCEL_WORKER_START=fork gets; the forked
+    # worker left behind by the error is killed without torch's SIGCHLD handler calling that a crash
+    monkeypatch.setenv("DDP_ACCEL_WORKER_START", start)
     from test_imagenet import make_image_folder
 
     data = make_image_folder(tmp_path / "images", classes=3, train=2, val=1)

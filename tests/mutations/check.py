@@ -93,7 +93,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "resume_compares_raw_step_numbers": (
         "ddp_accel/training.py",
-        "        saved_step, state.step = state.step, state.epoch * self.steps_per_epoch + skip // self.accumulation",
+        "        saved_step, state.step = state.step, state.epoch * self.steps_per_epoch + done",
         "        saved_step = state.step",
     ),
     "identity_options_not_compared": (
