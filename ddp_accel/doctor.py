@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ddp_accel.identity import file_sha256
+
 CLOCK_SKEW_S = 2.0
 LOW_DISK_GB = 5.0
 
@@ -66,15 +68,12 @@ def data_fingerprint(path: str) -> str:
     """What this machine has at `path`, comparable between copies: a folder by its files' relative paths and
     sizes (not their times, which differ between copies), a file by its content."""
     root = Path(path)
-    digest = hashlib.sha256()
     if root.is_file():
-        with open(root, "rb") as file:
-            for block in iter(lambda: file.read(1 << 20), b""):
-                digest.update(block)
-        return f"file of {root.stat().st_size:,} bytes, sha256 {digest.hexdigest()[:16]}"
+        return f"file of {root.stat().st_size:,} bytes, sha256 {file_sha256(root)[:16]}"
     if not root.is_dir():
         return "missing"
     files = sorted((str(item.relative_to(root)), item.stat().st_size) for item in root.rglob("*") if item.is_file())
+    digest = hashlib.sha256()
     for name, size in files:
         digest.update(f"{name}\0{size}\n".encode())
     return f"{len(files):,} files, {sum(size for _, size in files):,} bytes, listing {digest.hexdigest()[:16]}"

@@ -37,17 +37,22 @@ def source_fingerprint(source: str | Path | None) -> str | None:
         return None
     path = Path(source)
     if path.is_file():
-        digest = hashlib.sha256()
-        with open(path, "rb") as file:
-            for block in iter(lambda: file.read(1 << 20), b""):
-                digest.update(block)
-        return f"file sha256:{digest.hexdigest()[:24]}"
+        return f"file sha256:{file_sha256(path)[:24]}"
     if path.is_dir():
         digest = hashlib.sha256()
         for entry in sorted(_walk(path)):
             digest.update(repr(entry).encode())
         return f"folder {digest.hexdigest()[:24]}"
     return str(source)
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's content, read in blocks of 1 MiB."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _walk(root: Path) -> Iterable[tuple[str, int, int]]:

@@ -41,6 +41,12 @@ from ddp_accel.stopping import PREEMPTION_SIGNALS
 
 WORKER_START_VARIABLE = "DDP_ACCEL_WORKER_START"
 WORKER_START_METHODS = ("forkserver", "fork", "spawn")
+# the forkserver's environment is the training process's at its start: these tell ddp_accel.worker_server what to
+# import; WORKER_SERVER_VARIABLE is set there, and tells the workers they came from it
+FORKSERVER_MAIN_VARIABLE = "DDP_ACCEL_FORKSERVER_MAIN"
+FORKSERVER_MAIN_MODULE_VARIABLE = "DDP_ACCEL_FORKSERVER_MAIN_MODULE"
+FORKSERVER_SYS_PATH_VARIABLE = "DDP_ACCEL_FORKSERVER_SYS_PATH"
+WORKER_SERVER_VARIABLE = "DDP_ACCEL_WORKER_SERVER"
 
 
 def _ignore_preemption(user_init: Callable[[int], None] | None, worker_id: int) -> None:
@@ -51,7 +57,7 @@ def _ignore_preemption(user_init: Callable[[int], None] | None, worker_id: int) 
     signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPTION_SIGNALS)
     # what the worker inherited stays out of garbage collections, which would copy every page of it
     gc.freeze()
-    if os.environ.get("DDP_ACCEL_WORKER_SERVER"):  # our forkserver turned the collector off (worker_server)
+    if os.environ.get(WORKER_SERVER_VARIABLE):  # our forkserver turned the collector off (worker_server)
         gc.enable()
     if user_init is not None:
         user_init(worker_id)
@@ -103,10 +109,10 @@ def worker_context(loader: Any) -> multiprocessing.context.BaseContext:
     if method == "forkserver" and not _forkserver_running():
         multiprocessing.forkserver.set_forkserver_preload(_modules_for(loader))
         main = multiprocessing.spawn.get_preparation_data("ignore")
-        start_with = {  # the forkserver's environment is this process's at its start (worker_server reads them)
-            "DDP_ACCEL_FORKSERVER_MAIN": main.get("init_main_from_path", ""),
-            "DDP_ACCEL_FORKSERVER_MAIN_MODULE": main.get("init_main_from_name", ""),
-            "DDP_ACCEL_FORKSERVER_SYS_PATH": json.dumps(sys.path),
+        start_with = {
+            FORKSERVER_MAIN_VARIABLE: main.get("init_main_from_path", ""),
+            FORKSERVER_MAIN_MODULE_VARIABLE: main.get("init_main_from_name", ""),
+            FORKSERVER_SYS_PATH_VARIABLE: json.dumps(sys.path),
         }
         os.environ.update(start_with)
         try:
@@ -119,9 +125,9 @@ def worker_context(loader: Any) -> multiprocessing.context.BaseContext:
 
 def _forkserver_refusal(loader: Any) -> str | None:
     """Why `loader`'s workers cannot come from a forkserver; None when they can."""
-    things = (loader.dataset, loader.collate_fn, _user_init(loader))
+    things = _sent_to_workers(loader)
     main_name = multiprocessing.spawn.get_preparation_data("ignore").get("init_main_from_name", "")
-    in_main = any((getattr(thing, "__module__", None) or type(thing).__module__) == "__main__" for thing in things)
+    in_main = any(_module_of(thing) == "__main__" for thing in things)
     if in_main and main_name.endswith("__main__"):
         return f"the dataset or one of its functions is defined in {main_name}, which workers cannot import again"
     try:
@@ -140,9 +146,15 @@ def _warn_once(message: str) -> None:
     _warned.add(message)
 
 
-def _user_init(loader: Any) -> Any:
+def _sent_to_workers(loader: Any) -> tuple[Any, Any, Any]:
+    """What each worker receives: the dataset, the collate function and the user's init function."""
     init = loader.worker_init_fn
-    return init.args[0] if isinstance(init, functools.partial) and init.func is _ignore_preemption else init
+    user_init = init.args[0] if isinstance(init, functools.partial) and init.func is _ignore_preemption else init
+    return loader.dataset, loader.collate_fn, user_init
+
+
+def _module_of(thing: Any) -> str:
+    return getattr(thing, "__module__", None) or type(thing).__module__
 
 
 def _forkserver_running() -> bool:
@@ -154,8 +166,8 @@ def _modules_for(loader: Any) -> list[str]:
     """What a worker unpickles its dataset, collate and init functions from, imported once in the forkserver instead
     of in every worker (torch alone takes seconds); `ddp_accel.worker_server` also imports the training script."""
     modules = ["ddp_accel.worker_server", "torch"]
-    for thing in (loader.dataset, loader.collate_fn, _user_init(loader)):
-        module = getattr(thing, "__module__", None) or type(thing).__module__
+    for thing in _sent_to_workers(loader):
+        module = _module_of(thing)
         if module and module not in modules and module != "builtins" and not module.startswith("__"):
             modules.append(module)
     return modules

@@ -481,7 +481,7 @@ class TrainingRun:
         )
         self.signals.enter(phase)
         state.eval_pending, state.last_eval_step, state.eval_metrics = False, state.step, metrics
-        with self.slow_on_main("logging to the trackers"):  # a slow tracker server is not a hang
+        with self.slow_on_main("logging to the trackers", self.tracking.active):  # a slow tracker server is not a hang
             self.tracking.log(metrics, state.step)
         self.accelerator.print(f"step {state.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in numbers(metrics).items()))
         self.history.record(self.accelerator, state.step, state.step / self.steps_per_epoch, state.last_loss, metrics)
@@ -543,16 +543,17 @@ class TrainingRun:
             postfix["skipped"] = skipped
         if self.progress is not None:
             self.progress.set_postfix(postfix, refresh=self.interactive)  # a log file: a line per 30 s
-        with self.slow_on_main("logging to the trackers"):
+        with self.slow_on_main("logging to the trackers", self.tracking.active):
             self.tracking.log(logs, state.step)
 
     @contextmanager
-    def slow_on_main(self, what: str) -> Iterator[None]:
+    def slow_on_main(self, what: str, happens: bool = True) -> Iterator[None]:
         """Work that may take long on the main process only (a tracker server, a file on a slow disk): every rank
-        waits for it under the watchdog's generous bound, not in the next step's all-reduce under the short one."""
+        waits for it under the watchdog's generous bound, not in the next step's all-reduce under the short one.
+        `happens`: whether there is such work at all (the same on every rank)."""
         with self.watchdog.activity(what):
             yield
-            if self.accelerator.num_processes > 1 and (what != "logging to the trackers" or self.tracking.active):
+            if happens and self.accelerator.num_processes > 1:
                 self.accelerator.wait_for_everyone()
 
     # --- checkpoints and stops ---

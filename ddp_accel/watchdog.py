@@ -51,7 +51,7 @@ class ProgressWatchdog:
         self.last_what = "start"
         self.slowest = 0.0  # the longest interval between two beats so far
         self.beats = 0
-        self.long_activity: str | None = None  # a checkpoint save, the commit: the generous bound
+        self.long_activity: str | None = None  # a checkpoint save, the trackers, the best model: the generous bound
         self.fired = threading.Event()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
@@ -85,7 +85,8 @@ class ProgressWatchdog:
 
     @contextlib.contextmanager
     def activity(self, what: str) -> Iterator[None]:
-        """Work that may take long once (a checkpoint save, the commit): watched with the generous bound."""
+        """Work that may take long once in a while (a checkpoint save, the trackers): watched with the generous
+        bound."""
         previous, self.long_activity = self.long_activity, what
         try:
             yield
@@ -149,7 +150,7 @@ class ProgressWatchdog:
         innermost = f"{function} ({Path(filename).name}:{line})"
         if any("torch/utils/data" in name for name, _, _ in files):
             unstarted = [worker for worker in workers if worker.alive and not worker.started]
-            stuck = unstarted or [worker for worker in workers if worker.alive]
+            stuck = [worker for worker in workers if worker.alive]
             if unstarted:
                 return f"it waits for DataLoader worker pid {unstarted[0].pid}, which never started ({innermost})"
             if stuck:

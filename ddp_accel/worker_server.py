@@ -29,13 +29,13 @@ import os
 import signal
 import sys
 
+from ddp_accel.loaders import (
+    FORKSERVER_MAIN_MODULE_VARIABLE,
+    FORKSERVER_MAIN_VARIABLE,
+    FORKSERVER_SYS_PATH_VARIABLE,
+    WORKER_SERVER_VARIABLE,
+)
 from ddp_accel.stopping import PREEMPTION_SIGNALS
-
-# set by loaders.worker_context for the forkserver's start only; the first is set here, for the workers
-WORKER_SERVER_VARIABLE = "DDP_ACCEL_WORKER_SERVER"
-MAIN_PATH_VARIABLE = "DDP_ACCEL_FORKSERVER_MAIN"
-MAIN_NAME_VARIABLE = "DDP_ACCEL_FORKSERVER_MAIN_MODULE"
-SYS_PATH_VARIABLE = "DDP_ACCEL_FORKSERVER_SYS_PATH"
 
 signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
 PR_SET_PDEATHSIG = 1
@@ -44,8 +44,9 @@ if sys.platform.startswith("linux"):  # had the training process died already, m
 os.environ[WORKER_SERVER_VARIABLE] = "1"
 gc.disable()
 
-_main_path, _main_name = os.environ.pop(MAIN_PATH_VARIABLE, ""), os.environ.pop(MAIN_NAME_VARIABLE, "")
-_sys_path = os.environ.pop(SYS_PATH_VARIABLE, "")
+_main_path = os.environ.pop(FORKSERVER_MAIN_VARIABLE, "")
+_main_name = os.environ.pop(FORKSERVER_MAIN_MODULE_VARIABLE, "")
+_sys_path = os.environ.pop(FORKSERVER_SYS_PATH_VARIABLE, "")
 if _sys_path:
     sys.path[:] = json.loads(_sys_path)
 if _main_path or _main_name:

@@ -71,13 +71,9 @@ def two_machines():
             subprocess.run(["ip", "netns", "del", space], capture_output=True)  # deletes the veth pair too
 
 
-def start_machine(machines, rank: int, output_dir: Path, port: int, log: Path) -> subprocess.Popen:
-    space, veth = machines["namespaces"][rank], machines["veths"][rank]
-    command = [
-        "ip",
-        "netns",
-        "exec",
-        space,
+def accelerate_launch(machines, rank: int, port: int, *target: str) -> list[str]:
+    """`accelerate launch` with the multi-node YAML, as machine `rank`, the rendezvous on machine 0's address."""
+    return [
         str(BIN / "accelerate"),
         "launch",
         "--config_file",
@@ -88,7 +84,18 @@ def start_machine(machines, rank: int, output_dir: Path, port: int, log: Path) -
         machines["address"],
         "--main_process_port",
         str(port),
-        str(ROOT / "tests" / "probe.py"),
+        *target,
+    ]
+
+
+def start_machine(machines, rank: int, output_dir: Path, port: int, log: Path) -> subprocess.Popen:
+    space, veth = machines["namespaces"][rank], machines["veths"][rank]
+    command = [
+        "ip",
+        "netns",
+        "exec",
+        space,
+        *accelerate_launch(machines, rank, port, str(ROOT / "tests" / "probe.py")),
         *PROBE_ARGS,
         "--output-dir",
         str(output_dir),
@@ -162,27 +169,10 @@ def doctor_on(
 ):
     """`ddp-accel doctor` on one machine, under accelerate launch with the multi-node YAML; `private_dir`: the output
     dir is a folder of this machine only (a mount namespace with its own tmpfs there)."""
-    launch_doctor = [
-        str(BIN / "accelerate"),
-        "launch",
-        "--config_file",
-        str(MULTI_NODE_YAML),
-        "--machine_rank",
-        str(rank),
-        "--main_process_ip",
-        machines["address"],
-        "--main_process_port",
-        str(port),
-        "-m",
-        "ddp_accel",
-        "doctor",
-        "--output-dir",
-        str(output_dir),
-        "--timeout-s",
-        "20",
-        "--megabytes",
-        "4",
-    ]
+    launch_doctor = accelerate_launch(
+        machines, rank, port, "-m", "ddp_accel", "doctor", "--output-dir", str(output_dir)
+    )
+    launch_doctor += ["--timeout-s", "20", "--megabytes", "4"]
     inner = launch_doctor
     if private_dir:
         quoted = " ".join(f"'{part}'" for part in launch_doctor)
