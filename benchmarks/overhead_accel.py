@@ -10,7 +10,7 @@ import torch
 from overhead_task import build_task
 from torch.utils.data import DataLoader
 
-from ddp_accel import ArgumentParser, TrainConfig, add_training_args, fit, run_main
+from ddp_accel import ArgumentParser, Task, TrainConfig, add_training_args, fit, make_accelerator, run_main
 
 
 def main() -> None:
@@ -20,11 +20,11 @@ def main() -> None:
     parser.set_defaults(output_dir="outputs/bench_overhead", epochs=2, batch_size=64, max_grad_norm=1.0, log_steps=50)
     args = parser.parse_args()
     config = TrainConfig.from_args(args)
-    accelerator = config.make_accelerator()
+    accelerator = make_accelerator(config)
     model, dataset, loss_fn = build_task(args.task, hidden=args.hidden)
     loader = DataLoader(dataset, batch_size=config.batch_size, shuffle=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    metrics = fit(accelerator, config, model, optimizer, loader, loss_fn)
+    metrics = fit(accelerator, config, Task(model, optimizer, loader, loss_fn))
     accelerator.print(
         json.dumps(
             {

@@ -1,4 +1,6 @@
-"""Crash-safe checkpoints: full `save_state` written aside, then renamed into place."""
+"""Checkpoints, owned by one type (`Checkpoints`): when to save, crash-safe writing (the full `save_state` written
+aside, then renamed into place), which are complete, which is latest, rotation, and loading under the run's
+identity."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from accelerate import Accelerator
 from ddp_accel.errors import UserError
 from ddp_accel.files import finite_or_null, writing
 from ddp_accel.identity import compare_identity
-from ddp_accel.state import TrainState
+from ddp_accel.state import RunIdentity, TrainState
 
 TRAINING_STATE = "training_state.json"  # TrainState.state_dict(), written last: a checkpoint without it is incomplete
 FILE_LIST = "files.json"  # the name and size of every file of the checkpoint
@@ -49,9 +51,10 @@ def training_progress(path: Path) -> tuple[float, float]:
     """(epoch, samples seen in it) of a checkpoint; one whose training_state.json cannot be read sorts as the
     newest, so that `latest` reports it as damaged rather than passing over it."""
     try:
-        state = read_training_state(path)
-        return float(state["epoch"]), float(state["samples_in_epoch"])
-    except (OSError, ValueError, KeyError, TypeError):
+        progress = TrainState()
+        progress.load_state_dict(read_training_state(path))
+        return float(progress.epoch), float(progress.samples_in_epoch)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return math.inf, math.inf
 
 
@@ -91,12 +94,19 @@ def read_training_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def save_checkpoint(accelerator: Accelerator, root: Path, state: TrainState, limit: int | None = None) -> Path:
+def training_state_json(progress: TrainState, identity: RunIdentity) -> dict[str, Any]:
+    """What training_state.json holds: where training is, and who the run is."""
+    return finite_or_null({**progress.state_dict(), **identity.state_dict()})
+
+
+def save_checkpoint(
+    accelerator: Accelerator, root: Path, state: TrainState, identity: RunIdentity, limit: int | None = None
+) -> Path:
     """Every process calls this (save_state is collective). Returns the final folder.
 
     The state goes to `.tmp_step_N` first; the main process writes the list of its files and then
-    training_state.json (`state.state_dict()`), and renames it to `step_N` only after every rank wrote its part,
-    so a crash mid-save leaves no folder that `latest` would pick up.
+    training_state.json, and renames it to `step_N` only after every rank wrote its part, so a crash mid-save
+    leaves no folder that `latest` would pick up.
     """
     final, partial = root / f"step_{state.step}", root / f".tmp_step_{state.step}"
     if accelerator.is_main_process:
@@ -109,7 +119,7 @@ def save_checkpoint(accelerator: Accelerator, root: Path, state: TrainState, lim
             # what the checkpoint holds, checked on load (names and sizes: cheap inside a preemption's grace period)
             files = {str(f.relative_to(partial)): f.stat().st_size for f in sorted(partial.rglob("*")) if f.is_file()}
             (partial / FILE_LIST).write_text(json.dumps(files, indent=1))
-            (partial / TRAINING_STATE).write_text(json.dumps(finite_or_null(state.state_dict()), indent=2))
+            (partial / TRAINING_STATE).write_text(json.dumps(training_state_json(state, identity), indent=2))
             if final.exists():
                 shutil.rmtree(final)
             partial.rename(final)
@@ -145,28 +155,67 @@ def checkpoint_problem(accelerator: Accelerator, path: Path) -> str | None:
     return problem
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path, state: TrainState) -> list[str]:
-    """Load the checkpoint at `path` into the prepared objects and `state` (whose fingerprint and identity are this
-    run's: a checkpoint of another model or run is refused). Returns warnings to show."""
+def load_checkpoint(
+    accelerator: Accelerator, path: Path, identity: RunIdentity, state: TrainState | None = None
+) -> list[str]:
+    """Load the checkpoint at `path` into the prepared objects and `state`, when the checkpoint is of this run's
+    `identity` (a checkpoint of another model or run is refused). Returns warnings to show."""
     problem = checkpoint_problem(accelerator, path)
     if problem:
         raise UserError(f"checkpoint {path} is damaged ({problem}); resume another step_N folder or 'latest'")
     saved = read_training_state(path)
-    if saved.get("model_fingerprint") != state.model_fingerprint:
+    if saved.get("model_fingerprint") != identity.model_fingerprint:
         raise UserError(
             f"checkpoint {path} was written by another model ({saved.get('model_fingerprint')}, "
-            f"this run builds {state.model_fingerprint}); resume with the same model options or use a new --output-dir."
+            f"this run builds {identity.model_fingerprint}); resume with the same model options or use a new "
+            "--output-dir."
         )
-    warning = compare_identity(saved.get("identity"), state.identity, f"checkpoint {path}") if state.identity else None
+    warning = (
+        compare_identity(saved.get("identity"), identity.identity, f"checkpoint {path}") if identity.identity else None
+    )
     try:
         accelerator.load_state(str(path))
     except (RuntimeError, FileNotFoundError, KeyError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserError(f"cannot load checkpoint {path}: {first_line}") from None
-    identity = state.identity
-    state.load_state_dict(saved)
-    state.identity = identity
+    if state is not None:
+        state.load_state_dict(saved)
     return [warning] if warning else []
+
+
+class Checkpoints:
+    """The checkpoints of one run, in OUTPUT_DIR/checkpoints: the policy (every N optimizer steps or at each
+    epoch's end, keep the newest `limit`), writing, which are complete, which is latest, and loading. Every rank
+    holds one and calls its collective methods (save, resolve, load) together."""
+
+    def __init__(self, accelerator: Accelerator, root: Path, every: int | str | None = None, limit: int | None = None):
+        self.accelerator, self.root, self.every, self.limit = accelerator, root, every, limit
+
+    def due_at_step(self, step: int) -> bool:
+        return isinstance(self.every, int) and step % self.every == 0
+
+    def due_at_epoch_end(self) -> bool:
+        return self.every == "epoch"
+
+    def complete(self) -> list[Path]:
+        return complete_checkpoints(self.root)
+
+    def holds(self, state: TrainState, identity: RunIdentity) -> bool:
+        """Whether step_N of this state was saved with exactly this state (a stop right after a save)."""
+        path = self.root / f"step_{state.step}" / TRAINING_STATE
+        try:
+            return json.loads(path.read_text()) == json.loads(json.dumps(training_state_json(state, identity)))
+        except (OSError, ValueError):
+            return False
+
+    def save(self, state: TrainState, identity: RunIdentity) -> Path:
+        return save_checkpoint(self.accelerator, self.root, state, identity, limit=self.limit)
+
+    def resolve(self, value: str | None) -> Path | None:
+        return resolve_resume(value, self.root, self.accelerator)
+
+    def load(self, path: Path, state: TrainState, identity: RunIdentity) -> list[str]:
+        return load_checkpoint(self.accelerator, path, identity, state)
 
 
 def strip_module_prefix(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

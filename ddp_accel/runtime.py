@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,9 +21,12 @@ import torch.distributed as dist
 from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
+from ddp_accel.config import TrainConfig
 from ddp_accel.errors import UserError
 from ddp_accel.loaders import kill_leftover_workers
-from ddp_accel.stopping import PEER_STOPPED_EXIT_CODE, PREEMPTED_EXIT_CODE, Preempted, StopSignals
+from ddp_accel.run_folder import RunFolder
+from ddp_accel.stopping import PEER_STOPPED_EXIT_CODE, PREEMPTED_EXIT_CODE, Phase, Preempted, StopSignals
+from ddp_accel.tracking import make_trackers, tracker_names
 
 
 def _cache_per_step_package_probe() -> None:
@@ -52,7 +56,6 @@ def build_accelerator(
     output_dir: str | None = None,
     gradient_accumulation_steps: int = 1,
     mixed_precision: str | None = None,
-    with_tracking: bool = False,
     log_with: Any = None,
     timeout_s: int = 600,
     find_unused_parameters: bool = False,
@@ -77,7 +80,7 @@ def build_accelerator(
         cpu=cpu,
         mixed_precision=mixed_precision,
         gradient_accumulation_steps=gradient_accumulation_steps,
-        log_with=log_with if log_with is not None else ("tensorboard" if with_tracking else None),
+        log_with=log_with,
         # trackers write to logging_dir/<project name>: OUTPUT_DIR/tensorboard
         project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=output_dir),
         # non_blocking: host-to-GPU copies of pinned batches overlap the previous step's compute
@@ -91,6 +94,33 @@ def build_accelerator(
     check_topology(accelerator)
     set_seed(seed)
     return accelerator
+
+
+def make_accelerator(
+    config: TrainConfig, signals: StopSignals | None = None, check_output_dir: bool = True, **kwargs: Any
+) -> Accelerator:
+    """The Accelerator of a run of `config`, after checking --output-dir (pass check_output_dir=False when not
+    training into it); `signals` (run_main's) then leave their marker there if a preemption stops the run before
+    training. A missing tracker package is one line here, before anything; the trackers start at the first log.
+    `kwargs`: more of build_accelerator's options (find_unused_parameters)."""
+    if check_output_dir:
+        RunFolder(config.output_dir).check(config.resume_from_checkpoint, config.overwrite_output_dir)
+    if signals is not None:
+        signals.set_output_dir(Path(config.output_dir))
+    trackers = make_trackers(
+        tracker_names(config.report_to, config.with_tracking),
+        config.output_dir,
+        resuming=config.resume_from_checkpoint is not None,
+    )
+    return build_accelerator(
+        seed=config.seed,
+        log_with=trackers or None,
+        output_dir=config.output_dir,
+        mixed_precision=config.mixed_precision,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        timeout_s=config.timeout_s,
+        **kwargs,
+    )
 
 
 def init_elastic_process_group(cpu: bool, timeout_s: int) -> None:
@@ -314,9 +344,9 @@ def run_main(main: Callable[..., Any]) -> None:
     try:
         signals.install()  # a signal that came during the imports is handled here: Preempted (nothing trained yet)
         main(signals) if inspect.signature(main).parameters else main()
-        signals.enter("done")
+        signals.enter(Phase.DONE)
     except UserError as error:
-        signals.enter("done")
+        signals.enter(Phase.DONE)
         message = f"error: {_one_line(error)}"
         if process_rank() == 0 or error.every_process:
             print(message, file=sys.stderr, flush=True)
@@ -324,18 +354,18 @@ def run_main(main: Callable[..., Any]) -> None:
         exit_code = 2
         error.__traceback__ = None  # drop frames holding models before teardown
     except Preempted as preempted:  # every rank saved its part of the checkpoint (or nothing was trained yet)
-        signals.enter("done")
-        if process_rank() == 0 or "before training started" in preempted.message:
+        signals.enter(Phase.DONE)
+        if process_rank() == 0 or preempted.facts.before_training:  # any rank may be the one signalled
             print(preempted.message, file=sys.stderr, flush=True)
         exit_code = PEER_STOPPED_EXIT_CODE if preempted.by_peer else PREEMPTED_EXIT_CODE
         preempted.__traceback__ = None
     except KeyboardInterrupt:
-        signals.enter("done")
+        signals.enter(Phase.DONE)
         if process_rank() == 0:
             print(f"\ninterrupted (Ctrl-C). {signals.resume_hint}", file=sys.stderr, flush=True)
         exit_code = 130
     except Exception as error:
-        signals.enter("done")
+        signals.enter(Phase.DONE)
         exit_code = 1
         if isinstance(error, OSError) and error.filename is not None:  # read-only, full, a file for a folder...
             message, exit_code = f"error: cannot write or read {error.filename}: {error.strerror}", 2

@@ -1,10 +1,33 @@
-"""Where training is: one object, saved as every checkpoint's `training_state.json` and loaded on resume."""
+"""Where training is (`TrainState`) and who the run is (`RunIdentity`): together they are every checkpoint's
+`training_state.json`, written by the checkpoint and read back on resume."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+
+@dataclass
+class RunIdentity:
+    """Who the run is: the model's fingerprint (class, parameter names and shapes) and `make_identity`'s options,
+    data fingerprints and versions. A checkpoint of another identity is refused, not loaded."""
+
+    model_fingerprint: str = ""
+    identity: dict[str, Any] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Rebase:
+    """A resume at another global batch or gradient accumulation: where this command continues."""
+
+    saved_step: int  # the step as the checkpoint counted it
+    saved_batch: int  # the checkpoint's global batch
+    skip: int  # batches of this command's global batch to skip in the epoch
+    leftover: int  # samples of the epoch seen before and seen again (a skip rounded down)
 
 
 @dataclass
@@ -17,21 +40,16 @@ class TrainState:
     batches_in_epoch: int = 0  # batches of `epoch` every rank consumed (micro-batches, with accumulation)
     global_batch: int = 0  # samples per batch over all processes
     world_size: int = 1
-    model_fingerprint: str = ""
     last_loss: float | None = None  # the last logged training loss (None before the first log)
     last_eval_step: int = -1  # the step of the last complete evaluation
     eval_metrics: dict[str, Any] = field(default_factory=dict)  # its metrics (metrics.json reports them at the end)
     eval_pending: bool = False  # a stop interrupted the evaluation due at `step`: run it first after resume
     best_metric: float | None = None  # the best value of fit's `best_metric` so far, and its step
     best_step: int | None = None
-    identity: dict[str, Any] = field(default_factory=dict)  # what shaped model and data (ddp_accel.identity)
 
     @property
     def samples_in_epoch(self) -> int:
         return self.batches_in_epoch * self.global_batch
-
-    def loss_or_nan(self) -> float:
-        return math.nan if self.last_loss is None else self.last_loss
 
     def state_dict(self) -> dict[str, Any]:
         return {**asdict(self), "samples_in_epoch": self.samples_in_epoch}
@@ -46,3 +64,19 @@ class TrainState:
                 setattr(self, key, value)
         if not state.get("global_batch") and state.get("batches_in_epoch"):
             self.global_batch = state["samples_in_epoch"] // state["batches_in_epoch"]
+
+    def rebase(self, global_batch: int, world_size: int, batches_per_epoch: int, accumulation: int) -> Rebase:
+        """Continue with this command's global batch, world size and accumulation. The global sample order of an
+        epoch depends on neither the world size nor the batch size, so another global batch skips by samples; the
+        step is recounted from the position in the data (a last, partial accumulation group is a step), whatever
+        the checkpoint's own step counted."""
+        saved_batch, seen = self.global_batch or global_batch, self.samples_in_epoch
+        skip, leftover = divmod(seen, global_batch)
+        if saved_batch == global_batch:
+            skip, leftover = self.batches_in_epoch, 0
+        steps_per_epoch = math.ceil(batches_per_epoch / accumulation)
+        done = steps_per_epoch if skip >= batches_per_epoch else skip // accumulation
+        rebase = Rebase(self.step, saved_batch, skip, leftover)
+        self.step = self.epoch * steps_per_epoch + done
+        self.batches_in_epoch, self.global_batch, self.world_size = skip, global_batch, world_size
+        return rebase

@@ -18,13 +18,15 @@ lag); before a checkpoint or an evaluation the current step's result is awaited.
 
 from __future__ import annotations
 
+import enum
+import json
 import math
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -39,27 +41,83 @@ PEER_STOPPED_EXIT_CODE = 3
 PREEMPTED_MARKER = "preempted.json"  # in the output dir: the run stopped early; `phase` says where
 NO_CHECKPOINT_HINT = "No checkpoint was saved (--checkpointing-steps N saves every N steps)."
 
-PHASES = ("startup", "train", "eval", "final", "commit", "done")
+
+class Phase(enum.StrEnum):
+    """Where a run is; preempted.json records it (as its value)."""
+
+    STARTUP = "startup"
+    TRAIN = "train"
+    EVAL = "eval"
+    FINAL = "final"
+    COMMIT = "commit"
+    DONE = "done"
+
+
+@dataclass
+class StopFacts:
+    """What a preemption stop did: preempted.json holds these fields (and the time), and `Preempted` carries them."""
+
+    phase: Phase
+    signal: str | None
+    step: int | None = None  # None: stopped before training, nothing saved
+    checkpoint: str | None = None
+    save_s: float | None = None
+
+    @property
+    def before_training(self) -> bool:
+        return self.phase is Phase.STARTUP
+
+    def write(self, output_dir: Path) -> None:
+        """preempted.json: the one writer of the marker (the job script and the next run read it)."""
+        output_dir.mkdir(parents=True, exist_ok=True)
+        fields = {"phase": self.phase.value, "signal": self.signal, "step": self.step, "checkpoint": self.checkpoint}
+        write_json(
+            output_dir / PREEMPTED_MARKER,
+            {**fields, **({"save_s": self.save_s} if self.save_s is not None else {}), "time": time.time()},
+        )
+
+    @staticmethod
+    def last_save_s(output_dir: Path) -> float:
+        """The save time the last stop in `output_dir` recorded (0 if none or unreadable)."""
+        try:
+            return float(json.loads((output_dir / PREEMPTED_MARKER).read_text()).get("save_s") or 0)
+        except (OSError, ValueError, TypeError, AttributeError):
+            return 0.0
 
 
 class Preempted(BaseException):
     """Raised once the run stopped for a preemption signal (after every rank saved, when there was anything to
     save). A BaseException, so that `except Exception` in user code does not swallow it; run_main turns it into
-    PREEMPTED_EXIT_CODE."""
+    PREEMPTED_EXIT_CODE. `by_peer`: the signal reached another rank, not this one."""
 
-    def __init__(self, message: str, by_peer: bool = False):
-        super().__init__(message)
-        self.message, self.by_peer = message, by_peer
+    def __init__(self, facts: StopFacts, by_peer: bool = False):
+        self.facts, self.by_peer = facts, by_peer
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        facts = self.facts
+        if facts.before_training:
+            return (
+                f"preempted by {facts.signal} before training started: nothing to save; to start, run the same "
+                "command with --resume-from-checkpoint latest"
+            )
+        return (
+            f"preempted by {facts.signal} at step {facts.step} ({facts.phase}): checkpoint {facts.checkpoint} saved "
+            f"in {facts.save_s or 0:.2f} s; to continue, run the same command with --resume-from-checkpoint latest"
+        )
 
 
 class StopSignals:
     """The process's preemption state: the first signal received, the phase of the run, the output dir (for the
     marker) and the newest checkpoint (for the Ctrl-C hint). Created by `run_main` for the whole life of a script's
-    process; `fit` makes one of its own when called without it (notebooks)."""
+    process; `fit` makes one of its own when called without it and none is installed (notebooks)."""
+
+    current: ClassVar[StopSignals | None] = None  # the installed one: one per process
 
     def __init__(self) -> None:
         self.received: int | None = None
-        self.phase = "startup"
+        self.phase = Phase.STARTUP
         self.output_dir: Path | None = None
         self.resume_hint = NO_CHECKPOINT_HINT
         self._previous: dict[int, Any] = {}
@@ -70,6 +128,7 @@ class StopSignals:
                 self._previous[signum] = signal.signal(signum, self._handle)
             except ValueError:  # not the main thread (e.g. a debug launcher): no handler, no preemption stop
                 return self
+        StopSignals.current = self
         # the scripts block these signals before their imports: one that came meanwhile is handled now
         signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPTION_SIGNALS)
         return self
@@ -78,6 +137,8 @@ class StopSignals:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
+        if StopSignals.current is self:
+            StopSignals.current = None
 
     def __enter__(self) -> StopSignals:
         return self.install()
@@ -85,9 +146,8 @@ class StopSignals:
     def __exit__(self, *exc: object) -> None:
         self.uninstall()
 
-    def enter(self, phase: str) -> None:
-        assert phase in PHASES, phase
-        self.phase = phase
+    def enter(self, phase: Phase) -> None:
+        self.phase = Phase(phase)
 
     @property
     def name(self) -> str | None:
@@ -97,27 +157,21 @@ class StopSignals:
         self.received = self.received or signum
         # nothing trained, nothing to save: stop now, not after a long data preparation (once the marker's folder is
         # known: a signal during the imports or the argument parsing stops when the output dir is set)
-        if self.phase == "startup" and self.output_dir is not None:
+        if self.phase is Phase.STARTUP and self.output_dir is not None:
             self.stop_before_training()
 
     def set_output_dir(self, output_dir: Path) -> None:
         self.output_dir = output_dir
-        if self.phase == "startup" and self.received:
+        if self.phase is Phase.STARTUP and self.received:
             self.stop_before_training()
 
     def stop_before_training(self) -> None:
         """Leave the marker of a run stopped before its first step (any rank may: the signal may reach only one)
         and raise Preempted."""
+        facts = StopFacts(Phase.STARTUP, self.name)
         if self.output_dir is not None:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            write_json(
-                self.output_dir / PREEMPTED_MARKER,
-                {"phase": "startup", "signal": self.name, "step": None, "checkpoint": None, "time": time.time()},
-            )
-        raise Preempted(
-            f"preempted by {self.name} before training started: nothing to save; to start, run the same command "
-            "with --resume-from-checkpoint latest"
-        )
+            facts.write(self.output_dir)
+        raise Preempted(facts)
 
 
 @dataclass

@@ -24,21 +24,39 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from ddp_accel import ArgumentParser, TrainConfig, UserError, add_training_args, evaluate, fit, run_main
-from ddp_accel.checkpoint import load_checkpoint, model_fingerprint, resolve_resume
-from ddp_accel.cli import nonnegative, nonnegative_int, number, positive, positive_int, probability
-from ddp_accel.files import write_json
-from ddp_accel.identity import make_identity
-from ddp_accel.metrics import classification_metrics, classification_values
-from ddp_accel.runtime import check_memory
-from ddp_accel.state import TrainState
-from ddp_accel.stopping import StopSignals
-from ddp_accel.sync_bn import convert_sync_batchnorm
-from ddp_accel.vision.data import IMAGENET_MEAN, IMAGENET_STD, DeviceNormalize, SyntheticImages, image_folders
-from ddp_accel.vision.models import build_model, list_archs
+from ddp_accel import (
+    ArgumentParser,
+    RunRecord,
+    StopSignals,
+    Task,
+    TrainConfig,
+    UserError,
+    add_training_args,
+    check_memory,
+    classification_metrics,
+    classification_values,
+    cli,
+    convert_sync_batchnorm,
+    evaluate,
+    fit,
+    load_saved_weights,
+    load_weights_file,
+    make_accelerator,
+    make_identity,
+    run_main,
+    write_json,
+)
+from ddp_accel.vision import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    DeviceNormalize,
+    SyntheticImages,
+    build_model,
+    image_folders,
+    list_archs,
+)
 
 # what shapes the model and the data: a resume must use the same (ddp_accel.identity)
 IDENTITY_OPTIONS = ("arch", "image_size", "augment", "mean", "std", "dummy", "dummy_classes", "sync_bn")
@@ -54,14 +72,14 @@ def parse_args(argv=None):
         help="any torchvision classification model, or cifar_resnet9[_w16/24/32], cifar_resnet20/32/56",
     )
     parser.add_argument("--list-archs", action="store_true", help="print the architectures and exit")
-    parser.add_argument("-j", "--workers", type=nonnegative_int, default=4, help="DataLoader workers per process")
+    parser.add_argument("-j", "--workers", type=cli.nonnegative_int, default=4, help="DataLoader workers per process")
     parser.add_argument(
-        "-b", dest="batch_size", type=positive_int, default=argparse.SUPPRESS, help="= --batch-size (per process)"
+        "-b", dest="batch_size", type=cli.positive_int, default=argparse.SUPPRESS, help="= --batch-size (per process)"
     )
-    parser.add_argument("--momentum", type=probability, default=0.9, help="SGD momentum")
-    parser.add_argument("--wd", "--weight-decay", dest="weight_decay", type=nonnegative, default=1e-4)
+    parser.add_argument("--momentum", type=cli.probability, default=0.9, help="SGD momentum")
+    parser.add_argument("--wd", "--weight-decay", dest="weight_decay", type=cli.nonnegative, default=1e-4)
     parser.add_argument(
-        "-p", "--print-freq", dest="log_steps", type=positive_int, default=argparse.SUPPRESS, help="= --log-steps"
+        "-p", "--print-freq", dest="log_steps", type=cli.positive_int, default=argparse.SUPPRESS, help="= --log-steps"
     )
     parser.add_argument("--resume", help="= --resume-from-checkpoint (a checkpoint, 'latest'), or a .safetensors file")
     parser.add_argument("-e", "--evaluate", action="store_true", help="validate the --resume model and exit")
@@ -82,15 +100,15 @@ def parse_args(argv=None):
         help="step: x0.1 every --lr-step-epochs (main.py); cosine: to 0 at the end",
     )
     parser.add_argument(
-        "--lr-step-epochs", type=positive_int, default=30, help="step schedule: x0.1 every this many epochs"
+        "--lr-step-epochs", type=cli.positive_int, default=30, help="step schedule: x0.1 every this many epochs"
     )
-    parser.add_argument("--warmup-epochs", type=nonnegative, default=0.0, help="linear warmup from 0")
+    parser.add_argument("--warmup-epochs", type=cli.nonnegative, default=0.0, help="linear warmup from 0")
     parser.add_argument(
-        "--label-smoothing", type=probability, default=0.0, help="share of the target spread over all classes"
+        "--label-smoothing", type=cli.probability, default=0.0, help="share of the target spread over all classes"
     )
     parser.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster convs on GPUs)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
-    parser.add_argument("--image-size", type=positive_int, default=224, help="training and validation crop size")
+    parser.add_argument("--image-size", type=cli.positive_int, default=224, help="training and validation crop size")
     parser.add_argument(
         "--augment",
         choices=["imagenet", "cifar"],
@@ -98,11 +116,11 @@ def parse_args(argv=None):
         help="imagenet: RandomResizedCrop; cifar: pad-4 random crop (small images)",
     )
     parser.add_argument(
-        "--mean", type=number(float), nargs=3, default=list(IMAGENET_MEAN), help="per-channel normalisation"
+        "--mean", type=cli.number(float), nargs=3, default=list(IMAGENET_MEAN), help="per-channel normalisation"
     )
-    parser.add_argument("--std", type=positive, nargs=3, default=list(IMAGENET_STD))
+    parser.add_argument("--std", type=cli.positive, nargs=3, default=list(IMAGENET_STD))
     parser.add_argument("--dummy", action="store_true", help="synthetic images (throughput runs, no data needed)")
-    parser.add_argument("--dummy-classes", type=number(int, low=2), default=1000, help="--dummy: number of classes")
+    parser.add_argument("--dummy-classes", type=cli.number(int, low=2), default=1000, help="--dummy: number of classes")
     parser.add_argument(
         "--normalize-on",
         choices=["auto", "device", "loader"],
@@ -168,12 +186,13 @@ def lr_lambda(args, steps_per_epoch: int, total_steps: int):
     return factor
 
 
-def main(signals: StopSignals) -> None:
-    args = parse_args()
-    if args.list_archs:
-        print("\n".join(list_archs()))
-        return
-    config = TrainConfig.from_args(args, signals=signals)
+def identity_of(args, with_data: bool = True) -> dict:
+    """What shapes the model and the data (a resume must match it; an evaluation, all but the data)."""
+    sources = {"data": None if args.dummy else args.data} if with_data else {}
+    return make_identity({key: getattr(args, key) for key in IDENTITY_OPTIONS}, sources)
+
+
+def set_backends(args) -> None:
     if args.deterministic:  # pytorch/examples does this with --seed; here it is its own choice
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
@@ -181,60 +200,56 @@ def main(signals: StopSignals) -> None:
         torch.backends.cudnn.benchmark = True  # fixed image size: let cuDNN time its conv algorithms once
     if args.dummy:  # the classifier alone: up to 2048 features per class, with its gradient and momentum
         check_memory(args.dummy_classes * 2048 * 4 * 3, f"--dummy-classes {args.dummy_classes}")
-    accelerator = config.make_accelerator(check_output_dir=not args.evaluate)
-    train_set, val_set, classes = datasets_for(args)
+
+
+def make_model(args, accelerator, classes: list[str]) -> tuple[torch.nn.Module, int]:
+    """The model, and how many BatchNorm layers became SyncBatchNorm."""
     model = build_model(args.arch, len(classes), args.pretrained)
     sync_bn_layers = 0
     if args.sync_bn and accelerator.num_processes > 1:
         model, sync_bn_layers = convert_sync_batchnorm(model, accelerator.device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    if args.resume and args.resume.endswith(".safetensors"):
-        if not Path(args.resume).is_file():
-            raise UserError(f"--resume {args.resume}: no such file")
-        try:
-            weights = load_file(args.resume)
-        except Exception as error:  # safetensors' own error type: truncated or not a safetensors file
-            raise UserError(
-                f"--resume {args.resume}: not a readable .safetensors file ({str(error).splitlines()[0]})"
-            ) from None
-        try:
-            model.load_state_dict(weights)
-        except RuntimeError as error:
-            raise UserError(
-                f"--resume {args.resume} holds weights of another model than -a {args.arch} "
-                f"({str(error).splitlines()[1].strip() if len(str(error).splitlines()) > 1 else error})"
-            ) from None
+    return model, sync_bn_layers
+
+
+def evaluate_saved(args, accelerator, model, val_set, eval_fn, metrics_fn) -> None:
+    """-e: the --resume weights on the validation set, under the options they were trained with."""
+    if not args.resume:
+        raise UserError("--evaluate needs --resume (a checkpoint folder, 'latest', or model_best.safetensors)")
+    output_dir = Path(args.output_dir)
+    model = load_saved_weights(accelerator, model, args.resume, output_dir, identity_of(args, with_data=False))
+    metrics = evaluate(accelerator, model, accelerator.prepare(loader(val_set, args, False)), eval_fn, metrics_fn)
+    accelerator.print(
+        f"top1 {metrics['eval_top1']:.4f}"
+        + (f" top5 {metrics['eval_top5']:.4f}" if "eval_top5" in metrics else "")
+        + f" on {metrics['eval_samples']} images"
+    )
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        write_json(output_dir / "evaluate.json", metrics)
+
+
+def main(signals: StopSignals) -> None:
+    args = parse_args()
+    if args.list_archs:
+        print("\n".join(list_archs()))
+        return
+    config = TrainConfig.from_args(args)
+    set_backends(args)
+    accelerator = make_accelerator(config, signals, check_output_dir=not args.evaluate)
+    train_set, val_set, classes = datasets_for(args)
+    model, sync_bn_layers = make_model(args, accelerator, classes)
     model_input = DeviceNormalize(args.mean, args.std, args.channels_last)
     eval_fn = make_eval_fn(model_input)
 
     def metrics_fn(values):
         return classification_metrics(values, classes)
 
-    output_dir = Path(config.output_dir)
-
     if args.evaluate:
-        if not args.resume:
-            raise UserError("--evaluate needs --resume (a checkpoint folder, 'latest', or model_best.safetensors)")
-        model = accelerator.prepare(model)
-        if args.resume_from_checkpoint:  # a .safetensors file was loaded above
-            path = resolve_resume(args.resume_from_checkpoint, output_dir / "checkpoints", accelerator)
-            if path is None:
-                raise UserError(f"--evaluate --resume latest: no complete checkpoint in {output_dir / 'checkpoints'}")
-            load_checkpoint(
-                accelerator, path, TrainState(model_fingerprint=model_fingerprint(accelerator.unwrap_model(model)))
-            )
-        metrics = evaluate(accelerator, model, accelerator.prepare(loader(val_set, args, False)), eval_fn, metrics_fn)
-        accelerator.print(
-            f"top1 {metrics['eval_top1']:.4f}"
-            + (f" top5 {metrics['eval_top5']:.4f}" if "eval_top5" in metrics else "")
-            + f" on {metrics['eval_samples']} images"
-        )
-        if accelerator.is_main_process:
-            output_dir.mkdir(parents=True, exist_ok=True)
-            write_json(output_dir / "evaluate.json", metrics)
-        return
-
+        return evaluate_saved(args, accelerator, model, val_set, eval_fn, metrics_fn)
+    if args.resume and args.resume.endswith(".safetensors"):  # fine-tune from these weights
+        load_weights_file(model, Path(args.resume))
     if args.compile:
         model = torch.compile(model)
     optimizer = torch.optim.SGD(
@@ -250,6 +265,17 @@ def main(signals: StopSignals) -> None:
     def schedule(optimizer, total_steps, steps_per_epoch):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, steps_per_epoch, total_steps))
 
+    task = Task(
+        model,
+        optimizer,
+        loader(train_set, args, True),
+        loss_fn,
+        eval_loader=loader(val_set, args, False),
+        eval_fn=eval_fn,
+        metrics_fn=metrics_fn,
+        make_scheduler=schedule,
+        best_metric="eval_top1",  # model_best.safetensors, and best_top1 in metrics.json
+    )
     banner = {
         "arch": args.arch,
         "classes": len(classes),
@@ -261,25 +287,9 @@ def main(signals: StopSignals) -> None:
         "sync_bn_layers": sync_bn_layers,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
-    metrics = fit(
-        accelerator,
-        config,
-        model,
-        optimizer,
-        loader(train_set, args, True),
-        loss_fn,
-        eval_loader=loader(val_set, args, False),
-        eval_fn=eval_fn,
-        metrics_fn=metrics_fn,
-        make_scheduler=schedule,
-        best_metric="eval_top1",  # model_best.safetensors, and best_top1 in metrics.json
-        title="imagenet",
-        banner=banner,
-        identity=make_identity(
-            {key: getattr(args, key) for key in IDENTITY_OPTIONS}, {"data": None if args.dummy else args.data}
-        ),
-    )
-    accelerator.print(f"best top1 {metrics['best_top1']:.4f}; model_best.safetensors in {output_dir}")
+    record = RunRecord(title="imagenet", banner=banner, identity=identity_of(args))
+    metrics = fit(accelerator, config, task, record, signals=signals)
+    accelerator.print(f"best top1 {metrics['best_top1']:.4f}; model_best.safetensors in {config.output_dir}")
 
 
 if __name__ == "__main__":

@@ -27,17 +27,25 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ddp_accel import ArgumentParser, TrainConfig, UserError, add_training_args, fit, run_main
-from ddp_accel.cli import fraction, nonnegative, nonnegative_int, positive_int, probability
-from ddp_accel.identity import make_identity
-from ddp_accel.metrics import classification_values
-from ddp_accel.optim import Optimizers, SparseAdamW
-from ddp_accel.runtime import check_memory
-from ddp_accel.stopping import StopSignals
-from ddp_accel.text.models import KERNEL_SIZE, STRIDE, build_model
-from ddp_accel.text.pipeline import make_loader, prepare_text_data
-from ddp_accel.text.tokenizer import basic_english
-from ddp_accel.text.vocab import Vocab
+from ddp_accel import (
+    ArgumentParser,
+    Optimizers,
+    RunRecord,
+    SparseAdamW,
+    StopSignals,
+    Task,
+    TrainConfig,
+    UserError,
+    add_training_args,
+    check_memory,
+    classification_values,
+    cli,
+    fit,
+    make_accelerator,
+    make_identity,
+    run_main,
+)
+from ddp_accel.text import KERNEL_SIZE, STRIDE, Vocab, basic_english, build_model, make_loader, prepare_text_data
 
 RECIPE = dict(
     loss="bce",
@@ -74,20 +82,20 @@ def parse_args(argv=None):
     data.add_argument("--data-dir", help="the aclImdb folder of the Stanford tarball (train/, test/)")
     data.add_argument("--train-file", help="jsonl/csv/parquet with text and label columns")
     data.add_argument("--test-file", help="jsonl/csv/parquet evaluated at the end")
-    data.add_argument("--val-fraction", type=fraction, default=0.1, help="held out from the training data")
-    data.add_argument("--min-freq", type=positive_int, default=2, help="vocabulary: minimum token count")
-    data.add_argument("--max-vocab", type=positive_int, default=None, help="keep the most frequent words only")
-    data.add_argument("--max-length", type=positive_int, default=None, help="truncate reviews to this many tokens")
+    data.add_argument("--val-fraction", type=cli.fraction, default=0.1, help="held out from the training data")
+    data.add_argument("--min-freq", type=cli.positive_int, default=2, help="vocabulary: minimum token count")
+    data.add_argument("--max-vocab", type=cli.positive_int, default=None, help="keep the most frequent words only")
+    data.add_argument("--max-length", type=cli.positive_int, default=None, help="truncate reviews to this many tokens")
     data.add_argument("--cache-dir", default=None, help="encoded-data cache; default OUTPUT_DIR/cache")
-    data.add_argument("--workers", type=nonnegative_int, default=0, help="DataLoader worker processes")
+    data.add_argument("--workers", type=cli.nonnegative_int, default=0, help="DataLoader worker processes")
     model = parser.add_argument_group("model")
     model.add_argument("--model", choices=["bag", "gcnn"], default="bag")
-    model.add_argument("--dim", type=positive_int, default=64, help="embedding (and GCNN channel) size")
-    model.add_argument("--ngrams", type=positive_int, default=2, help="bag: 2 adds hashed bigrams (fastText)")
-    model.add_argument("--buckets", type=positive_int, default=1_000_000, help="bag: hash buckets for n-grams")
+    model.add_argument("--dim", type=cli.positive_int, default=64, help="embedding (and GCNN channel) size")
+    model.add_argument("--ngrams", type=cli.positive_int, default=2, help="bag: 2 adds hashed bigrams (fastText)")
+    model.add_argument("--buckets", type=cli.positive_int, default=1_000_000, help="bag: hash buckets for n-grams")
     model.add_argument("--pool", choices=["mean", "max"], default="max", help="gcnn: pooling over time")
-    model.add_argument("--kernel-size", type=positive_int, default=KERNEL_SIZE, help="gcnn: convolution width")
-    model.add_argument("--stride", type=positive_int, default=STRIDE, help="gcnn: convolution stride")
+    model.add_argument("--kernel-size", type=cli.positive_int, default=KERNEL_SIZE, help="gcnn: convolution width")
+    model.add_argument("--stride", type=cli.positive_int, default=STRIDE, help="gcnn: convolution stride")
     model.add_argument(
         "--sparse",
         choices=["auto", "on", "off"],
@@ -101,13 +109,13 @@ def parse_args(argv=None):
         default="on",
         help="bag: scale each n-gram by its naive-Bayes log-count ratio, fitted on the training part (NBSVM)",
     )
-    model.add_argument("--dropout", type=probability, default=0.0, help="share of activations zeroed in training")
+    model.add_argument("--dropout", type=cli.probability, default=0.0, help="share of activations zeroed in training")
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--loss", choices=["ce", "bce"], default="ce", help="bce: the recipe's BCE on sigmoid(logits)")
     optim.add_argument("--optimizer", choices=["adamw", "adam"], default="adamw")
     optim.add_argument(
         "--weight-decay",
-        type=nonnegative,
+        type=cli.nonnegative,
         default=None,
         help="AdamW weight decay; default 0.5 for bag (regularises the n-gram table: +0.5 points "
         "held out), 0 for gcnn (where 0.5 costs 1 point)",
@@ -115,7 +123,7 @@ def parse_args(argv=None):
     optim.add_argument(
         "--schedule", choices=["linear", "constant"], default="linear", help="linear: warmup then linear decay to 0"
     )
-    optim.add_argument("--warmup", type=probability, default=0.05, help="share of steps spent warming up")
+    optim.add_argument("--warmup", type=cli.probability, default=0.05, help="share of steps spent warming up")
     optim.add_argument("--recipe", action="store_true", help="the classic recipe's hyper-parameters")
     parser.add_argument(
         "--predict", nargs="+", metavar="TEXT", help="classify these texts with the model in --output-dir"
@@ -205,8 +213,8 @@ def model_options(args) -> dict:
 
 
 def train(args: argparse.Namespace, signals: StopSignals) -> None:
-    config = TrainConfig.from_args(args, signals=signals)
-    accelerator = config.make_accelerator()
+    config = TrainConfig.from_args(args)
+    accelerator = make_accelerator(config, signals)
     text = prepare_text_data(
         accelerator,
         dataset=args.dataset,
@@ -261,9 +269,7 @@ def train(args: argparse.Namespace, signals: StopSignals) -> None:
         "parameters": sum(p.numel() for p in model.parameters()),
         "embedding_gradients": embedding_gradients,
     }
-    fit(
-        accelerator,
-        config,
+    task = Task(
         model,
         optimizer,
         loader(text.train, True),
@@ -272,8 +278,10 @@ def train(args: argparse.Namespace, signals: StopSignals) -> None:
         eval_fn=eval_fn,
         test_loader=loader(text.test, False) if text.test is not None else None,
         make_scheduler=schedule,
-        banner=banner,
+    )
+    record = RunRecord(
         title="imdb (SYNTHETIC data)" if text.synthetic else "imdb",
+        banner=banner,
         extra_metrics={
             "data": banner["data"],
             "synthetic_data": text.synthetic,
@@ -283,6 +291,7 @@ def train(args: argparse.Namespace, signals: StopSignals) -> None:
         artifacts={"vocab.json": text.vocab_path},  # --predict reads it beside the model
         identity=make_identity({**identity_options(args), "sparse_table": sparse}, text.sources),
     )
+    fit(accelerator, config, task, record, signals=signals)
 
 
 def identity_options(args: argparse.Namespace) -> dict:

@@ -19,18 +19,26 @@ import torch
 from accelerate.utils import gather_object
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddp_accel import ArgumentParser, TrainConfig, add_training_args, fit, run_main
-from ddp_accel.cli import positive_int
-from ddp_accel.stopping import StopSignals
+from ddp_accel import (
+    ArgumentParser,
+    StopSignals,
+    Task,
+    TrainConfig,
+    add_training_args,
+    cli,
+    fit,
+    make_accelerator,
+    run_main,
+)
 
 
 def main(signals: StopSignals) -> None:
     parser = add_training_args(ArgumentParser(description=__doc__.splitlines()[0]))
-    parser.add_argument("--samples", type=positive_int, default=20, help="random (input, target) pairs")
+    parser.add_argument("--samples", type=cli.positive_int, default=20, help="random (input, target) pairs")
     parser.set_defaults(output_dir="outputs/minimal", epochs=5, batch_size=4, lr=1e-3, log_steps=5)
     args = parser.parse_args()
-    config = TrainConfig.from_args(args, signals=signals)
-    accelerator = config.make_accelerator()
+    config = TrainConfig.from_args(args)
+    accelerator = make_accelerator(config, signals)
 
     data = torch.Generator().manual_seed(config.seed)
     dataset = TensorDataset(
@@ -48,9 +56,7 @@ def main(signals: StopSignals) -> None:
         inputs, targets = batch
         return {"mse": ((model(inputs) - targets) ** 2).mean(dim=1)}
 
-    metrics = fit(
-        accelerator,
-        config,
+    task = Task(
         model,
         optimizer,
         loader,
@@ -58,6 +64,7 @@ def main(signals: StopSignals) -> None:
         eval_loader=DataLoader(dataset, batch_size=config.batch_size),
         eval_fn=per_sample_mse,
     )
+    metrics = fit(accelerator, config, task, signals=signals)
 
     state = accelerator.state
     print(

@@ -22,18 +22,28 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from ddp_accel import ArgumentParser, TrainConfig, add_training_args, fit, run_main
-from ddp_accel.cli import positive_int
-from ddp_accel.metrics import classification_metrics, classification_values
-from ddp_accel.stopping import StopSignals
-from ddp_accel.sync_bn import convert_sync_batchnorm
+from ddp_accel import (
+    ArgumentParser,
+    RunRecord,
+    StopSignals,
+    Task,
+    TrainConfig,
+    add_training_args,
+    classification_metrics,
+    classification_values,
+    cli,
+    convert_sync_batchnorm,
+    fit,
+    make_accelerator,
+    run_main,
+)
 
 
 class Trainer:
     def __init__(self, args, signals: StopSignals | None = None):
-        self.args = args
-        self.config = TrainConfig.from_args(args, eval_every_epochs=args.eval_interval, signals=signals)
-        self.accelerator = self.config.make_accelerator()
+        self.args, self.signals = args, signals
+        self.config = TrainConfig.from_args(args, eval_every_epochs=args.eval_interval)
+        self.accelerator = make_accelerator(self.config, signals)
 
     # --- 1. your data: three datasets (train is sharded across processes, val/test too for speed) ---
     def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
@@ -78,9 +88,7 @@ class Trainer:
         def loader(data, shuffle):
             return DataLoader(data, batch_size=self.config.batch_size, shuffle=shuffle)
 
-        metrics = fit(
-            accelerator,
-            self.config,
+        task = Task(
             model,
             optimizer,
             loader(train_set, True),
@@ -90,14 +98,13 @@ class Trainer:
             metrics_fn=self.metrics,
             test_loader=loader(test_set, False),  # evaluated once, after training, before the results are written
             make_scheduler=cosine,
-            title="template",
         )
-        return metrics
+        return fit(accelerator, self.config, task, RunRecord(title="template"), signals=self.signals)
 
 
 def main(signals: StopSignals) -> None:
     parser = add_training_args(ArgumentParser(description="Trainer template: train / validate / test"))
-    parser.add_argument("--eval-interval", type=positive_int, default=1, help="validate every N epochs")
+    parser.add_argument("--eval-interval", type=cli.positive_int, default=1, help="validate every N epochs")
     parser.add_argument("--no-val", action="store_true", help="skip validation (test still runs at the end)")
     parser.add_argument(
         "--sync-bn", action="store_true", help="SyncBatchNorm across processes (GPUs, and CPU processes over gloo)"

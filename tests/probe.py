@@ -21,11 +21,22 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ddp_accel import ArgumentParser, TrainConfig, add_training_args, fit, run_main
-from ddp_accel.identity import make_identity
-from ddp_accel.metrics import classification_metrics, classification_values
-from ddp_accel.optim import Optimizers, SparseAdamW
-from ddp_accel.stopping import StopSignals
+from ddp_accel import (
+    ArgumentParser,
+    Optimizers,
+    RunRecord,
+    SparseAdamW,
+    StopSignals,
+    Task,
+    TrainConfig,
+    add_training_args,
+    classification_metrics,
+    classification_values,
+    fit,
+    make_accelerator,
+    make_identity,
+    run_main,
+)
 
 
 class ComplexLinear(torch.nn.Module):
@@ -95,8 +106,8 @@ def main(signals: StopSignals | None = None) -> None:
     parser.add_argument("--test-size", type=int, default=0, help="a test set evaluated once at the end")
     parser.add_argument("--hang-at-sample", type=int, help="reading this training sample blocks forever, once")
     args = parser.parse_args()
-    config = TrainConfig.from_args(args, signals=signals)
-    accelerator = config.make_accelerator()
+    config = TrainConfig.from_args(args)
+    accelerator = make_accelerator(config, signals)
 
     if args.sparse_embedding:
         first, activation = QuantizedBag(args.hidden, sparse=True), torch.nn.ReLU()
@@ -148,9 +159,7 @@ def main(signals: StopSignals | None = None) -> None:
             optimizer, lambda step: min(1.0, (step + 1) / 3) * (1 - step / (total_steps + 1))
         )
 
-    fit(
-        accelerator,
-        config,
+    task = Task(
         model,
         optimizer,
         train,
@@ -160,8 +169,9 @@ def main(signals: StopSignals | None = None) -> None:
         metrics_fn=metrics_fn,
         test_loader=test,
         make_scheduler=warmup_then_decay,
-        identity=make_identity({key: getattr(args, key) for key in ("hidden", "complex", "sparse_embedding")}),
     )
+    identity = make_identity({key: getattr(args, key) for key in ("hidden", "complex", "sparse_embedding")})
+    fit(accelerator, config, task, RunRecord(identity=identity), signals=signals)
     Path(config.output_dir, f"seen_rank{accelerator.process_index}.json").write_text(json.dumps(seen))
     # where each rank ran (the SLURM tests check the machine ranks)
     print(

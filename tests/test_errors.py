@@ -215,7 +215,7 @@ def test_bad_weights_for_imagenet_resume_are_one_line(tmp_path):
             *("--resume", path, "--output-dir", tmp_path / "out"),
         )
 
-    assert_clean_error(run(tmp_path / "other.safetensors"), "weights of another model than -a resnet18")
+    assert_clean_error(run(tmp_path / "other.safetensors"), "weights of another model than this ResNet")
     assert_clean_error(run(tmp_path / "cut.safetensors"), "not a readable .safetensors file")
 
 

@@ -252,7 +252,7 @@ def test_a_checkpoint_is_renamed_into_place_only_once_complete(tmp_path):
     from accelerate import Accelerator
 
     from ddp_accel.checkpoint import complete_checkpoints, save_checkpoint
-    from ddp_accel.state import TrainState
+    from ddp_accel.state import RunIdentity, TrainState
 
     class Unwritable(TrainState):
         def state_dict(self):
@@ -261,9 +261,9 @@ def test_a_checkpoint_is_renamed_into_place_only_once_complete(tmp_path):
     accelerator = Accelerator(cpu=True)
     model = accelerator.prepare(torch.nn.Linear(2, 2))
     with pytest.raises(OSError, match="disk gone"):
-        save_checkpoint(accelerator, tmp_path, Unwritable(step=3))
+        save_checkpoint(accelerator, tmp_path, Unwritable(step=3), RunIdentity())
     assert not (tmp_path / "step_3").exists() and complete_checkpoints(tmp_path) == []
-    save_checkpoint(accelerator, tmp_path, TrainState(step=4))
+    save_checkpoint(accelerator, tmp_path, TrainState(step=4), RunIdentity())
     assert complete_checkpoints(tmp_path) == [tmp_path / "step_4"] and model is not None
 
 
@@ -274,17 +274,23 @@ def test_latest_and_rotation_follow_training_progress_when_the_global_batch_chan
     from accelerate import Accelerator
 
     from ddp_accel.checkpoint import complete_checkpoints, resolve_resume, save_checkpoint
-    from ddp_accel.state import TrainState
+    from ddp_accel.state import RunIdentity, TrainState
 
     accelerator = Accelerator(cpu=True)
     model = accelerator.prepare(torch.nn.Linear(2, 2))
-    save_checkpoint(accelerator, tmp_path, TrainState(step=98, batches_in_epoch=98, global_batch=4))
-    save_checkpoint(accelerator, tmp_path, TrainState(step=50, batches_in_epoch=50, global_batch=8), limit=2)
+    save_checkpoint(accelerator, tmp_path, TrainState(step=98, batches_in_epoch=98, global_batch=4), RunIdentity())
+    save_checkpoint(
+        accelerator, tmp_path, TrainState(step=50, batches_in_epoch=50, global_batch=8), RunIdentity(), limit=2
+    )
     assert complete_checkpoints(tmp_path) == [tmp_path / "step_98", tmp_path / "step_50"]
     assert resolve_resume("latest", tmp_path, accelerator) == tmp_path / "step_50"
-    save_checkpoint(accelerator, tmp_path, TrainState(step=60, batches_in_epoch=60, global_batch=8), limit=2)
+    save_checkpoint(
+        accelerator, tmp_path, TrainState(step=60, batches_in_epoch=60, global_batch=8), RunIdentity(), limit=2
+    )
     assert complete_checkpoints(tmp_path) == [tmp_path / "step_50", tmp_path / "step_60"]  # step_98 rotated out
-    save_checkpoint(accelerator, tmp_path, TrainState(step=61, epoch=1, global_batch=8), limit=2)  # the next epoch
+    save_checkpoint(
+        accelerator, tmp_path, TrainState(step=61, epoch=1, global_batch=8), RunIdentity(), limit=2
+    )  # the next epoch
     assert resolve_resume("latest", tmp_path, accelerator) == tmp_path / "step_61" and model is not None
 
 

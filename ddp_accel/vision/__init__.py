@@ -1,1 +1,24 @@
 """Image classification: ImageFolder data, torchvision and CIFAR models, top-k metrics."""
+
+from ddp_accel.vision.data import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    DeviceNormalize,
+    SyntheticImages,
+    image_folders,
+    image_transforms,
+    load_image,
+)
+from ddp_accel.vision.models import build_model, list_archs
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "DeviceNormalize",
+    "SyntheticImages",
+    "build_model",
+    "image_folders",
+    "image_transforms",
+    "list_archs",
+    "load_image",
+]

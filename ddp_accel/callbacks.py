@@ -1,0 +1,161 @@
+"""How a feature hooks into `fit` without a branch in its loop: a `Callback` (Lightning Fabric's `fabric.call`
+pattern). fit's own progress bar and trackers are callbacks; pass yours with `fit(..., callbacks=[...])`.
+
+Every rank calls every hook at the same point, in the order the callbacks were given. A callback with
+`state_dict()`/`load_state_dict()` is saved in every checkpoint and restored on resume (registered with
+`accelerator.register_for_checkpointing` before the resume), so what it keeps resumes exactly.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tqdm.auto import tqdm
+
+from ddp_accel.meters import numbers, scalars
+from ddp_accel.tracking import TrackerLog
+
+if TYPE_CHECKING:
+    from ddp_accel.training import TrainingRun
+
+
+class Callback:
+    """Override the hooks you need; `run` is the TrainingRun (its `state`, `accelerator`, `model`, `optimizer`...)."""
+
+    def on_start(self, run: TrainingRun) -> None:
+        """After the resume, before the first step of this process."""
+
+    def on_step_end(self, run: TrainingRun) -> None:
+        """After each optimizer step (`run.state.step` counts it), before its log, evaluation and checkpoint."""
+
+    def on_log(self, run: TrainingRun, logs: dict[str, Any]) -> None:
+        """Each log window: the loss, throughput and learning rate (add your own values to `logs`)."""
+
+    def on_evaluate(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
+        """After each evaluation on the eval loader (every rank has the same metrics)."""
+
+    def on_checkpoint(self, run: TrainingRun, path: Path) -> None:
+        """After a checkpoint was saved and renamed into place (an engine can report it)."""
+
+    def on_end(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
+        """After the final artifacts were committed; `metrics` is metrics.json."""
+
+    def on_close(self, run: TrainingRun) -> None:
+        """When fit returns or raises (a preemption, an error): release what the callback holds."""
+
+
+class Callbacks:
+    """The callbacks of one run, called in order."""
+
+    def __init__(self, callbacks: list[Callback]):
+        self.callbacks = callbacks
+
+    def stateful(self) -> list[Callback]:
+        return [callback for callback in self.callbacks if hasattr(callback, "state_dict")]
+
+    def on_start(self, run: TrainingRun) -> None:
+        for callback in self.callbacks:
+            callback.on_start(run)
+
+    def on_step_end(self, run: TrainingRun) -> None:
+        for callback in self.callbacks:
+            callback.on_step_end(run)
+
+    def on_log(self, run: TrainingRun, logs: dict[str, Any]) -> None:
+        for callback in self.callbacks:
+            callback.on_log(run, logs)
+
+    def on_evaluate(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
+        for callback in self.callbacks:
+            callback.on_evaluate(run, metrics)
+
+    def on_checkpoint(self, run: TrainingRun, path: Path) -> None:
+        for callback in self.callbacks:
+            callback.on_checkpoint(run, path)
+
+    def on_end(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
+        for callback in self.callbacks:
+            callback.on_end(run, metrics)
+
+    def on_close(self, run: TrainingRun) -> None:
+        for callback in self.callbacks:
+            callback.on_close(run)
+
+
+class ProgressBar(Callback):
+    """The step counter of the local main process: redrawn per step on a terminal, a line every 30 s in a log
+    file; the last log window's loss, throughput and data wait as its postfix."""
+
+    def __init__(self) -> None:
+        self.bar: tqdm | None = None
+        self.interactive = sys.stderr.isatty()
+
+    def on_start(self, run: TrainingRun) -> None:
+        self.bar = tqdm(
+            total=run.total_steps,
+            initial=run.state.step,
+            disable=not run.accelerator.is_local_main_process,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=0.1 if self.interactive else 30,
+        )
+
+    def on_step_end(self, run: TrainingRun) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def on_log(self, run: TrainingRun, logs: dict[str, Any]) -> None:
+        postfix = {
+            "loss": f"{logs['train_loss']:.4f}",
+            "samples_s": f"{logs['samples_per_s']:.0f}",
+            "data_wait": f"{logs['data_wait_share']:.0%}",
+            "epoch": logs["epoch"],
+        }
+        if "skipped_optimizer_steps" in logs:
+            postfix["skipped"] = logs["skipped_optimizer_steps"]
+        if self.bar is not None:
+            self.bar.set_postfix(postfix, refresh=self.interactive)
+
+    def on_end(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
+        self.on_close(run)
+
+    def on_close(self, run: TrainingRun) -> None:
+        if self.bar is not None:
+            self.bar.close()  # an error line then starts on a line of its own
+            self.bar = None
+
+
+class Trackers(Callback):
+    """TensorBoard / MLflow / W&B (the Accelerator's trackers): the log windows, every evaluation and the final
+    metrics, one tracker run across resumes. A slow tracker server is waited for under the watchdog's generous
+    bound, not taken for a hang."""
+
+    def __init__(self) -> None:
+        self.log: TrackerLog | None = None
+
+    def on_start(self, run: TrainingRun) -> None:
+        self.log = TrackerLog(
+            run.accelerator,
+            run.folder.path,
+            scalars(run.config.hyperparameters()),
+            resumed=run.resumed_from is not None,
+        )
+
+    def _log(self, run: TrainingRun, values: dict[str, Any]) -> None:
+        assert self.log is not None
+        with run.slow_on_main("logging to the trackers", self.log.active):
+            self.log.log(values, run.state.step)
+
+    def on_log(self, run: TrainingRun, logs: dict[str, Any]) -> None:
+        self._log(run, logs)
+
+    def on_evaluate(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
+        self._log(run, metrics)
+
+    def on_end(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
+        assert self.log is not None
+        self.log.log({f"final_{key}": value for key, value in numbers(metrics).items()}, run.state.step)
+        self.log.finish([run.folder.path / "model.safetensors", run.folder.path / "training_curves.png"])

@@ -1,0 +1,111 @@
+"""Exact distributed evaluation (`evaluate`), and saved weights loaded for it under the run's identity
+(`load_saved_weights`: a committed model, a best model, or a checkpoint)."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from safetensors.torch import load_file
+
+from ddp_accel import loaders
+from ddp_accel.checkpoint import load_checkpoint, model_fingerprint, read_training_state, resolve_resume
+from ddp_accel.errors import UserError
+from ddp_accel.identity import compare_identity
+from ddp_accel.state import RunIdentity
+from ddp_accel.task import EvalFn, MetricsFn
+
+
+def mean_metrics(outputs: dict[str, torch.Tensor]) -> dict[str, Any]:
+    return {key: values.float().mean().item() for key, values in outputs.items()}
+
+
+@torch.no_grad()
+def evaluate(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    loader: Any,
+    eval_fn: EvalFn,
+    metrics_fn: MetricsFn | None = None,
+    prefix: str = "eval",
+    stop_check: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """Metrics over every sample of `loader` exactly once, whatever the world size.
+
+    `gather_for_metrics` drops the samples the sharded loader repeated to give every rank equal batches.
+    `stop_check` runs on every rank before each batch (fit's: raises StopTraining when the ranks agree to stop).
+    """
+    was_training = model.training
+    model.eval()
+    outputs: dict[str, list[torch.Tensor]] = defaultdict(list)
+    with loaders.batches(loader) as batches:
+        for batch in batches:
+            if stop_check is not None:
+                stop_check()
+            for key, values in accelerator.gather_for_metrics(eval_fn(model, batch)).items():
+                outputs[key].append(values.detach().cpu())
+    model.train(was_training)
+    merged = {key: torch.cat(values) for key, values in outputs.items()}
+    metrics = (metrics_fn or mean_metrics)(merged)
+    metrics["samples"] = len(next(iter(merged.values()))) if merged else 0
+    return {f"{prefix}_{key}": value for key, value in metrics.items()}
+
+
+def load_saved_weights(
+    accelerator: Accelerator, model: torch.nn.Module, source: str, output_dir: Path, identity: dict[str, Any]
+) -> torch.nn.Module:
+    """The prepared `model` with saved weights: `source` is a .safetensors file (a run's model or best model), a
+    step_N checkpoint folder, or `latest` (the newest checkpoint in OUTPUT_DIR/checkpoints). The options of
+    `identity` (make_identity of the options that shape model and data) must match the ones the weights were
+    trained with, where the run recorded them (metrics.json beside the file, the checkpoint): a model evaluated
+    with another image size or normalisation gives a wrong figure, not an error. Data sources are not compared:
+    evaluating on other data is what evaluation is for."""
+    if source.endswith(".safetensors"):
+        file = Path(source)
+        if not file.is_file():
+            raise UserError(f"--resume {source}: no such file")
+        committed = file.parent / "metrics.json"
+        if identity and committed.is_file():
+            recorded = json.loads(committed.read_text()).get("identity")
+            if recorded:
+                compare_identity(same_keys(recorded, identity), identity, f"the run that wrote {file}")
+        load_weights_file(model, file)
+        return accelerator.prepare(model)
+    prepared = accelerator.prepare(model)
+    path = resolve_resume(source, output_dir / "checkpoints", accelerator)
+    if path is None:
+        raise UserError(f"--resume latest: no complete checkpoint in {output_dir / 'checkpoints'}")
+    saved = read_training_state(path).get("identity")
+    if identity and saved:
+        compare_identity(same_keys(saved, identity), identity, f"checkpoint {path}")
+    load_checkpoint(accelerator, path, RunIdentity(model_fingerprint(model)))  # the model's fingerprint is checked
+    return prepared
+
+
+def same_keys(saved: dict[str, Any] | None, current: dict[str, Any]) -> dict[str, Any] | None:
+    """`saved` identity with only the options `current` names (the data sources an evaluation leaves out)."""
+    if not saved:
+        return saved
+    options = {key: value for key, value in saved.get("options", {}).items() if key in current.get("options", {})}
+    return {**saved, "options": options}
+
+
+def load_weights_file(model: torch.nn.Module, path: Path) -> None:
+    """Weights of a .safetensors file into the bare model; one line when the file is not one or of another model."""
+    try:
+        weights = load_file(str(path))
+    except Exception as error:  # safetensors' own error type: truncated or not a safetensors file
+        raise UserError(f"--resume {path}: not a readable .safetensors file ({str(error).splitlines()[0]})") from None
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as error:
+        lines = str(error).splitlines()
+        raise UserError(
+            f"--resume {path} holds weights of another model than this {type(model).__name__} "
+            f"({lines[1].strip() if len(lines) > 1 else error})"
+        ) from None

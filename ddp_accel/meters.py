@@ -1,0 +1,109 @@
+"""What a run measures while it trains: the loss of each log window, the throughput, and the evaluation history
+(history.json)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from ddp_accel.files import write_json
+
+
+def numbers(values: dict[str, Any]) -> dict[str, float]:
+    """The plain numbers of a metrics dict (per-class dicts and strings left out)."""
+    return {
+        key: value for key, value in values.items() if isinstance(value, int | float) and not isinstance(value, bool)
+    }
+
+
+def scalars(values: dict[str, Any]) -> dict[str, Any]:
+    """What trackers accept as hyper-parameters."""
+    return {key: value for key, value in values.items() if isinstance(value, int | float | str | bool)}
+
+
+class ThroughputMeter:
+    """Global samples/s and the share of step time spent waiting for data: over the whole run, over each log
+    window (what the run does now), and steady (after the first window: cuDNN autotuning, compilation and
+    worker start-up left out)."""
+
+    def __init__(self) -> None:
+        self.samples, self.train_time, self.data_wait = 0, 0.0, 0.0
+        self._window_start = (0, 0.0, 0.0)
+        self._steady_start: tuple[int, float, float] | None = None
+
+    def add(self, samples: int, step_time: float, data_wait: float) -> None:
+        self.samples += samples
+        self.train_time += step_time
+        self.data_wait += data_wait
+
+    def window(self) -> tuple[float, float]:
+        """(samples/s, data-wait share) since the previous call."""
+        samples, train_time, data_wait = self._window_start
+        elapsed = max(self.train_time - train_time, 1e-9)
+        self._window_start = (self.samples, self.train_time, self.data_wait)
+        self._steady_start = self._steady_start or self._window_start
+        return (self.samples - samples) / elapsed, (self.data_wait - data_wait) / elapsed
+
+    def summary(self) -> dict[str, Any]:
+        steady = self._steady_start
+        after_first = steady is not None and self.samples > steady[0]
+        return {
+            "train_samples": self.samples,
+            "train_samples_per_s": self.samples / max(self.train_time, 1e-9),
+            "data_wait_share": self.data_wait / max(self.train_time, 1e-9),
+            # after the first log window; null when the run had a single window
+            "steady_samples_per_s": (self.samples - steady[0]) / (self.train_time - steady[1])
+            if steady and after_first
+            else None,
+            "steady_data_wait_share": (self.data_wait - steady[2]) / (self.train_time - steady[1])
+            if steady and after_first
+            else None,
+        }
+
+
+class EvalHistory:
+    """history.json: one record per evaluation. A resumed run keeps the records up to its step and goes on."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.records: list[dict] = []
+
+    def keep_until(self, step: int) -> None:
+        """A resumed run: the records up to its step (a damaged file restarts the curves, not the training)."""
+        try:
+            self.records = [record for record in json.loads(self.path.read_text()) if record["step"] <= step]
+        except FileNotFoundError:
+            self.records = []
+        except (OSError, ValueError, KeyError, TypeError):
+            print(f"warning: {self.path} is unreadable; the evaluation history starts again", file=sys.stderr)
+            self.records = []
+
+    def record(
+        self, accelerator: Accelerator, step: int, epoch: float, train_loss: float | None, metrics: dict
+    ) -> None:
+        self.records.append({"step": step, "epoch": epoch, "train_loss": train_loss, **numbers(metrics)})
+        if accelerator.is_main_process:
+            write_json(self.path, self.records, indent=1)
+
+
+class LossWindow:
+    """The training loss summed on the device since the last log (no host sync per step)."""
+
+    def __init__(self, device: torch.device):
+        self.total, self.batches = torch.zeros((), device=device), 0
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.total += loss
+        self.batches += 1
+
+    def mean(self, accelerator: Accelerator) -> float:
+        """The mean over the window and over all processes; starts a new window."""
+        value: float = accelerator.reduce(self.total / self.batches, "mean").item()
+        self.total.zero_()
+        self.batches = 0
+        return value

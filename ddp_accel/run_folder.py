@@ -1,0 +1,123 @@
+"""The output folder of one run and its lifecycle: the check before anything is written, the lock, the deletions of
+`--overwrite-output-dir`, the final artifacts staged in `checkpoints/.final/` and committed together, and whether a
+run is already complete."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from ddp_accel.checkpoint import complete_checkpoints
+from ddp_accel.errors import UserError
+from ddp_accel.files import write_json
+from ddp_accel.identity import compare_identity
+from ddp_accel.locking import lock_output_dir
+from ddp_accel.stopping import PREEMPTED_MARKER
+from ddp_accel.tracking import TRACKING_STATE
+
+FINAL_STAGING = ".final"  # under checkpoints/: the final model and the best model, until the commit moves them
+COMMITTED = "metrics.json"  # written last by a commit: a run is complete once it exists for its steps
+
+
+class RunFolder:
+    """OUTPUT_DIR: `checkpoints/` (the Checkpoints' root), `checkpoints/.final/` (what the commit will move into
+    place), and the committed artifacts. Only the main process writes here, except the collective model save."""
+
+    def __init__(self, path: str | Path):
+        self.given = str(path)  # Path("") is "."
+        self.path = Path(path)
+        self.checkpoints = self.path / "checkpoints"
+        self.staging = self.checkpoints / FINAL_STAGING
+        self._lock: int | None = None
+
+    # --- before anything is written ---
+    def check(self, resume_from_checkpoint: str | None, overwrite: bool, has_checkpoints: bool | None = None) -> None:
+        """The Hugging Face convention: a new run does not silently replace a trained model or the checkpoints of
+        an unfinished run. A run that resumes from a checkpoint is not affected; `latest` without a checkpoint is a
+        new run. `has_checkpoints` None: the early check, before fit can tell a complete run from one to refuse
+        (`latest` passes then). Nothing is deleted here: see `clear_previous_run`."""
+        if self.given.strip() == "":
+            raise UserError("--output-dir is empty; name a folder (it is created if missing)")
+        if self.path.exists() and not self.path.is_dir():
+            raise UserError(f"--output-dir {self.path} is a file; pass a folder (it is created if missing)")
+        if has_checkpoints is None:
+            if resume_from_checkpoint == "latest":
+                return
+            has_checkpoints = bool(complete_checkpoints(self.checkpoints))
+        resuming = resume_from_checkpoint is not None and (resume_from_checkpoint != "latest" or has_checkpoints)
+        if resuming or not self.path.is_dir() or overwrite:
+            return
+        held = (
+            "a trained model (model.safetensors)"
+            if (self.path / "model.safetensors").exists()
+            else "checkpoints of an unfinished run"
+            if has_checkpoints
+            else None
+        )
+        if held:
+            raise UserError(
+                f"--output-dir {self.path} already holds {held}"
+                + (" and no checkpoint to resume" if resume_from_checkpoint == "latest" else "")
+                + "; continue it with --resume-from-checkpoint latest, replace it with --overwrite-output-dir, or "
+                "pick another --output-dir"
+            )
+
+    def committed_metrics(self, total_steps: int, identity: dict[str, Any]) -> dict[str, Any] | None:
+        """The metrics of a run committed here for at least `total_steps` under this identity (a complete run), or
+        None. A committed run under another identity is refused."""
+        try:
+            committed = json.loads((self.path / COMMITTED).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(committed, dict) or not (self.path / "model.safetensors").is_file():
+            return None
+        if committed.get("identity") and identity:
+            compare_identity(committed["identity"], identity, f"the run in {self.path}")
+        if not isinstance(committed.get("steps"), int) or committed["steps"] < total_steps:
+            return None
+        return committed
+
+    # --- while the run trains (main process) ---
+    def lock(self) -> None:
+        """Hold the folder until `release` (the process's exit releases it too)."""
+        self._lock = lock_output_dir(self.path)
+
+    def release(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+    def clear_previous_run(self) -> None:
+        """--overwrite-output-dir, once every check passed: the old run's checkpoints must not be resumed later, its
+        curves and tracker runs not continued; its final artifacts are replaced at this run's commit."""
+        shutil.rmtree(self.checkpoints, ignore_errors=True)
+        shutil.rmtree(self.path / "tensorboard", ignore_errors=True)
+        for name in ("history.json", PREEMPTED_MARKER, TRACKING_STATE):
+            (self.path / name).unlink(missing_ok=True)
+
+    def stage_best(self, weights: dict[str, torch.Tensor]) -> None:
+        """model_best.safetensors, staged until the commit (written aside, renamed)."""
+        self.staging.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(self.staging / "model_best.partial"))
+        os.replace(self.staging / "model_best.partial", self.staging / "model_best.safetensors")
+
+    # --- the end ---
+    def commit(self, final_model: Path, files: dict[str, Path], metrics: dict[str, Any]) -> None:
+        """Move the final model's files, the staged ones and `files` (name -> source, copied) into place, then
+        metrics.json (last: the run is complete) and drop the preemption marker (this run reached its end)."""
+        for name, source in files.items():
+            shutil.copyfile(source, self.staging / name)
+        for file in list(final_model.iterdir()) + [path for path in self.staging.iterdir() if path.is_file()]:
+            os.replace(file, self.path / file.name)
+        final_model.rmdir()
+        self.staging.rmdir()
+        if not any(self.checkpoints.iterdir()):  # a run without checkpoints leaves no empty folder
+            self.checkpoints.rmdir()
+        write_json(self.path / COMMITTED, metrics)
+        (self.path / PREEMPTED_MARKER).unlink(missing_ok=True)
