@@ -159,3 +159,21 @@ class Trackers(Callback):
         assert self.log is not None
         self.log.log({f"final_{key}": value for key, value in numbers(metrics).items()}, run.state.step)
         self.log.finish([run.folder.path / "model.safetensors", run.folder.path / "training_curves.png"])
+
+
+class BestModel(Callback):
+    """model_best.safetensors: the weights of the best evaluation so far by the task's `best_metric` (higher is
+    better), staged until the commit. The best value and its step are in TrainState: they resume with it."""
+
+    def __init__(self, metric: str | None):
+        self.metric = metric
+
+    def on_evaluate(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
+        state = run.state
+        if self.metric is None or (state.best_metric is not None and metrics[self.metric] <= state.best_metric):
+            return
+        with run.slow_on_main("saving the best model"):
+            state.best_metric, state.best_step = metrics[self.metric], state.step
+            weights = run.accelerator.get_state_dict(run.model)  # every rank: gathered under FSDP
+            if run.accelerator.is_main_process:
+                run.folder.stage_best(weights)

@@ -18,10 +18,13 @@ lag); before a checkpoint or an evaluation the current step's result is awaited.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import math
+import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,6 +175,41 @@ class StopSignals:
         if self.output_dir is not None:
             facts.write(self.output_dir)
         raise Preempted(facts)
+
+
+def shutdown_grace_s() -> float | None:
+    """How long the launcher above this process waits after passing on a signal before it kills: torch elastic's
+    --shutdown-timeout or TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default; None without such a launcher."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    for name in ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        with contextlib.suppress(ValueError):
+            if os.environ.get(name):
+                return float(os.environ[name])
+    return 30.0
+
+
+class SaveGrace:
+    """A launcher passes a preemption signal on, then kills its processes after a grace of its own: a save that
+    takes longer is lost. Said once (main process), at the first save that would not fit (or at start, from the
+    save time the last stop recorded)."""
+
+    def __init__(self, is_main_process: bool):
+        self.is_main_process, self.warned = is_main_process, False
+
+    def check(self, save_s: float) -> None:
+        grace = shutdown_grace_s()
+        if grace is None or save_s <= grace or self.warned:
+            return
+        self.warned = True
+        if self.is_main_process:
+            print(
+                f"warning: saving a checkpoint takes {save_s:.0f} s, more than the {grace:.0f} s the launcher waits "
+                "after passing on a preemption signal before it kills the processes: a preempted run would lose it. "
+                "Raise TORCH_ELASTIC_SHUTDOWN_TIMEOUT (slurm/train.sbatch: GRACE_S) above the save time",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 @dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -14,22 +13,22 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import find_batch_size
 
 from ddp_accel import loaders
-from ddp_accel.callbacks import Callback, Callbacks, ProgressBar, Trackers
+from ddp_accel.callbacks import BestModel, Callback, Callbacks, ProgressBar, Trackers
 from ddp_accel.checkpoint import Checkpoints, model_fingerprint
 from ddp_accel.config import TrainConfig
 from ddp_accel.errors import UserError
 from ddp_accel.evaluation import evaluate
 from ddp_accel.files import write_json, writing
-from ddp_accel.meters import EvalHistory, LossWindow, ThroughputMeter, numbers
+from ddp_accel.meters import EvalHistory, numbers
 from ddp_accel.plots import plot_history
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.runtime import print_banner, topology
 from ddp_accel.state import Rebase, RunIdentity, TrainState
-from ddp_accel.stopping import Phase, Preempted, StepAgreement, StopFacts, StopSignals, Verdict
+from ddp_accel.stopping import Phase, Preempted, SaveGrace, StepAgreement, StopFacts, StopSignals, Verdict
 from ddp_accel.task import RunRecord, Task
+from ddp_accel.train_step import TrainStep
 from ddp_accel.watchdog import ProgressWatchdog
 
 
@@ -93,15 +92,16 @@ class TrainingRun:
             if task.make_scheduler
             else None
         )
-        self.callbacks = Callbacks([ProgressBar(), Trackers(), *callbacks])
-        self.meter, self.window = ThroughputMeter(), LossWindow(accelerator.device)
+        self.callbacks = Callbacks([ProgressBar(), Trackers(), BestModel(task.best_metric), *callbacks])
         self.agreement = StepAgreement(accelerator)
+        self.step = TrainStep(
+            accelerator, self.model, self.optimizer, task.loss_fn, config.max_grad_norm, self.agreement
+        )
         self.history = EvalHistory(self.folder.path / "history.json")
         self.test_metrics: dict[str, Any] = {}
         self.resumed_from: Path | None = None
-        self.tick = time.perf_counter()  # when the current step began waiting for its batch
         self.wall_start = time.perf_counter()
-        self.grace_warned = False
+        self.grace = SaveGrace(accelerator.is_main_process)
         self.watchdog = ProgressWatchdog(
             self.folder.path, accelerator.process_index, config.hang_timeout_s, phase=lambda: self.signals.phase
         )
@@ -145,7 +145,7 @@ class TrainingRun:
                 self.state.last_eval_step = (
                     self.state.step if self.history.records[-1]["step"] == self.state.step else -1
                 )
-            self.warn_if_save_outlasts_grace(StopFacts.last_save_s(self.folder.path))  # the save time of the last stop
+            self.grace.check(StopFacts.last_save_s(self.folder.path))  # the save time of the last stop
         self.signals.enter(Phase.TRAIN)
         self.callbacks.on_start(self)
         self.watchdog.start()
@@ -202,30 +202,15 @@ class TrainingRun:
         skip = self.state.batches_in_epoch if epoch == self.state.epoch else 0
         self.state.epoch, self.state.batches_in_epoch = epoch, skip
         with loaders.batches(self.accelerator.skip_first_batches(loader, skip) if skip else loader) as batches:
-            self.tick = time.perf_counter()
+            self.step.restart_clock()
             yield batches
 
     def train_step(self, batch: Any) -> bool:
-        """One micro-batch: forward and backward; on an accumulation boundary also clip and step (inside
-        `accumulate`, Accelerate skips the gradient all-reduce and the optimizer step between boundaries).
-        True when it ended an optimizer step."""
-        accelerator, started = self.accelerator, time.perf_counter()
-        with accelerator.accumulate(self.model):
-            loss = self.task.loss_fn(self.model, batch)
-            accelerator.backward(loss)
-            if accelerator.sync_gradients and self.config.max_grad_norm:
-                accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        loss = loss.detach()
-        self.window.add(loss)
-        self.agreement.observe(loss)
+        """One micro-batch; True when it ended an optimizer step."""
+        ended = self.step(batch)
         self.state.batches_in_epoch += 1
-        done = time.perf_counter()
-        self.meter.add(find_batch_size(batch) * accelerator.num_processes, done - self.tick, started - self.tick)
-        self.tick = done
         self.watchdog.beat(f"batch {self.state.batches_in_epoch} of epoch {self.state.epoch + 1}")
-        return accelerator.sync_gradients
+        return ended
 
     def after_optimizer_step(self) -> None:
         """The agreement on stopping, then what is due at this step: callbacks, log, evaluate, checkpoint."""
@@ -245,7 +230,7 @@ class TrainingRun:
             self.evaluate_now()
         if checkpoint_due:
             self.save()
-        self.tick = time.perf_counter()
+        self.step.restart_clock()
 
     def end_of_epoch(self, epoch: int) -> None:
         verdict = self.agreement.flush()
@@ -259,18 +244,11 @@ class TrainingRun:
             self.evaluate_now()
 
     def log_window(self) -> None:
-        """The loss averaged over all processes, the throughput of the last log window (global samples), and with
-        fp16 the gradient scaler's state: its skipped steps are never silent. Epochs count from 1, as in
-        history.json."""
-        state, accelerator = self.state, self.accelerator
-        state.last_loss = loss = self.window.mean(accelerator)
-        speed, wait = self.meter.window()
-        logs = {"train_loss": loss, "samples_per_s": speed, "data_wait_share": wait, "epoch": state.epoch + 1}
-        if self.scheduler is not None:
-            logs["lr"] = self.scheduler.get_last_lr()[0]
-        if accelerator.scaler is not None:
-            logs.update(loss_scale=accelerator.scaler.get_scale(), skipped_optimizer_steps=self.agreement.skipped_steps)
-        self.callbacks.on_log(self, logs)
+        """The log window's loss and throughput to the callbacks (the progress bar, the trackers); epochs count
+        from 1, as in history.json."""
+        logs = self.step.logs(self.scheduler)
+        self.state.last_loss = logs["train_loss"]
+        self.callbacks.on_log(self, {**logs, "epoch": self.state.epoch + 1})
 
     # --- evaluation and the best model ---
     def stop_check(self) -> None:
@@ -296,18 +274,6 @@ class TrainingRun:
         self.accelerator.print(f"step {state.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in numbers(metrics).items()))
         self.history.record(self.accelerator, state.step, state.step / self.steps_per_epoch, state.last_loss, metrics)
         self.callbacks.on_evaluate(self, metrics)
-        with self.slow_on_main("saving the best model"):
-            self.keep_best(metrics)
-
-    def keep_best(self, metrics: dict[str, Any]) -> None:
-        """The best model so far (by the task's `best_metric`, higher is better), staged until the commit."""
-        name, state = self.task.best_metric, self.state
-        if name is None or (state.best_metric is not None and metrics[name] <= state.best_metric):
-            return
-        state.best_metric, state.best_step = metrics[name], state.step
-        weights = self.accelerator.get_state_dict(self.model)  # every rank: gathered under FSDP
-        if self.accelerator.is_main_process:
-            self.folder.stage_best(weights)
 
     def final_evaluations(self) -> None:
         """The last evaluation (unless the last step was just evaluated) and the test set, before the commit."""
@@ -337,25 +303,9 @@ class TrainingRun:
         with self.watchdog.activity(f"the checkpoint of step {self.state.step}"):
             path = self.checkpoints.save(self.state, self.identity)
         self.signals.resume_hint = resume_hint(path)
-        self.warn_if_save_outlasts_grace(time.perf_counter() - started)
+        self.grace.check(time.perf_counter() - started)
         self.callbacks.on_checkpoint(self, path)
         return path
-
-    def warn_if_save_outlasts_grace(self, save_s: float) -> None:
-        """A launcher passes a preemption signal on, then kills its processes after a grace of its own: a save that
-        takes longer is lost. Said once, at the first save that would not fit (or at start, from the last stop)."""
-        grace = shutdown_grace_s()
-        if grace is None or save_s <= grace or self.grace_warned:
-            return
-        self.grace_warned = True
-        if self.accelerator.is_main_process:
-            print(
-                f"warning: saving a checkpoint takes {save_s:.0f} s, more than the {grace:.0f} s the launcher waits "
-                "after passing on a preemption signal before it kills the processes: a preempted run would lose it. "
-                "Raise TORCH_ELASTIC_SHUTDOWN_TIMEOUT (slurm/train.sbatch: GRACE_S) above the save time",
-                file=sys.stderr,
-                flush=True,
-            )
 
     def stop(self, verdict: Verdict) -> None:
         """Every rank: a loss that is not finite ends the run (no checkpoint of a broken model); a preemption
@@ -385,7 +335,7 @@ class TrainingRun:
             "train_loss": state.last_loss,
             "steps": state.step,
             "skipped_optimizer_steps": self.agreement.skipped_steps,
-            **self.meter.summary(),
+            **self.step.meter.summary(),
             "wall_time_s": time.perf_counter() - self.wall_start,
             **topology(self.accelerator, self.config.batch_size, self.accumulation),
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
@@ -496,18 +446,6 @@ def nonfinite_message(step: int, last_loss: float | None) -> str:
 
 def resume_hint(path: Path) -> str:
     return f"The newest checkpoint is {path}; to continue, run the same command with --resume-from-checkpoint latest."
-
-
-def shutdown_grace_s() -> float | None:
-    """How long the launcher above this process waits after passing on a signal before it kills: torch elastic's
-    --shutdown-timeout or TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default; None without such a launcher."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return None
-    for name in ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
-        with contextlib.suppress(ValueError):
-            if os.environ.get(name):
-                return float(os.environ[name])
-    return 30.0
 
 
 def summary_line(metrics: dict[str, Any], output_dir: Path) -> str:

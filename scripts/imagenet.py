@@ -60,6 +60,8 @@ from ddp_accel.vision import (
 
 # what shapes the model and the data: a resume must use the same (ddp_accel.identity)
 IDENTITY_OPTIONS = ("arch", "image_size", "augment", "mean", "std", "dummy", "dummy_classes", "sync_bn")
+# what the validation images and so the predictions depend on: -e refuses weights trained with other values
+EVALUATION_OPTIONS = ("arch", "image_size", "augment", "mean", "std")
 
 
 def parse_args(argv=None):
@@ -186,9 +188,11 @@ def lr_lambda(args, steps_per_epoch: int, total_steps: int):
     return factor
 
 
-def identity_of(args, with_data: bool = True) -> dict:
-    """What shapes the model and the data (a resume must match it; an evaluation, all but the data)."""
-    sources = {"data": None if args.dummy else args.data} if with_data else {}
+def identity_of(args, evaluation: bool = False) -> dict:
+    """What shapes the model and the data: a resume must match it; an evaluation, what its predictions depend on."""
+    if evaluation:
+        return make_identity({key: getattr(args, key) for key in EVALUATION_OPTIONS})
+    sources = {"data": None if args.dummy else args.data}
     return make_identity({key: getattr(args, key) for key in IDENTITY_OPTIONS}, sources)
 
 
@@ -218,7 +222,7 @@ def evaluate_saved(args, accelerator, model, val_set, eval_fn, metrics_fn) -> No
     if not args.resume:
         raise UserError("--evaluate needs --resume (a checkpoint folder, 'latest', or model_best.safetensors)")
     output_dir = Path(args.output_dir)
-    model = load_saved_weights(accelerator, model, args.resume, output_dir, identity_of(args, with_data=False))
+    model = load_saved_weights(accelerator, model, args.resume, output_dir, identity_of(args, evaluation=True))
     metrics = evaluate(accelerator, model, accelerator.prepare(loader(val_set, args, False)), eval_fn, metrics_fn)
     accelerator.print(
         f"top1 {metrics['eval_top1']:.4f}"

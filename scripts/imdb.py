@@ -86,7 +86,11 @@ def parse_args(argv=None):
     data.add_argument("--min-freq", type=cli.positive_int, default=2, help="vocabulary: minimum token count")
     data.add_argument("--max-vocab", type=cli.positive_int, default=None, help="keep the most frequent words only")
     data.add_argument("--max-length", type=cli.positive_int, default=None, help="truncate reviews to this many tokens")
-    data.add_argument("--cache-dir", default=None, help="encoded-data cache; default OUTPUT_DIR/cache")
+    data.add_argument(
+        "--cache-dir",
+        default=None,
+        help="encoded-data cache; default $XDG_CACHE_HOME/ddp_accel/imdb (~/.cache/ddp_accel/imdb)",
+    )
     data.add_argument("--workers", type=cli.nonnegative_int, default=0, help="DataLoader worker processes")
     model = parser.add_argument_group("model")
     model.add_argument("--model", choices=["bag", "gcnn"], default="bag")

@@ -47,3 +47,17 @@ def test_docs_and_code_do_not_depend_on_files_outside_the_project():
         text = path.read_text()
         for outside in ("DESIGN.md", "../shared"):
             assert outside not in text, f"{path.relative_to(ROOT)} mentions {outside}"
+
+
+@pytest.mark.inprocess
+def test_the_readme_training_script_runs_and_its_callback_is_called(tmp_path, monkeypatch):
+    from conftest import check_ok, run_script
+
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Your own training script", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "my_train.py").write_text(code)
+    monkeypatch.chdir(tmp_path)
+    output = check_ok(run_script(str(tmp_path / "my_train.py")))
+    assert "step 10: lr " in output and "step 60: lr " in output, output[-2000:]
+    assert (tmp_path / "outputs" / "my_run" / "model.safetensors").is_file()

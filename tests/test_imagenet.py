@@ -74,6 +74,12 @@ def test_two_processes_train_count_every_val_image_once_and_evaluate_reproduces_
     assert "on 18 images" in best
     check_ok(run_script("scripts/imagenet.py", data, *SMALL, "-e", "--resume", "latest", "--output-dir", out))
     assert json.loads((out / "evaluate.json").read_text())["eval_top1"] == pytest.approx(metrics["eval_top1"], abs=1e-6)
+    # the weights under other evaluation options than they were trained with: one line, no evaluate.json written
+    (out / "evaluate.json").unlink()
+    for weights in (out / "model_best.safetensors", "latest"):
+        other = [*SMALL, "--image-size", "24", "--std", "1", "1", "1", "-e", "--resume", weights, "--output-dir", out]
+        refused = assert_clean_error(run_script("scripts/imagenet.py", data, *other), "--image-size was 16, now 24")
+        assert "--std was [0.229, 0.224, 0.225], now [1.0, 1.0, 1.0]" in refused and not (out / "evaluate.json").exists()
 
 
 @pytest.mark.inprocess

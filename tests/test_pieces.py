@@ -1,0 +1,279 @@
+"""The pieces of the loop, each on its own with small fakes or a one-process CPU Accelerator: the stop agreement,
+the checkpoint policy and choice, the run folder's lifecycle, the throughput meter, the position after a resume at
+another world size, the stop's facts and marker, and the callbacks a feature hooks in with."""
+
+import json
+import math
+import os
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddp_accel import Callback, Task, TrainConfig, UserError, fit, make_accelerator
+from ddp_accel.checkpoint import Checkpoints
+from ddp_accel.meters import ThroughputMeter
+from ddp_accel.run_folder import RunFolder
+from ddp_accel.state import RunIdentity, TrainState
+from ddp_accel.stopping import PREEMPTED_MARKER, Phase, Preempted, StepAgreement, StopFacts
+
+pytestmark = pytest.mark.inprocess
+
+
+@pytest.fixture
+def accelerator():
+    accelerator = Accelerator(cpu=True)
+    yield accelerator
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+# --- the agreement on stopping (one process: no all-reduce, the flags themselves) ---
+def fake_accelerator(scale: float | None = None):
+    scaler = SimpleNamespace(get_scale=lambda: scale) if scale is not None else None
+    return SimpleNamespace(device=torch.device("cpu"), optimizer_step_was_skipped=False, scaler=scaler)
+
+
+def test_the_agreement_says_stop_for_a_nonfinite_loss_or_a_signal_and_nothing_otherwise():
+    agreement = StepAgreement(fake_accelerator())
+    agreement.observe(torch.tensor(0.5))
+    assert agreement.step_done(1, None) is None
+    agreement.observe(torch.tensor(math.nan))
+    agreement.observe(torch.tensor(0.5))  # a later finite micro-batch does not clear the step's flag
+    verdict = agreement.step_done(2, None)
+    assert verdict is not None and verdict.nonfinite and verdict.step == 2 and verdict.signal is None
+    assert agreement.step_done(3, None) is None  # the flag belongs to its step
+    verdict = agreement.step_done(4, int(signal.SIGUSR1))
+    assert verdict is not None and verdict.signal == "SIGUSR1" and not verdict.nonfinite
+    assert agreement.preempted(4, int(signal.SIGTERM)).signal == "SIGTERM"
+    assert agreement.preempted(4, None) is None
+
+
+def test_under_fp16_an_overflow_is_the_scalers_business_until_the_scale_falls_below_one():
+    agreement = StepAgreement(fake_accelerator(scale=1024.0))
+    agreement.observe(torch.tensor(math.inf))
+    assert agreement.step_done(1, None) is None
+    agreement = StepAgreement(fake_accelerator(scale=0.5))
+    agreement.observe(torch.tensor(math.inf))
+    assert agreement.step_done(1, None).nonfinite
+
+
+# --- the checkpoints: policy, what is complete, latest, rotation, loading under the run's identity ---
+def test_the_checkpoint_policy_saves_every_n_steps_or_at_epoch_ends(tmp_path, accelerator):
+    every_5 = Checkpoints(accelerator, tmp_path, every=5)
+    assert [step for step in range(1, 16) if every_5.due_at_step(step)] == [5, 10, 15]
+    assert not every_5.due_at_epoch_end()
+    at_epochs = Checkpoints(accelerator, tmp_path, every="epoch")
+    assert at_epochs.due_at_epoch_end() and not any(at_epochs.due_at_step(step) for step in range(1, 16))
+    never = Checkpoints(accelerator, tmp_path)
+    assert not never.due_at_epoch_end() and not any(never.due_at_step(step) for step in range(1, 16))
+
+
+def test_checkpoints_rotate_by_training_progress_and_load_only_under_the_same_identity(tmp_path, accelerator):
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    identity = RunIdentity("Linear:abc", {"options": {"hidden": 4}, "versions": {}})
+    checkpoints = Checkpoints(accelerator, tmp_path / "checkpoints", every=1, limit=2)
+    assert checkpoints.resolve("latest") is None and checkpoints.complete() == []
+    for step in (1, 2, 3):
+        state = TrainState(step=step, batches_in_epoch=step, global_batch=4)
+        checkpoints.save(state, identity)
+        assert checkpoints.holds(state, identity)
+    assert [path.name for path in checkpoints.complete()] == ["step_2", "step_3"]  # the oldest rotated out
+    assert not checkpoints.holds(TrainState(step=3, batches_in_epoch=2, global_batch=4), identity)
+    latest = checkpoints.resolve("latest")
+    assert latest == tmp_path / "checkpoints" / "step_3"
+
+    loaded = TrainState()
+    with torch.no_grad():
+        model.weight.zero_()
+    assert checkpoints.load(latest, loaded, identity) == []
+    assert loaded.step == 3 and loaded.global_batch == 4 and model.weight.abs().sum() > 0
+    with pytest.raises(UserError, match="written by another model"):
+        checkpoints.load(latest, TrainState(), RunIdentity("Linear:other", identity.identity))
+    other_options = RunIdentity("Linear:abc", {"options": {"hidden": 8}, "versions": {}})
+    with pytest.raises(UserError, match="--hidden was 4, now 8"):
+        checkpoints.load(latest, TrainState(), other_options)
+    with pytest.raises(UserError, match="no such checkpoint"):
+        checkpoints.resolve(str(tmp_path / "missing"))
+
+
+# --- the run's folder ---
+def test_the_folder_check_refuses_to_replace_a_trained_run_and_lets_a_resume_through(tmp_path):
+    with pytest.raises(UserError, match="is empty"):
+        RunFolder("").check(None, overwrite=False)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="is a file"):
+        RunFolder(tmp_path / "file").check(None, overwrite=False)
+    folder = RunFolder(tmp_path / "run")
+    folder.check(None, overwrite=False)  # a new folder
+    folder.path.mkdir()
+    (folder.path / "model.safetensors").write_text("weights")
+    with pytest.raises(UserError, match="already holds a trained model"):
+        folder.check(None, overwrite=False)
+    folder.check(None, overwrite=True)
+    folder.check("latest", overwrite=False)  # the early check: fit tells a complete run from one to refuse
+    with pytest.raises(UserError, match="and no checkpoint to resume"):
+        folder.check("latest", overwrite=False, has_checkpoints=False)
+    folder.check("latest", overwrite=False, has_checkpoints=True)
+
+
+def test_the_folder_is_locked_by_one_run_and_commits_its_artifacts_with_the_metrics_last(tmp_path):
+    folder = RunFolder(tmp_path / "run")
+    folder.lock()
+    with pytest.raises(UserError, match="in use by another run"):
+        RunFolder(tmp_path / "run").lock()
+    folder.release()
+    other = RunFolder(tmp_path / "run")
+    other.lock()
+    other.release()
+
+    StopFacts(Phase.TRAIN, "SIGTERM", 7, "somewhere", 0.5).write(folder.path)
+    folder.stage_best({"weight": torch.ones(2)})
+    final = folder.staging / "model"
+    final.mkdir()
+    (final / "model.safetensors").write_text("weights")
+    (tmp_path / "vocab.json").write_text("{}")
+    assert folder.committed_metrics(10, {}) is None
+    folder.commit(final, {"vocab.json": tmp_path / "vocab.json"}, {"steps": 10})
+    names = {path.name for path in folder.path.iterdir()}
+    assert names == {"model.safetensors", "model_best.safetensors", "vocab.json", "metrics.json"}, names
+    assert folder.committed_metrics(10, {}) == {"steps": 10}
+    assert folder.committed_metrics(11, {}) is None  # a longer run is not complete
+
+
+def test_a_committed_run_under_another_identity_is_refused(tmp_path):
+    folder = RunFolder(tmp_path)
+    (tmp_path / "model.safetensors").write_text("weights")
+    saved = {"options": {"arch": "resnet18"}, "versions": {}}
+    (tmp_path / "metrics.json").write_text(json.dumps({"steps": 5, "identity": saved}))
+    assert folder.committed_metrics(5, saved)["steps"] == 5
+    with pytest.raises(UserError, match="--arch was 'resnet18', now 'resnet50'"):
+        folder.committed_metrics(5, {"options": {"arch": "resnet50"}, "versions": {}})
+
+
+# --- the meter, the position after a resume, the stop's facts ---
+def test_the_throughput_meter_reports_windows_and_the_steady_rate_after_the_first():
+    meter = ThroughputMeter()
+    meter.add(100, step_time=1.0, data_wait=0.5)  # the first window: start-up, slow
+    assert meter.window() == (100.0, 0.5)
+    for _ in range(4):
+        meter.add(100, step_time=0.25, data_wait=0.0)
+    assert meter.window() == (400.0, 0.0)
+    summary = meter.summary()
+    assert summary["train_samples"] == 500 and summary["train_samples_per_s"] == 250.0
+    assert summary["steady_samples_per_s"] == 400.0 and summary["steady_data_wait_share"] == 0.0
+
+
+def test_a_resume_at_twice_the_global_batch_continues_from_the_same_sample():
+    # 1 process x batch 4 stopped 16 samples into epoch 2 of 16 batches; 2 processes x 4: 8 batches an epoch
+    state = TrainState(step=20, epoch=1, batches_in_epoch=4, global_batch=4, world_size=1)
+    rebase = state.rebase(global_batch=8, world_size=2, batches_per_epoch=8, accumulation=1)
+    assert (rebase.saved_step, rebase.saved_batch, rebase.skip, rebase.leftover) == (20, 4, 2, 0)
+    assert (state.step, state.batches_in_epoch, state.samples_in_epoch, state.world_size) == (10, 2, 16, 2)
+    odd = TrainState(step=3, epoch=0, batches_in_epoch=3, global_batch=4)  # 12 samples: 1 batch of 8, 4 seen again
+    assert odd.rebase(8, 2, 8, 1).leftover == 4 and odd.step == 1
+    accumulated = TrainState(step=5, epoch=0, batches_in_epoch=5, global_batch=4)  # accumulation 1 -> 2
+    accumulated.rebase(4, 1, batches_per_epoch=16, accumulation=2)
+    assert accumulated.step == 2 and accumulated.batches_in_epoch == 5
+
+
+def test_a_stop_writes_its_facts_once_and_carries_them(tmp_path):
+    facts = StopFacts(Phase.EVAL, "SIGUSR1", 12, str(tmp_path / "step_12"), 1.25)
+    facts.write(tmp_path)
+    marker = json.loads((tmp_path / PREEMPTED_MARKER).read_text())
+    assert marker["phase"] == "eval" and marker["step"] == 12 and marker["save_s"] == 1.25
+    assert StopFacts.last_save_s(tmp_path) == 1.25 and StopFacts.last_save_s(tmp_path / "none") == 0.0
+    preempted = Preempted(facts)
+    assert not preempted.facts.before_training and "at step 12 (eval)" in preempted.message
+    before = Preempted(StopFacts(Phase.STARTUP, "SIGTERM"))
+    assert before.facts.before_training and "before training started" in before.message
+
+
+# --- callbacks: the one way a feature hooks into the loop ---
+class Recorder(Callback):
+    """Records the hooks it sees, and keeps a count that must survive a resume (state_dict)."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.steps_seen = 0
+
+    def on_start(self, run):
+        self.calls.append(f"start@{run.state.step}")
+
+    def on_step_end(self, run):
+        self.steps_seen += 1
+        self.calls.append("step")
+
+    def on_log(self, run, logs):
+        self.calls.append("log")
+
+    def on_evaluate(self, run, metrics):
+        self.calls.append("evaluate")
+
+    def on_checkpoint(self, run, path):
+        self.calls.append(f"checkpoint:{Path(path).name}")
+
+    def on_end(self, run, metrics):
+        self.calls.append(f"end@{metrics['steps']}")
+
+    def on_close(self, run):
+        self.calls.append("close")
+
+    def state_dict(self):
+        return {"steps_seen": self.steps_seen}
+
+    def load_state_dict(self, state):
+        self.steps_seen = state["steps_seen"]
+
+
+def small_task() -> Task:
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    model = torch.nn.Linear(4, 2)
+
+    def loss_fn(model, batch):
+        return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    def eval_fn(model, batch):
+        return {"loss": torch.nn.functional.cross_entropy(model(batch[0]), batch[1], reduction="none")}
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return Task(model, optimizer, DataLoader(data, batch_size=8, shuffle=True), loss_fn, DataLoader(data), eval_fn)
+
+
+def fit_small(output_dir: Path, callback: Callback, **options) -> dict:
+    config = TrainConfig(output_dir=str(output_dir), epochs=2, log_steps=4, **options)
+    try:
+        return fit(make_accelerator(config), config, small_task(), callbacks=[callback])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_callbacks_see_every_hook_in_order_and_their_state_resumes(tmp_path):
+    recorder = Recorder()
+    fit_small(tmp_path / "run", recorder, checkpointing_steps=3)
+    assert recorder.calls == [
+        "start@0",
+        *["step"] * 3,
+        "checkpoint:step_3",
+        "step",
+        "log",  # step 4 (--log-steps 4)
+        "evaluate",  # the end of epoch 1 (4 steps)
+        *["step"] * 2,
+        "checkpoint:step_6",
+        *["step"] * 2,
+        "log",
+        "evaluate",
+        "end@8",
+        "close",
+    ], recorder.calls
+    # a resume from step_6 restores the callback's own state from the checkpoint
+    for name in ("model.safetensors", "metrics.json"):
+        os.remove(tmp_path / "run" / name)
+    resumed = Recorder()
+    fit_small(tmp_path / "run", resumed, checkpointing_steps=3, resume_from_checkpoint="latest")
+    assert resumed.calls[0] == "start@6" and resumed.steps_seen == 6 + 2, resumed.calls
