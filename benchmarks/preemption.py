@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BIN = Path(sys.executable).parent
+sys.path.insert(0, str(ROOT / "tests"))
+from helpers import free_port, process_tree  # noqa: E402  (the process table, read as the tests read it)
 
 JOBS = {
     "probe (Linear 8-16-2)": ["tests/probe.py", "--batch-size", "4", "--epochs", "50", "--train-size", "256",
@@ -33,29 +34,6 @@ JOBS = {
         "scripts/imagenet.py", "--dummy", "-a", "resnet50", "--image-size", "64", "-b", "4", "-j", "2",
         "--dummy-classes", "100", "--epochs", "50"],
 }  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def tree(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo += children.get(pid, [])
-    return found
 
 
 def once(job: list[str], work: Path) -> tuple[float, float, int]:
@@ -68,12 +46,13 @@ def once(job: list[str], work: Path) -> tuple[float, float, int]:
     agent = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
-        while "train:" not in (work / "log").read_text() or len(tree(agent.pid)) < 7:  # agent, 2 ranks, 4 workers
+        # the agent, 2 ranks and 4 workers
+        while "train:" not in (work / "log").read_text() or len(process_tree(agent.pid)) < 7:
             if time.monotonic() > deadline or agent.poll() is not None:
                 raise SystemExit((work / "log").read_text()[-3000:])
             time.sleep(0.1)
         time.sleep(2.0)  # well into training
-        pids = tree(agent.pid)
+        pids = process_tree(agent.pid)
         sent = time.monotonic()
         for pid in pids:
             try:

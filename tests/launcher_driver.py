@@ -5,7 +5,7 @@ import sys
 
 import probe
 from accelerate import debug_launcher, notebook_launcher
-from conftest import free_port
+from helpers import free_port
 
 from ddp_accel import launched
 

@@ -6,7 +6,7 @@ import re
 import subprocess
 
 import pytest
-from conftest import BIN, ROOT, free_port
+from helpers import BIN, ROOT, free_port
 
 pexpect = pytest.importorskip("pexpect")
 

@@ -1,11 +1,10 @@
 """Every shipped accelerate YAML loads with accelerate's own loader; those that can run on CPU do run."""
 
-import json
 import subprocess
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
-from conftest import BIN, ROOT, check_ok, free_port
+from helpers import BIN, ROOT, check_ok, free_port, metrics_of
 
 from ddp_accel.__main__ import main as ddp_accel_main
 
@@ -51,4 +50,4 @@ def test_cpu_runnable_configs_launch(tmp_path, name, world_size):
         timeout=300,
     )
     check_ok(result)
-    assert json.loads((tmp_path / "metrics.json").read_text())["world_size"] == world_size
+    assert metrics_of(tmp_path)["world_size"] == world_size

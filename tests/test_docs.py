@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
@@ -51,7 +51,7 @@ def test_docs_and_code_do_not_depend_on_files_outside_the_project():
 
 @pytest.mark.inprocess
 def test_the_readme_training_script_runs_and_its_callback_is_called(tmp_path, monkeypatch):
-    from conftest import check_ok, run_script
+    from helpers import check_ok, run_script
 
     text = (ROOT / "README.md").read_text()
     section = text.split("## Your own training script", 1)[1]

@@ -7,7 +7,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import BIN, ROOT, free_port
+from helpers import BIN, ROOT, free_port
 
 from ddp_accel.__main__ import main
 from ddp_accel.doctor import Report, compare, data_fingerprint, loopback_problem

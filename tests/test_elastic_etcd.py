@@ -3,7 +3,6 @@ through `torchrun --rdzv_backend etcd-v2`, and a membership change with `--rdzv_
 running job, then one leaves). Skips when the etcd binary or python-etcd is missing (.ci/run
 installs Debian's etcd-server and PyPI's python-etcd)."""
 
-import json
 import os
 import re
 import shutil
@@ -14,7 +13,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import BIN, ROOT, checkpoint_steps, free_port, kill_tree, start_node, wait_for, wait_nodes
+from helpers import BIN, ROOT, checkpoint_steps, free_port, kill_tree, metrics_of, start_node, wait_for, wait_nodes
 
 ETCD = shutil.which("etcd")
 
@@ -142,7 +141,7 @@ def test_a_node_joins_then_one_leaves_and_the_run_goes_on(tmp_path, etcd_endpoin
     finally:
         kill_tree(a)
     text = agent_log(logs[0])
-    metrics = json.loads((output_dir / "metrics.json").read_text())
+    metrics = metrics_of(output_dir)
     assert metrics["world_size"] == 1 and not (output_dir / "preempted.json").exists()
     resumed = re.findall(r"resumed from \S+: step (\d+)", text)
     assert len(resumed) >= 2, text[-4000:]  # after the join (world size 2), after the leave (world size 1)

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     ROOT,
     Result,
     assert_clean_error,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, ROOT, checkpoint_steps, rank_of, wait_for, weights, workers
+from helpers import BIN, ROOT, assert_same_weights, checkpoint_steps, rank_of, wait_for, weights, workers
 
 PROBE = str(ROOT / "tests" / "probe.py")
 # 256 samples, 2 ranks x batch 4: 32 steps an epoch, 3 epochs; a checkpoint every 5 steps; dropout on, so
@@ -57,13 +57,6 @@ def uninterrupted(tmp_path_factory) -> Path:
     return output_dir
 
 
-def assert_bitwise_equal(dir_a: Path, dir_b: Path) -> None:
-    a, b = weights(dir_a), weights(dir_b)
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), f"{key} differs"
-
-
 @pytest.mark.multiprocess
 def test_sigkill_a_worker_mid_epoch_restart_resumes_to_identical_weights(uninterrupted, tmp_path):
     output_dir = tmp_path / "faulty"
@@ -79,7 +72,7 @@ def test_sigkill_a_worker_mid_epoch_restart_resumes_to_identical_weights(uninter
     line = next(line for line in log.splitlines() if "resumed from" in line)
     resumed_step = int(line.split("step ")[1].split(",")[0])
     assert resumed and resumed_step >= latest_at_kill  # nothing older than the newest complete checkpoint
-    assert_bitwise_equal(uninterrupted, output_dir)
+    assert_same_weights(uninterrupted, output_dir)
     print(
         f"\nkill -> resumed training: {resume_delay:.1f} s; resumed from step {resumed_step} "
         f"(at most {5 - 1} steps redone with --checkpointing-steps 5)",
@@ -107,7 +100,7 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(uninter
     # before the kill landed
     assert resumed_step < partial_step or resumed_step == partial_step and "step_" + str(partial_step) in line
     print(f"\nkilled while writing {partial.name}; resumed from step {resumed_step}", file=sys.stderr)
-    assert_bitwise_equal(uninterrupted, output_dir)
+    assert_same_weights(uninterrupted, output_dir)
 
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])
@@ -176,7 +169,7 @@ def test_preemption_signal_saves_the_step_reached_and_resume_loses_nothing(unint
     assert code == 0, log[-3000:]
     assert f"resumed from {output_dir / 'checkpoints' / f'step_{stopped_at}'}: step {stopped_at}," in log
     assert read_marker(output_dir) is None, "a finished run must not look preempted"
-    assert_bitwise_equal(uninterrupted, output_dir)
+    assert_same_weights(uninterrupted, output_dir)
     print(
         f"\n{target}: signal -> checkpoint of step {stopped_at} complete in {signal_to_saved:.2f} s "
         f"(save itself {marker['save_s']} s); steps redone after resume: 0",
@@ -254,7 +247,7 @@ def test_a_hung_dataloader_worker_is_diagnosed_and_the_restart_resumes_to_identi
     reports = sorted(path.name for path in (output_dir / "hangs").iterdir())
     assert reports and set(reports) <= {"rank_0.txt", "rank_1.txt"}, reports
     assert "resumed from" in log or "resume" not in log
-    assert_bitwise_equal(uninterrupted, output_dir)
+    assert_same_weights(uninterrupted, output_dir)
     print(f"\nhung worker -> diagnosed, restarted and finished in {time.monotonic() - started:.0f} s", file=sys.stderr)
 
 
@@ -278,5 +271,5 @@ def test_a_stopped_rank_is_diagnosed_by_its_peer_and_the_restart_resumes_to_iden
     assert "another rank" in line and "Exiting with status 4" in line, line
     assert 5 <= diagnosed_s < 30, diagnosed_s
     assert "resumed from" in log
-    assert_bitwise_equal(uninterrupted, output_dir)
+    assert_same_weights(uninterrupted, output_dir)
     print(f"\nSIGSTOP of rank 1 -> rank 0's diagnosis after {diagnosed_s:.1f} s", file=sys.stderr)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_clean_error, check_ok, launch, run_script
+from helpers import assert_clean_error, check_ok, launch, metrics_of, run_script
 
 from ddp_accel.errors import UserError
 from ddp_accel.text import sources
@@ -242,7 +242,7 @@ def test_two_processes_learn_synthetic_sentiment_and_count_each_review_once(tmp_
             env={"HF_HUB_OFFLINE": "1"},
         )
     )
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    metrics = metrics_of(tmp_path)
     # 3600 training reviews = 113 batches of 32, 57 per rank: every epoch runs to its end
     assert metrics["steps"] == epochs * 57, metrics["steps"]
     assert metrics["world_size"] == 2 and metrics["synthetic_data"] is True
@@ -315,7 +315,7 @@ def test_nb_weighted_bag_on_real_imdb_reaches_92_percent_held_out(tmp_path):
             2,
         )
     )
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    metrics = metrics_of(tmp_path)
     assert metrics["eval_samples"] == 2500
     assert metrics["eval_accuracy"] > 0.92, metrics
 

@@ -9,7 +9,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import assert_clean_error, check_ok, run_script, snapshot
+from helpers import assert_clean_error, check_ok, metrics_of, run_script, snapshot
 from PIL import Image
 
 from ddp_accel.files import write_json
@@ -39,10 +39,10 @@ def test_a_new_test_file_is_evaluated_not_a_cached_one(tmp_path, text_files):
     test10 = reviews(tmp_path / "test10.jsonl", 10, 500)
     out = tmp_path / "out"
     check_ok(run_script("scripts/imdb.py", *IMDB, "--train-file", train, "--test-file", test, "--output-dir", out))
-    assert json.loads((out / "metrics.json").read_text())["test_samples"] == 30
+    assert metrics_of(out)["test_samples"] == 30
     common = ["--train-file", train, "--test-file", test10, "--output-dir", out, "--overwrite-output-dir"]
     check_ok(run_script("scripts/imdb.py", *IMDB, *common))
-    assert json.loads((out / "metrics.json").read_text())["test_samples"] == 10
+    assert metrics_of(out)["test_samples"] == 10
 
 
 def test_a_resume_under_another_identity_is_one_line_and_changes_nothing(tmp_path, text_files):
@@ -87,8 +87,8 @@ def test_rerunning_a_finished_run_changes_nothing_and_a_longer_one_continues(tmp
     longer = check_ok(
         run_script("tests/probe.py", *args[:2], "--epochs", 3, *args[4:], "--resume-from-checkpoint", "latest")
     )
-    assert "resumed from" in longer and json.loads((out / "metrics.json").read_text())["steps"] == 48
-    metrics = json.loads((out / "metrics.json").read_text())
+    assert "resumed from" in longer and metrics_of(out)["steps"] == 48
+    metrics = metrics_of(out)
     assert metrics["train_loss"] is not None and metrics["train_samples"] > 0
 
 
@@ -130,11 +130,11 @@ def test_the_imagenet_best_model_and_score_survive_a_rerun(tmp_path):
     out = tmp_path / "out"
     args = [data, *SMALL, "--epochs", 2, "--checkpointing-steps", "epoch", "--output-dir", out, "--resume", "latest"]
     check_ok(run_script("scripts/imagenet.py", *args))
-    best = json.loads((out / "metrics.json").read_text())["best_top1"]
+    best = metrics_of(out)["best_top1"]
     assert best >= 0 and (out / "model_best.safetensors").is_file()
     before = snapshot(out)
     check_ok(run_script("scripts/imagenet.py", *args))
-    assert snapshot(out) == before and json.loads((out / "metrics.json").read_text())["best_top1"] == best
+    assert snapshot(out) == before and metrics_of(out)["best_top1"] == best
 
 
 def test_metrics_are_valid_json_without_nan(tmp_path):

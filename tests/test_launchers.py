@@ -2,7 +2,6 @@
 torch.distributed.launch, notebook_launcher and debug_launcher (bitwise equal final weights), and the notebook in a
 real kernel."""
 
-import json
 import os
 import shutil
 import subprocess
@@ -10,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, check_ok, free_port, launch, weights
+from helpers import ROOT, check_ok, free_port, launch, metrics_of, weights
 
 ARGS = ["--batch-size", "4", "--epochs", "2", "--dropout", "0.3", "--train-size", "48"]
 
@@ -45,7 +44,7 @@ def test_all_launchers_give_bitwise_identical_weights(tmp_path):
     launchers = ["accelerate", "torchrun", "torch.distributed.launch", "notebook", "debug"]
     for launcher in launchers:
         run_with(launcher, tmp_path / launcher)
-        metrics = json.loads((tmp_path / launcher / "metrics.json").read_text())
+        metrics = metrics_of(tmp_path / launcher)
         assert metrics["world_size"] == 2 and metrics["distributed_type"] == "MULTI_CPU", launcher
     reference = weights(tmp_path / "accelerate")
     for launcher in launchers[1:]:

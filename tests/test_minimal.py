@@ -1,10 +1,9 @@
 """scripts/minimal.py: the same program under accelerate launch and torchrun is one world-size-2 job."""
 
-import json
 import re
 
 import pytest
-from conftest import check_ok, launch, run_script
+from helpers import check_ok, launch, metrics_of, run_script
 
 
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
@@ -16,7 +15,7 @@ def test_two_processes_form_one_world(tmp_path, launcher):
     assert re.search(r"distributed_type\s+MULTI_CPU", output) and re.search(r"backend\s+gloo", output), output
     gathered = re.search(r"all_gather_object: (.*)", output).group(1)
     assert "'rank': 0" in gathered and "'rank': 1" in gathered
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    metrics = metrics_of(tmp_path)
     assert metrics["world_size"] == 2 and metrics["eval_samples"] == 20
     assert {p.name for p in tmp_path.iterdir()} >= {"args.json", "metrics.json", "model.safetensors"}
 
@@ -25,4 +24,4 @@ def test_two_processes_form_one_world(tmp_path, launcher):
 def test_single_process_plain_python(tmp_path):
     output = check_ok(run_script("scripts/minimal.py", "--output-dir", tmp_path))
     assert "world_size 1" in output
-    assert json.loads((tmp_path / "metrics.json").read_text())["world_size"] == 1
+    assert metrics_of(tmp_path)["world_size"] == 1

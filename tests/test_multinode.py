@@ -5,7 +5,7 @@ import socket
 import time
 
 import pytest
-from conftest import BIN, ROOT, free_port, start_node, wait_nodes
+from helpers import BIN, ROOT, free_port, start_node, wait_nodes
 
 MULTI_NODE_YAML = ROOT / "accelerate_configs" / "multi_node.yaml"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, ROOT, free_port, kill_tree, wait_for, weights
+from helpers import BIN, ROOT, free_port, kill_tree, metrics_of, process_tree, wait_for, weights
 
 pytestmark = pytest.mark.system
 
@@ -67,27 +67,9 @@ def start(
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=ENV, start_new_session=True)
 
 
-def tree(root: int) -> list[int]:
-    """`root` and every process below it (ranks, DataLoader workers), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo += children.get(pid, [])
-    return found
-
-
 def signal_every_process(agent: subprocess.Popen, signum: int) -> list[int]:
     """What SLURM does to a job step: the signal to every process of it at once."""
-    pids = tree(agent.pid)
+    pids = process_tree(agent.pid)
     for pid in pids:
         try:
             os.kill(pid, signum)
@@ -137,7 +119,7 @@ def stop_at(output_dir: Path, agent: subprocess.Popen, phase: str, rng: random.R
         return log_of(output_dir)[log_start:]
 
     if phase == "startup":  # the ranks' interpreter start, imports, data and model: a few seconds
-        wait_for(lambda: len(tree(agent.pid)) >= 3, timeout=60, interval=0.01, alive=agent, what="the ranks")
+        wait_for(lambda: len(process_tree(agent.pid)) >= 3, timeout=60, interval=0.01, alive=agent, what="the ranks")
         time.sleep(rng.uniform(0.0, 1.5))
     elif phase in ("train", "eval"):  # steps of 60 ms; an evaluation of ~0.75 s every 8 steps and at epoch ends
         # after the end of an evaluation come at least 4 training steps (~0.25 s), at most 8, then the next one
@@ -181,9 +163,9 @@ def test_signals_to_every_process_at_any_moment_lose_nothing(tmp_path, reference
     for number, phase in enumerate(plan, 1):
         (output_dir / "preempted.json").unlink(missing_ok=True)  # as slurm/train.sbatch does before each run
         agent = start(output_dir)
-        pids_before = tree(agent.pid)
+        pids_before = process_tree(agent.pid)
         sent = stop_at(output_dir, agent, phase, rng, signal.SIGTERM)
-        pids = list(set(pids_before) | set(tree(agent.pid)))
+        pids = list(set(pids_before) | set(process_tree(agent.pid)))
         try:
             code = agent.wait(timeout=60)
         finally:
@@ -211,7 +193,7 @@ def test_signals_to_every_process_at_any_moment_lose_nothing(tmp_path, reference
     assert marker(output_dir) is None
     reference_weights, final = weights(references()), weights(output_dir)
     assert all(torch.equal(reference_weights[key], final[key]) for key in reference_weights)
-    metrics = json.loads((output_dir / "metrics.json").read_text())
+    metrics = metrics_of(output_dir)
     assert metrics["steps"] == LAST_STEP and metrics["test_samples"] == 24
 
 
@@ -227,7 +209,7 @@ def test_one_moment_each_for_another_launcher_one_process_sigusr1_and_a_second_s
     wait_for(lambda: (output_dir / "checkpoints" / "step_10" / "training_state.json").is_file(), alive=agent,
              what="the checkpoint of step 10")  # fmt: skip
     time.sleep(0.2)
-    pids = tree(agent.pid)
+    pids = process_tree(agent.pid)
     signal_every_process(agent, signum)
     if how == "sigusr1_twice":  # again, while the processes save
         wait_for(lambda: any(output_dir.glob("checkpoints/.tmp_step_*")) or marker(output_dir), interval=0.002)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, wait_for_checkpoint, weights
+from helpers import ROOT, wait_for_checkpoint, weights
 from slurm_cluster import LocalSlurm, missing_binaries
 
 pytestmark = pytest.mark.skipif(

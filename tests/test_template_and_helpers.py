@@ -1,10 +1,8 @@
 """scripts/template.py end to end, plus the small helpers (CLI aliases, plain-DDP checkpoint import)."""
 
-import json
-
 import pytest
 import torch
-from conftest import check_ok, launch, run_script
+from helpers import check_ok, launch, metrics_of, run_script
 
 from ddp_accel import ArgumentParser, UserError, add_training_args
 from ddp_accel.checkpoint import load_plain_ddp_checkpoint
@@ -25,7 +23,7 @@ def test_template_trains_validates_and_tests_on_two_processes(tmp_path):
             "epoch",
         )
     )
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    metrics = metrics_of(tmp_path)
     assert metrics["world_size"] == 2
     assert metrics["test_samples"] == 500 and metrics["eval_samples"] == 500
     assert metrics["test_accuracy"] > 0.9, metrics
@@ -63,7 +61,7 @@ def test_template_no_val_then_resume(tmp_path):
         )
     )
     assert "resumed from" in output and "eval_accuracy" not in output
-    assert json.loads((tmp_path / "metrics.json").read_text())["test_samples"] == 500
+    assert metrics_of(tmp_path)["test_samples"] == 500
 
 
 @pytest.mark.multiprocess

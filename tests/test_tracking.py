@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, ROOT, assert_clean_error, rank_of, run_script, workers
+from helpers import BIN, ROOT, assert_clean_error, rank_of, run_script, workers
 
 from ddp_accel import tracking
 from ddp_accel.errors import UserError

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import assert_clean_error, check_ok, launch, run_script, weights
+from helpers import assert_clean_error, assert_same_weights, check_ok, launch, metrics_of, run_script, weights
 from probe import ComplexLinear
 
 PROBE = "tests/probe.py"
@@ -30,20 +30,13 @@ def two_process_job(tmp_path_factory):
     return output_dir
 
 
-def assert_same_weights(dir_a, dir_b, atol=1e-6):
-    a, b = weights(dir_a), weights(dir_b)
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=1e-5, msg=f"{key} differs")
-
-
 @multiprocess
 def test_one_process_2b_equals_two_processes_b(tmp_path, two_process_job):
     probe(tmp_path / "one", *SHARED[2:], "--batch-size", 8, nproc=1)
-    one, two = (json.loads((d / "metrics.json").read_text()) for d in (tmp_path / "one", two_process_job))
+    one, two = (metrics_of(d) for d in (tmp_path / "one", two_process_job))
     assert one["steps"] == two["steps"] == 10
     assert one["world_size"] == 1 and two["world_size"] == 2
-    assert_same_weights(tmp_path / "one", two_process_job)
+    assert_same_weights(tmp_path / "one", two_process_job, atol=1e-6)
 
 
 @multiprocess
@@ -54,7 +47,7 @@ def test_complex_parameters_train_the_same_on_one_and_two_processes_and_resume_b
     probe(tmp_path / "two", "--complex", "--batch-size", 4, "--epochs", 2, "--lr", "0.01", "--checkpointing-steps", 5)
     trained, initial = weights(tmp_path / "one")["0.weight"], ComplexLinear(8, 16).weight.detach()
     assert trained.dtype == torch.complex64 and (trained - initial).imag.abs().max() > 1e-3  # trained, not stuck
-    assert_same_weights(tmp_path / "one", tmp_path / "two")
+    assert_same_weights(tmp_path / "one", tmp_path / "two", atol=1e-6)
     shutil.copytree(tmp_path / "two" / "checkpoints" / "step_5", tmp_path / "cut" / "checkpoints" / "step_5")
     probe(
         tmp_path / "cut",
@@ -70,7 +63,7 @@ def test_complex_parameters_train_the_same_on_one_and_two_processes_and_resume_b
         "--resume-from-checkpoint",
         "latest",
     )
-    assert_same_weights(tmp_path / "two", tmp_path / "cut", atol=0)
+    assert_same_weights(tmp_path / "two", tmp_path / "cut", atol=None)
 
 
 @multiprocess
@@ -79,11 +72,11 @@ def test_sparse_embedding_gradients_train_the_same_on_one_and_two_processes_and_
     common = ["--sparse-embedding", "--epochs", 2, "--lr", "0.01", "--checkpointing-steps", 5, "--dropout", "0.2"]
     probe(tmp_path / "one", *common[:-2], "--batch-size", 8, "--dropout", "0", nproc=1)
     probe(tmp_path / "two", *common[:-2], "--batch-size", 4, "--dropout", "0")
-    assert_same_weights(tmp_path / "one", tmp_path / "two")
+    assert_same_weights(tmp_path / "one", tmp_path / "two", atol=1e-6)
     probe(tmp_path / "full", *common, "--batch-size", 4)
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step_5", tmp_path / "cut" / "checkpoints" / "step_5")
     probe(tmp_path / "cut", *common, "--batch-size", 4, "--resume-from-checkpoint", "latest")
-    assert_same_weights(tmp_path / "full", tmp_path / "cut", atol=0)
+    assert_same_weights(tmp_path / "full", tmp_path / "cut", atol=None)
 
 
 @inprocess
@@ -139,10 +132,10 @@ def test_one_gradient_scaler_unscales_the_sparse_and_dense_gradients_once():
 def test_gradient_accumulation_matches_big_batch(tmp_path):
     probe(tmp_path / "big", "--batch-size", 8, "--epochs", 2, nproc=1)
     probe(tmp_path / "accum", "--batch-size", 4, "--gradient-accumulation-steps", 2, "--epochs", 2, nproc=1)
-    assert_same_weights(tmp_path / "big", tmp_path / "accum")
+    assert_same_weights(tmp_path / "big", tmp_path / "accum", atol=1e-6)
     # and across processes: 2 ranks x batch 2 x accumulation 2 == 1 rank x batch 8
     probe(tmp_path / "both", "--batch-size", 2, "--gradient-accumulation-steps", 2, "--epochs", 2, nproc=2)
-    assert_same_weights(tmp_path / "big", tmp_path / "both")
+    assert_same_weights(tmp_path / "big", tmp_path / "both", atol=1e-6)
 
 
 @multiprocess
@@ -164,7 +157,7 @@ def test_ranks_see_disjoint_shards_and_epochs_reshuffle(two_process_job):
 @multiprocess
 def test_eval_counts_every_sample_exactly_once(two_process_job):
     # 23 validation samples, batch 4, 2 ranks: the sharded loader pads the last batch; metrics must not.
-    metrics = json.loads((two_process_job / "metrics.json").read_text())
+    metrics = metrics_of(two_process_job)
     assert metrics["eval_samples"] == 23
     assert metrics["eval_unique_ids"] == 23
     assert metrics["eval_id_sum"] == sum(range(23))
@@ -181,7 +174,7 @@ def test_resume_mid_epoch_gives_identical_weights(tmp_path):
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step_5", tmp_path / "cut" / "checkpoints" / "step_5")
     output = probe(tmp_path / "cut", *common, "--resume-from-checkpoint", "latest")
     assert "resumed from" in output and "step 5, epoch 0" in output
-    assert_same_weights(tmp_path / "full", tmp_path / "cut", atol=0)
+    assert_same_weights(tmp_path / "full", tmp_path / "cut", atol=None)
 
 
 @multiprocess
@@ -194,7 +187,7 @@ def test_checkpoint_limit_keeps_newest(tmp_path):
 def test_latest_without_checkpoint_starts_fresh(tmp_path):
     output = probe(tmp_path, "--batch-size", 4, "--max-steps", 3, "--resume-from-checkpoint", "latest", nproc=1)
     assert "resumed from" not in output
-    assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 3
+    assert metrics_of(tmp_path)["steps"] == 3
 
 
 @inprocess
@@ -230,7 +223,7 @@ def test_a_damaged_newest_checkpoint_falls_back_and_an_explicit_one_is_an_error(
     output = probe(tmp_path / "cut", *common, "--resume-from-checkpoint", "latest", nproc=1)
     assert "step_8 is damaged (random_states_0.pkl has 100 bytes" in output and "resumed from" in output
     assert "step 4, epoch 0" in output  # the one before it
-    assert_same_weights(tmp_path / "full", tmp_path / "cut", atol=0)
+    assert_same_weights(tmp_path / "full", tmp_path / "cut", atol=None)
 
 
 @inprocess
@@ -309,7 +302,7 @@ def test_a_checkpoint_of_729a739_still_resumes_bitwise_with_a_warning(tmp_path):
     assert "resumed from" in output and "step 5, epoch 0, skipping 5 batches" in output, output[-2000:]
     assert "written before run identities were recorded" in output
     check_ok(run_script(PROBE, "--output-dir", tmp_path / "new", *common))
-    assert_same_weights(tmp_path / "new", tmp_path / "old", atol=0)
+    assert_same_weights(tmp_path / "new", tmp_path / "old", atol=None)
 
 
 def samples_of(output_dir) -> list[int]:
@@ -342,7 +335,7 @@ def test_a_resume_past_the_middle_with_fewer_steps_per_epoch_continues_from_its_
     )
     assert "step 20 as the checkpoint counted" in output and "at step 10 of this command's 16" in output, output
     assert "resumed from" in output and "step 10, epoch 1" in output, output[-2000:]
-    assert json.loads((tmp_path / "cut" / "metrics.json").read_text())["steps"] == 16
+    assert metrics_of(tmp_path / "cut")["steps"] == 16
     assert samples_of(tmp_path / "cut") == samples_of(full)[64 + 16 :]  # the rest of epoch 2, each sample once
 
 
@@ -353,7 +346,7 @@ def test_a_one_process_run_resumed_past_the_middle_on_two_processes_completes(st
     shutil.copytree(full / "checkpoints" / "step_20", tmp_path / "joined" / "checkpoints" / "step_20")
     output = probe(tmp_path / "joined", "--batch-size", 4, "--epochs", 2, "--resume-from-checkpoint", "latest")
     assert "resumed from" in output and "step 10, epoch 1" in output, output[-2000:]
-    assert json.loads((tmp_path / "joined" / "metrics.json").read_text())["steps"] == 16
+    assert metrics_of(tmp_path / "joined")["steps"] == 16
     rest = samples_of(full)[64 + 16 :]
     ranks = [json.loads((tmp_path / "joined" / f"seen_rank{rank}.json").read_text()) for rank in (0, 1)]
     seen = sorted(i for rank in ranks for batch in rank for i in batch)

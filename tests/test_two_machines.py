@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, ROOT, check_ok, free_port, launch, wait_for_checkpoint, weights
+from helpers import BIN, ROOT, check_ok, free_port, launch, wait_for_checkpoint, weights
 
 MULTI_NODE_YAML = ROOT / "accelerate_configs" / "multi_node.yaml"
 PROBE_ARGS = [

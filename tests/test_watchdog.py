@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from conftest import check_ok, launch, weights
+from helpers import check_ok, launch, weights
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_accel import loaders
