@@ -217,6 +217,41 @@ class Checkpoints:
     def load(self, path: Path, state: TrainState, identity: RunIdentity) -> list[str]:
         return load_checkpoint(self.accelerator, path, identity, state)
 
+    def resume(
+        self,
+        value: str | None,
+        state: TrainState,
+        identity: RunIdentity,
+        batches_per_epoch: int,
+        accumulation: int,
+        total_steps: int,
+    ) -> Path | None:
+        """`--resume-from-checkpoint` into the prepared objects and `state`, continued at this command's global
+        batch and accumulation (TrainState.rebase); a checkpoint past the steps this command asks for is refused.
+        Returns the checkpoint loaded, or None (a first start)."""
+        accelerator = self.accelerator
+        path = self.resolve(value)
+        if path is None:
+            return None
+        global_batch, world_size = state.global_batch, state.world_size
+        for warning in self.load(path, state, identity):
+            accelerator.print(f"warning: {warning}")
+        rebase = state.rebase(global_batch, world_size, batches_per_epoch, accumulation)
+        changed = rebase.warning(state, total_steps)
+        if changed and accelerator.is_main_process:
+            print(f"warning: {changed}", file=sys.stderr, flush=True)
+        if state.step > total_steps:
+            raise UserError(
+                f"checkpoint {path} is at step {state.step}, past the {total_steps} steps this command asks for; "
+                "raise --epochs or --max-steps, or give an earlier step_N folder to --resume-from-checkpoint"
+            )
+        scale = f", fp16 loss scale {accelerator.scaler.get_scale():g}" if accelerator.scaler is not None else ""
+        accelerator.print(
+            f"resumed from {path}: step {state.step}, epoch {state.epoch}, skipping {rebase.skip} batches of the "
+            f"epoch{scale}"
+        )
+        return path
+
 
 def strip_module_prefix(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """DDP saves `module.layer.weight`; the bare model wants `layer.weight`."""

@@ -19,7 +19,7 @@ from ddp_accel.files import write_json
 from ddp_accel.identity import compare_identity
 from ddp_accel.locking import lock_output_dir
 from ddp_accel.stopping import PREEMPTED_MARKER
-from ddp_accel.tracking import TRACKING_STATE
+from ddp_accel.tracking import TRACKER_RUNS
 
 FINAL_STAGING = ".final"  # under checkpoints/: the final model and the best model, until the commit moves them
 COMMITTED = "metrics.json"  # written last by a commit: a run is complete once it exists for its steps
@@ -98,7 +98,7 @@ class RunFolder:
         curves and tracker runs not continued; its final artifacts are replaced at this run's commit."""
         shutil.rmtree(self.checkpoints, ignore_errors=True)
         shutil.rmtree(self.path / "tensorboard", ignore_errors=True)
-        for name in ("history.json", PREEMPTED_MARKER, TRACKING_STATE):
+        for name in ("history.json", PREEMPTED_MARKER, TRACKER_RUNS):
             (self.path / name).unlink(missing_ok=True)
 
     def stage_best(self, weights: dict[str, torch.Tensor]) -> None:

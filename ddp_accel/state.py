@@ -29,6 +29,23 @@ class Rebase:
     skip: int  # batches of this command's global batch to skip in the epoch
     leftover: int  # samples of the epoch seen before and seen again (a skip rounded down)
 
+    def warning(self, state: TrainState, total_steps: int) -> str | None:
+        """What changed, said once by the main process; None when nothing did."""
+        global_batch, seen = state.global_batch, self.skip * state.global_batch + self.leftover
+        if self.saved_batch == global_batch and self.saved_step == state.step:
+            return None
+        changed = (
+            f"the global batch changed from {self.saved_batch} to {global_batch} samples: resuming after "
+            f"{self.skip * global_batch} of the {seen} samples this epoch had seen"
+            + (f" ({self.leftover} of them are seen again)" if self.leftover else "")
+            if self.saved_batch != global_batch
+            else f"the gradient accumulation changed: {self.skip} batches into epoch {state.epoch + 1}"
+        )
+        return (
+            f"{changed}, at step {state.step} of this command's {total_steps} (step {self.saved_step} as the "
+            "checkpoint counted); the LR schedule goes on from its saved position"
+        )
+
 
 @dataclass
 class TrainState:

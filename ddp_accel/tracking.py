@@ -21,7 +21,7 @@ from ddp_accel.errors import UserError
 from ddp_accel.files import write_json
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")
-TRACKING_STATE = "tracking.json"
+TRACKER_RUNS = "tracking.json"
 
 
 def installed(name: str) -> bool:
@@ -51,7 +51,7 @@ def tracker_names(report_to: str = "none", with_tracking: bool = False) -> list[
 
 
 def read_state(output_dir: str | Path) -> dict[str, Any]:
-    path = Path(output_dir) / TRACKING_STATE
+    path = Path(output_dir) / TRACKER_RUNS
     try:
         return json.loads(path.read_text()) if path.is_file() else {}
     except ValueError:
@@ -152,4 +152,4 @@ class TrackerLog:
                 state["mlflow_run_id"] = tracker.active_run.info.run_id
             elif tracker.name == "wandb":
                 state["wandb_run_id"] = tracker.run.id
-        write_json(self.output_dir / TRACKING_STATE, state)
+        write_json(self.output_dir / TRACKER_RUNS, state)

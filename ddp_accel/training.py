@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -25,7 +24,7 @@ from ddp_accel.meters import EvalHistory, numbers
 from ddp_accel.plots import plot_history
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.runtime import print_banner, topology
-from ddp_accel.state import Rebase, RunIdentity, TrainState
+from ddp_accel.state import RunIdentity, TrainState
 from ddp_accel.stopping import Phase, Preempted, SaveGrace, StepAgreement, StopFacts, StopSignals, Verdict
 from ddp_accel.task import RunRecord, Task
 from ddp_accel.train_step import TrainStep
@@ -168,28 +167,13 @@ class TrainingRun:
 
     def resume(self) -> None:
         """Load `--resume-from-checkpoint` (if any) into the prepared objects and `state`."""
-        state, accelerator = self.state, self.accelerator
-        path = self.checkpoints.resolve(self.config.resume_from_checkpoint)
-        if path is None:
-            return
-        global_batch, world_size = state.global_batch, state.world_size
-        for warning in self.checkpoints.load(path, state, self.identity):
-            accelerator.print(f"warning: {warning}")
-        rebase = state.rebase(global_batch, world_size, len(self.train_loader), self.accumulation)
-        if accelerator.is_main_process and (rebase.saved_batch != global_batch or rebase.saved_step != state.step):
-            print(f"warning: {rebase_warning(rebase, state, self.total_steps)}", file=sys.stderr, flush=True)
-        if state.step > self.total_steps:
-            raise UserError(
-                f"checkpoint {path} is at step {state.step}, past the {self.total_steps} steps this command asks for; "
-                "raise --epochs or --max-steps, or give an earlier step_N folder to --resume-from-checkpoint"
-            )
-        scale = f", fp16 loss scale {accelerator.scaler.get_scale():g}" if accelerator.scaler is not None else ""
-        accelerator.print(
-            f"resumed from {path}: step {state.step}, epoch {state.epoch}, skipping {rebase.skip} batches of the "
-            f"epoch{scale}"
-        )
-        self.resumed_from = path
-        self.signals.resume_hint = resume_hint(path)
+        path = self.checkpoints.resume(
+            self.config.resume_from_checkpoint, self.state, self.identity, len(self.train_loader), self.accumulation,
+            self.total_steps,
+        )  # fmt: skip
+        if path is not None:
+            self.resumed_from = path
+            self.signals.resume_hint = resume_hint(path)
 
     # --- the loop's steps ---
     @contextmanager
@@ -415,21 +399,6 @@ def fit(
         except StopTraining as stop:
             run.stop(stop.verdict)
         return run.commit()
-
-
-def rebase_warning(rebase: Rebase, state: TrainState, total_steps: int) -> str:
-    global_batch, seen = state.global_batch, rebase.skip * state.global_batch + rebase.leftover
-    changed = (
-        f"the global batch changed from {rebase.saved_batch} to {global_batch} samples: resuming after "
-        f"{rebase.skip * global_batch} of the {seen} samples this epoch had seen"
-        + (f" ({rebase.leftover} of them are seen again)" if rebase.leftover else "")
-        if rebase.saved_batch != global_batch
-        else f"the gradient accumulation changed: {rebase.skip} batches into epoch {state.epoch + 1}"
-    )
-    return (
-        f"{changed}, at step {state.step} of this command's {total_steps} (step {rebase.saved_step} as the checkpoint "
-        "counted); the LR schedule goes on from its saved position"
-    )
 
 
 def nonfinite_message(step: int, last_loss: float | None) -> str:

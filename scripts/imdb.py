@@ -237,6 +237,34 @@ def train(args: argparse.Namespace, signals: StopSignals) -> None:
     rows = len(text.vocab) + (args.buckets if args.model == "bag" and args.ngrams > 1 else 0)
     check_memory(rows * args.dim * 4 * 4, f"a table of {rows:,} rows x --dim {args.dim}")
     model = build_model(args.model, len(text.vocab), text.vocab.pad_id, **model_options(args), sparse=sparse)
+    task = make_task(args, config, text, model)
+    banner = {
+        "data": ("SYNTHETIC corpus (offline fallback)" if text.synthetic else text.source),
+        "train/val/test reviews": f"{len(text.train)}/{len(text.val)}/{len(text.test) if text.test else 0}",
+        "vocabulary": len(text.vocab),
+        "truncated_reviews": text.truncated,
+        "preprocess_s": round(text.preprocess_s, 1),
+        "model": args.model,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "embedding_gradients": embedding_gradients,
+    }
+    record = RunRecord(
+        title="imdb (SYNTHETIC data)" if text.synthetic else "imdb",
+        banner=banner,
+        extra_metrics={
+            "data": banner["data"],
+            "synthetic_data": text.synthetic,
+            "preprocess_s": text.preprocess_s,
+            "vocabulary": len(text.vocab),
+        },
+        artifacts={"vocab.json": text.vocab_path},  # --predict reads it beside the model
+        identity=make_identity({**identity_options(args), "sparse_table": sparse}, text.sources),
+    )
+    fit(accelerator, config, task, record, signals=signals)
+
+
+def make_task(args: argparse.Namespace, config: TrainConfig, text, model: torch.nn.Module) -> Task:
+    """Loaders (length-bucketed), the NB weights, the optimizer and the schedule around `model`."""
     min_length = getattr(model, "min_length", 1)
 
     def loader(split, shuffle):
@@ -252,7 +280,6 @@ def train(args: argparse.Namespace, signals: StopSignals) -> None:
 
     if getattr(model, "nb_weights", None) is not None:  # every process fits the same weights on the same reviews
         model.fit_nb_weights(loader(text.train, False))
-    optimizer = make_optimizer(model, args, config.lr)
 
     def schedule(optimizer, total_steps, steps_per_epoch):
         warmup = max(1, int(args.warmup * total_steps))
@@ -263,19 +290,9 @@ def train(args: argparse.Namespace, signals: StopSignals) -> None:
             lambda step: min((step + 1) / warmup, max(0.0, (total_steps - step) / max(1, total_steps - warmup))),
         )
 
-    banner = {
-        "data": ("SYNTHETIC corpus (offline fallback)" if text.synthetic else text.source),
-        "train/val/test reviews": f"{len(text.train)}/{len(text.val)}/{len(text.test) if text.test else 0}",
-        "vocabulary": len(text.vocab),
-        "truncated_reviews": text.truncated,
-        "preprocess_s": round(text.preprocess_s, 1),
-        "model": args.model,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "embedding_gradients": embedding_gradients,
-    }
-    task = Task(
+    return Task(
         model,
-        optimizer,
+        make_optimizer(model, args, config.lr),
         loader(text.train, True),
         loss_function(args.loss),
         eval_loader=loader(text.val, False),
@@ -283,19 +300,6 @@ def train(args: argparse.Namespace, signals: StopSignals) -> None:
         test_loader=loader(text.test, False) if text.test is not None else None,
         make_scheduler=schedule,
     )
-    record = RunRecord(
-        title="imdb (SYNTHETIC data)" if text.synthetic else "imdb",
-        banner=banner,
-        extra_metrics={
-            "data": banner["data"],
-            "synthetic_data": text.synthetic,
-            "preprocess_s": text.preprocess_s,
-            "vocabulary": len(text.vocab),
-        },
-        artifacts={"vocab.json": text.vocab_path},  # --predict reads it beside the model
-        identity=make_identity({**identity_options(args), "sparse_table": sparse}, text.sources),
-    )
-    fit(accelerator, config, task, record, signals=signals)
 
 
 def identity_options(args: argparse.Namespace) -> dict:

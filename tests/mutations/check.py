@@ -26,12 +26,12 @@ ROOT = HERE.parents[1]
 # name -> (file, the code, the bug): what --make turns into NAME.patch (applied to this checkout's code)
 MUTATIONS: dict[str, tuple[str, str, str]] = {
     "resume_skips_one_batch_too_few": (
-        "ddp_accel/training.py",
-        "skip, leftover = state.batches_in_epoch, 0",
-        "skip, leftover = max(0, state.batches_in_epoch - 1), 0",
+        "ddp_accel/state.py",
+        "skip, leftover = self.batches_in_epoch, 0",
+        "skip, leftover = max(0, self.batches_in_epoch - 1), 0",
     ),
     "eval_keeps_padding_duplicates": (
-        "ddp_accel/training.py",
+        "ddp_accel/evaluation.py",
         "accelerator.gather_for_metrics(eval_fn(model, batch))",
         "accelerator.gather(eval_fn(model, batch))",
     ),
@@ -65,10 +65,10 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "renamed_before_training_state_is_written": (
         "ddp_accel/checkpoint.py",
-        "            (partial / TRAINING_STATE).write_text(json.dumps(finite_or_null(state.state_dict()), indent=2))\n"
+        "            (partial / TRAINING_STATE).write_text(json.dumps(training_state_json(state, identity), indent=2))\n"
         "            if final.exists():\n                shutil.rmtree(final)\n            partial.rename(final)\n",
         "            if final.exists():\n                shutil.rmtree(final)\n            partial.rename(final)\n"
-        "            (final / TRAINING_STATE).write_text(json.dumps(finite_or_null(state.state_dict()), indent=2))\n",
+        "            (final / TRAINING_STATE).write_text(json.dumps(training_state_json(state, identity), indent=2))\n",
     ),
     # four in code this change moved or wrote
     "train_state_forgets_the_global_batch": (
@@ -77,8 +77,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         '        known = {f.name for f in fields(self)} - {"global_batch"}',
     ),
     "commit_keeps_the_preempted_marker": (
-        "ddp_accel/training.py",
-        "        (output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # this run reached its end\n",
+        "ddp_accel/run_folder.py",
+        "        (self.path / PREEMPTED_MARKER).unlink(missing_ok=True)\n",
         "",
     ),
     "workers_not_shielded_from_preemption": (
@@ -92,9 +92,9 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         '    return "fork"',
     ),
     "resume_compares_raw_step_numbers": (
-        "ddp_accel/training.py",
-        "        saved_step, state.step = state.step, state.epoch * self.steps_per_epoch + done",
-        "        saved_step = state.step",
+        "ddp_accel/state.py",
+        "        self.step = self.epoch * steps_per_epoch + done\n",
+        "",
     ),
     "identity_options_not_compared": (
         "ddp_accel/identity.py",
