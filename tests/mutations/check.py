@@ -65,10 +65,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "renamed_before_training_state_is_written": (
         "ddp_accel/checkpoint.py",
-        "            (partial / TRAINING_STATE).write_text(json.dumps(training_state_json(state, identity), indent=2))\n"
-        "            if final.exists():\n                shutil.rmtree(final)\n            partial.rename(final)\n",
+        "            (partial / TRAINING_STATE).write_text(json.dumps(training_state_json(state, identity), indent=2))"
+        "\n            if final.exists():\n                shutil.rmtree(final)\n            partial.rename(final)\n",
         "            if final.exists():\n                shutil.rmtree(final)\n            partial.rename(final)\n"
-        "            (final / TRAINING_STATE).write_text(json.dumps(training_state_json(state, identity), indent=2))\n",
+        "            (final / TRAINING_STATE).write_text(json.dumps(training_state_json(state, identity), indent=2))"
+        "\n",
     ),
     # four in code this change moved or wrote
     "train_state_forgets_the_global_batch": (
