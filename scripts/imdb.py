@@ -45,7 +45,7 @@ from ddp_accel import (
     make_identity,
     run_main,
 )
-from ddp_accel.text import KERNEL_SIZE, STRIDE, Vocab, basic_english, build_model, make_loader, prepare_text_data
+from ddp_accel.text import KERNEL_SIZE, STRIDE, TextModelConfig, Vocab, basic_english, make_loader, prepare_text_data
 
 RECIPE = dict(
     loss="bce",
@@ -203,8 +203,9 @@ def make_optimizer(model, args, lr: float) -> torch.optim.Optimizer:
     )
 
 
-def model_options(args) -> dict:
-    return dict(
+def model_config(args) -> TextModelConfig:
+    return TextModelConfig(
+        args.model,
         dim=args.dim,
         ngrams=args.ngrams,
         buckets=args.buckets,
@@ -236,7 +237,7 @@ def train(args: argparse.Namespace, signals: StopSignals) -> None:
     # the embedding table with its gradient and two Adam moments
     rows = len(text.vocab) + (args.buckets if args.model == "bag" and args.ngrams > 1 else 0)
     check_memory(rows * args.dim * 4 * 4, f"a table of {rows:,} rows x --dim {args.dim}")
-    model = build_model(args.model, len(text.vocab), text.vocab.pad_id, **model_options(args), sparse=sparse)
+    model = model_config(args).build(len(text.vocab), text.vocab.pad_id, sparse=sparse)
     task = make_task(args, config, text, model)
     banner = {
         "data": ("SYNTHETIC corpus (offline fallback)" if text.synthetic else text.source),
@@ -305,7 +306,7 @@ def make_task(args: argparse.Namespace, config: TrainConfig, text, model: torch.
 def identity_options(args: argparse.Namespace) -> dict:
     """What shapes the model, the vocabulary and the encoded data (ddp_accel.identity): a resume or --predict
     under other values stops with a line naming them."""
-    return {**model_options(args), **{key: getattr(args, key) for key in IDENTITY_OPTIONS}}
+    return {**model_config(args).options(), **{key: getattr(args, key) for key in IDENTITY_OPTIONS}}
 
 
 def predict(args) -> None:
@@ -331,7 +332,7 @@ def predict(args) -> None:
             f"--predict uses the options the model in {output_dir} was trained with; drop " + ", ".join(differing)
         )
     vocab = Vocab.load(output_dir / "vocab.json")
-    model = build_model(trained["model"], len(vocab), vocab.pad_id, **model_options(argparse.Namespace(**trained)))
+    model = model_config(argparse.Namespace(**trained)).build(len(vocab), vocab.pad_id)
     model.load_state_dict(load_file(str(output_dir / "model.safetensors")))
     model.eval()
     texts = []

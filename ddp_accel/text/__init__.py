@@ -1,8 +1,16 @@
 """Text pipeline: a basic_english-compatible tokenizer, a vocabulary, data sources, length bucketing, models."""
 
-from ddp_accel.text.models import KERNEL_SIZE, STRIDE, build_model
+from ddp_accel.text.models import KERNEL_SIZE, STRIDE, TextModelConfig
 from ddp_accel.text.pipeline import make_loader, prepare_text_data
 from ddp_accel.text.tokenizer import basic_english
 from ddp_accel.text.vocab import Vocab
 
-__all__ = ["KERNEL_SIZE", "STRIDE", "Vocab", "basic_english", "build_model", "make_loader", "prepare_text_data"]
+__all__ = [
+    "KERNEL_SIZE",
+    "STRIDE",
+    "TextModelConfig",
+    "Vocab",
+    "basic_english",
+    "make_loader",
+    "prepare_text_data",
+]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -158,19 +159,39 @@ class NgramBag(nn.Module):
         return self.fc(self.dropout(bags))
 
 
-def build_model(name: str, vocab_size: int, pad_id: int, **options: Any) -> nn.Module:
-    if name == "gcnn":
-        return GCNN(
-            vocab_size,
-            pad_id,
-            **{k: v for k, v in options.items() if k in ("dim", "pool", "dropout", "kernel_size", "stride")},
-        )
-    if name == "bag":
-        return NgramBag(
-            vocab_size,
-            pad_id,
-            **{
-                k: v for k, v in options.items() if k in ("dim", "ngrams", "buckets", "dropout", "sparse", "nb_weights")
-            },
-        )
-    raise UserError(f"unknown --model {name}; choose gcnn or bag")
+@dataclass(frozen=True)
+class TextModelConfig:
+    """A text model's hyper-parameters as one typed object, from the command line to the model and to the run's
+    identity (`options()`). `name`: bag (NgramBag) or gcnn (GCNN); each takes the fields it has."""
+
+    name: str
+    dim: int = 64
+    ngrams: int = 1
+    buckets: int = 2_000_000
+    pool: str = "mean"
+    dropout: float = 0.0
+    kernel_size: int = KERNEL_SIZE
+    stride: int = STRIDE
+    nb_weights: bool = False
+
+    def options(self) -> dict[str, Any]:
+        """Every hyper-parameter but the name (what shapes the model, compared on resume)."""
+        return {key: value for key, value in asdict(self).items() if key != "name"}
+
+    def build(self, vocab_size: int, pad_id: int, sparse: bool = False) -> nn.Module:
+        if self.name == "gcnn":
+            return GCNN(
+                vocab_size, pad_id, self.dim, self.kernel_size, self.stride, pool=self.pool, dropout=self.dropout
+            )
+        if self.name == "bag":
+            return NgramBag(
+                vocab_size,
+                pad_id,
+                self.dim,
+                self.ngrams,
+                self.buckets,
+                dropout=self.dropout,
+                sparse=sparse,
+                nb_weights=self.nb_weights,
+            )
+        raise UserError(f"unknown --model {self.name}; choose gcnn or bag")
