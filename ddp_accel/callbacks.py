@@ -8,6 +8,7 @@ Every rank calls every hook at the same point, in the order the callbacks were g
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -169,11 +170,13 @@ class BestModel(Callback):
         self.metric = metric
 
     def on_evaluate(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
-        state = run.state
-        if self.metric is None or (state.best_metric is not None and metrics[self.metric] <= state.best_metric):
+        state, value = run.state, metrics.get(self.metric) if self.metric else None
+        if not isinstance(value, int | float) or not math.isfinite(value):  # a nan evaluation is never the best
+            return
+        if state.best_metric is not None and value <= state.best_metric:
             return
         with run.slow_on_main("saving the best model"):
-            state.best_metric, state.best_step = metrics[self.metric], state.step
+            state.best_metric, state.best_step = value, state.step
             weights = run.accelerator.get_state_dict(run.model)  # every rank: gathered under FSDP
             if run.accelerator.is_main_process:
                 run.folder.stage_best(weights)

@@ -86,6 +86,7 @@ class EvalHistory:
     def record(
         self, accelerator: Accelerator, step: int, epoch: float, train_loss: float | None, metrics: dict
     ) -> None:
+        self.records = [record for record in self.records if record["step"] != step]  # one record per step
         self.records.append({"step": step, "epoch": epoch, "train_loss": train_loss, **numbers(metrics)})
         if accelerator.is_main_process:
             write_json(self.path, self.records, indent=1)

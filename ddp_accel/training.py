@@ -221,11 +221,12 @@ class TrainingRun:
         if verdict:
             raise StopTraining(verdict)
         self.state.epoch, self.state.batches_in_epoch = epoch + 1, 0
-        if self.checkpoints.due_at_epoch_end():
-            self.save()
+        # evaluated before the epoch's checkpoint: it carries this evaluation and the best metric with it
         due = (epoch + 1) == self.config.epochs or (epoch + 1) % self.config.eval_every_epochs == 0
         if self.eval_loader is not None and self.state.step != self.state.last_eval_step and due:
             self.evaluate_now()
+        if self.checkpoints.due_at_epoch_end():
+            self.save()
 
     def log_window(self) -> None:
         """The log window's loss and throughput to the callbacks (the progress bar, the trackers); epochs count
@@ -296,7 +297,14 @@ class TrainingRun:
         checkpoints the step reached (unless it was just saved), leaves the marker and raises Preempted."""
         state = self.state
         if verdict.nonfinite:
-            raise UserError(nonfinite_message(verdict.step, state.last_loss))
+            best = self.folder.staging / "model_best.safetensors"
+            kept = (
+                f" The best model so far ({self.task.best_metric} {state.best_metric:.4g} at step {state.best_step}) "
+                f"is {best}."
+                if state.best_metric is not None and best.is_file()
+                else ""
+            )
+            raise UserError(nonfinite_message(verdict.step, state.last_loss) + kept)
         started, phase = time.perf_counter(), self.signals.phase
         path = self.folder.checkpoints / f"step_{state.step}"
         if not self.checkpoints.holds(state, self.identity):

@@ -299,18 +299,24 @@ def test_resume_mid_epoch_with_augmentation_is_exact_with_another_worker_count(t
     assert steps == [6, 12, 18], steps  # each evaluation recorded once
 
 
+@pytest.mark.parametrize("checkpointing", ["6", "epoch"])
 @pytest.mark.inprocess
-def test_resume_right_after_an_evaluation_does_not_evaluate_again(tmp_path):
+def test_resume_right_after_an_evaluation_does_not_evaluate_again_and_keeps_the_best(tmp_path, checkpointing):
     data = make_image_folder(tmp_path / "images", classes=3, train=8, val=2)
-    args = [data, *SMALL, "--epochs", "2", "--checkpointing-steps", "6"]  # step 6 ends epoch 1, evaluated there
+    args = [data, *SMALL, "--epochs", "2", "--checkpointing-steps", checkpointing]  # step 6 ends epoch 1
     check_ok(run_script("scripts/imagenet.py", *args, "--output-dir", tmp_path / "full"))
     import shutil
 
+    history = json.loads((tmp_path / "full" / "history.json").read_text())
+    saved = json.loads((tmp_path / "full" / "checkpoints" / "step_6" / "training_state.json").read_text())
+    if checkpointing == "epoch":  # written after the epoch's evaluation: it carries it and the best metric
+        assert saved["last_eval_step"] == 6 and saved["best_metric"] == history[0]["eval_top1"], saved
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step_6", tmp_path / "cut" / "checkpoints" / "step_6")
     shutil.copy(tmp_path / "full" / "history.json", tmp_path / "cut" / "history.json")
     output = check_ok(run_script("scripts/imagenet.py", *args, "--output-dir", tmp_path / "cut", "--resume", "latest"))
     assert "step 6: eval_loss" not in output
     assert [r["step"] for r in json.loads((tmp_path / "cut" / "history.json").read_text())] == [6, 12]
+    assert metrics_of(tmp_path / "cut")["best_top1"] == metrics_of(tmp_path / "full")["best_top1"]
 
 
 @pytest.mark.inprocess

@@ -277,3 +277,23 @@ def test_callbacks_see_every_hook_in_order_and_their_state_resumes(tmp_path):
     resumed = Recorder()
     fit_small(tmp_path / "run", resumed, checkpointing_steps=3, resume_from_checkpoint="latest")
     assert resumed.calls[0] == "start@6" and resumed.steps_seen == 6 + 2, resumed.calls
+
+
+def test_the_best_model_is_the_highest_finite_value_and_a_nan_evaluation_never_is():
+    import contextlib
+
+    from ddp_accel.callbacks import BestModel
+
+    staged = []
+    run = SimpleNamespace(
+        state=TrainState(),
+        model=None,
+        accelerator=SimpleNamespace(is_main_process=True, get_state_dict=lambda model: {"step": run.state.step}),
+        folder=SimpleNamespace(stage_best=staged.append),
+        slow_on_main=lambda what, happens=True: contextlib.nullcontext(),
+    )
+    best = BestModel("eval_top1")
+    for step, value in ((1, math.nan), (2, 0.4), (3, 0.3), (4, math.nan), (5, 0.4), (6, 0.6)):
+        run.state.step = step
+        best.on_evaluate(run, {"eval_top1": value})
+    assert (run.state.best_metric, run.state.best_step) == (0.6, 6) and staged == [{"step": 2}, {"step": 6}]
