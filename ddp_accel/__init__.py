@@ -13,7 +13,15 @@ from ddp_accel.files import write_json
 from ddp_accel.identity import make_identity
 from ddp_accel.metrics import classification_metrics, classification_values
 from ddp_accel.optim import Optimizers, SparseAdamW
-from ddp_accel.runtime import build_accelerator, check_memory, launched, make_accelerator, print_banner, run_main
+from ddp_accel.runtime import (
+    build_accelerator,
+    check_memory,
+    launched,
+    make_accelerator,
+    print_banner,
+    process_rank,
+    run_main,
+)
 from ddp_accel.stopping import Preempted, StopSignals
 from ddp_accel.sync_bn import convert_sync_batchnorm
 from ddp_accel.task import RunRecord, Task
@@ -46,6 +54,7 @@ __all__ = [
     "make_accelerator",
     "make_identity",
     "print_banner",
+    "process_rank",
     "run_main",
     "write_json",
 ]

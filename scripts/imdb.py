@@ -43,6 +43,7 @@ from ddp_accel import (
     fit,
     make_accelerator,
     make_identity,
+    process_rank,
     run_main,
 )
 from ddp_accel.text import KERNEL_SIZE, STRIDE, TextModelConfig, Vocab, basic_english, make_loader, prepare_text_data
@@ -310,8 +311,43 @@ def identity_options(args: argparse.Namespace) -> dict:
 
 
 def predict(args) -> None:
-    """Classify texts with a trained output dir: its vocab.json, args.json and model.safetensors."""
+    """Classify texts with a trained output dir: its vocab.json, args.json and model.safetensors. One line per text,
+    printed by one process (under a launcher, rank 0)."""
     output_dir = Path(args.output_dir)
+    trained = trained_options(args, output_dir)
+    texts = [*given_texts(args.predict or []), *(text for name in args.predict_file or [] for text in file_texts(name))]
+    if not texts:
+        raise UserError(f"--predict-file {' '.join(args.predict_file)}: no text to classify (empty lines are skipped)")
+    vocab = Vocab.load(output_dir / "vocab.json")
+    model = model_config(argparse.Namespace(**trained)).build(len(vocab), vocab.pad_id)
+    try:
+        model.load_state_dict(load_file(str(output_dir / "model.safetensors")))
+    except RuntimeError as error:
+        raise UserError(
+            f"{output_dir}: model.safetensors does not fit vocab.json ({len(vocab)} words; "
+            f"{str(error).splitlines()[-1].strip()}): the two files come from different runs"
+        ) from None
+    model.eval()
+    if process_rank() != 0:  # every process of a launch would print the same lines
+        return
+    metrics = output_dir / "metrics.json"
+    if metrics.is_file() and json.loads(metrics.read_text()).get("synthetic_data"):
+        print(
+            f"note: the model in {output_dir} was trained on the built-in SYNTHETIC corpus, not on real reviews",
+            file=sys.stderr,
+        )
+    min_length = getattr(model, "min_length", 1)
+    with torch.no_grad():
+        for text in texts:
+            ids = vocab.encode(basic_english(text))[: trained.get("max_length") or None] or [vocab.unk_id]
+            ids += [vocab.pad_id] * (min_length - len(ids))
+            probability = torch.softmax(model(torch.tensor([ids])).float(), dim=1)[0, 1].item()
+            label = "positive" if probability >= 0.5 else "negative"
+            print(f"{label}\t{max(probability, 1 - probability):.3f}\t{text[:80]}")
+
+
+def trained_options(args, output_dir: Path) -> dict:
+    """args.json of a trained output dir; options given now must be the ones the model was trained with."""
     needed = [output_dir / name for name in ("vocab.json", "args.json", "model.safetensors")]
     missing = [path.name for path in needed if not path.is_file()]
     if missing:
@@ -331,44 +367,47 @@ def predict(args) -> None:
         raise UserError(
             f"--predict uses the options the model in {output_dir} was trained with; drop " + ", ".join(differing)
         )
-    vocab = Vocab.load(output_dir / "vocab.json")
-    model = model_config(argparse.Namespace(**trained)).build(len(vocab), vocab.pad_id)
-    model.load_state_dict(load_file(str(output_dir / "model.safetensors")))
-    model.eval()
-    texts = []
-    for text in args.predict or []:
+    return trained
+
+
+def given_texts(texts: list[str]) -> list[str]:
+    for text in texts:
         if not text.strip():
             raise UserError("--predict got an empty text; give the review itself")
         if Path(text).exists() or re.fullmatch(r"\S+\.(txt|jsonl?|csv|tsv|gz)", text):
             raise UserError(
                 f"--predict {text!r} looks like a file name; --predict takes texts, use --predict-file {text}"
             )
-        texts.append(text)
-    for name in args.predict_file or []:
-        path = Path(name)
-        if not path.is_file():
-            raise UserError(f"--predict-file {name}: {'a directory' if path.is_dir() else 'no such file'}")
+    return texts
+
+
+def file_texts(name: str) -> list[str]:
+    """The texts of a --predict-file: one per line, split at line feeds only (a review may hold U+0085 or U+2028,
+    which str.splitlines() would also split at); a .jsonl file: the `text` field of each line."""
+    path = Path(name)
+    if not path.is_file():
+        raise UserError(f"--predict-file {name}: {'a directory' if path.is_dir() else 'no such file'}")
+    try:
+        lines = [line.removesuffix("\r") for line in path.read_text(encoding="utf-8").split("\n")]
+    except UnicodeDecodeError as error:
+        line = path.read_bytes()[: error.start].count(b"\n") + 1
+        raise UserError(f"--predict-file {name}: line {line} is not UTF-8 text (byte {error.start})") from None
+    if path.suffix not in (".jsonl", ".json"):
+        return [line for line in lines if line.strip()]
+    texts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except UnicodeDecodeError as error:
-            line = path.read_bytes()[: error.start].count(b"\n") + 1
-            raise UserError(f"--predict-file {name}: line {line} is not UTF-8 text (byte {error.start})") from None
-        texts += [line for line in lines if line.strip()]
-    if (output_dir / "metrics.json").is_file() and json.loads((output_dir / "metrics.json").read_text()).get(
-        "synthetic_data"
-    ):
-        print(
-            f"note: the model in {output_dir} was trained on the built-in SYNTHETIC corpus, not on real reviews",
-            file=sys.stderr,
-        )
-    min_length = getattr(model, "min_length", 1)
-    with torch.no_grad():
-        for text in texts:
-            ids = vocab.encode(basic_english(text))[: trained.get("max_length") or None] or [vocab.unk_id]
-            ids += [vocab.pad_id] * (min_length - len(ids))
-            probability = torch.softmax(model(torch.tensor([ids])).float(), dim=1)[0, 1].item()
-            label = "positive" if probability >= 0.5 else "negative"
-            print(f"{label}\t{max(probability, 1 - probability):.3f}\t{text[:80]}")
+            record = json.loads(line)
+        except ValueError:
+            raise UserError(
+                f"--predict-file {name}: line {number} is not JSON (a .jsonl file holds one object a line)"
+            ) from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise UserError(f'--predict-file {name}: line {number} has no "text" string')
+        texts.append(record["text"])
+    return texts
 
 
 def main(signals: StopSignals) -> None:

@@ -247,6 +247,12 @@ def assert_clean_error(result, *fragments: str) -> str:
     return errors[0]
 
 
+def write(path: Path, text: str | bytes) -> Path:
+    """A file with this content (text as UTF-8); returns its path."""
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
 def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file under `folder` (relative path -> bytes): what a failed command must leave unchanged."""
     folder = Path(folder)

@@ -22,6 +22,7 @@ from helpers import (
     run_script,
     snapshot,
     wait_for_checkpoint,
+    write,
 )
 from safetensors.torch import save_file
 
@@ -39,11 +40,6 @@ def check_config(*paths) -> Result:
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         code = ddp_accel_main(["check-config", *map(str, paths)])
     return Result(code, stdout.getvalue(), stderr.getvalue())
-
-
-def write(path, text: str | bytes):
-    path.write_bytes(text if isinstance(text, bytes) else text.encode())
-    return path
 
 
 @inprocess

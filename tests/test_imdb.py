@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_clean_error, check_ok, launch, metrics_of, run_script
+from helpers import assert_clean_error, check_ok, launch, metrics_of, run_script, write
 
 from ddp_accel.errors import UserError
 from ddp_accel.text import sources
@@ -356,3 +356,36 @@ def test_nb_weights_are_fitted_on_the_training_part_only(tmp_path):
     bag = NgramBag(len(text.vocab), text.vocab.pad_id, dim=64, ngrams=2, buckets=500, nb_weights=True)
     bag.fit_nb_weights(make_loader(text.train, 64, text.vocab.pad_id, shuffle=False, seed=0))
     assert torch.equal(trained, bag.nb_weights)
+
+
+@pytest.mark.inprocess
+def test_predict_file_gives_one_prediction_per_line_reads_jsonl_texts_and_refuses_what_it_cannot_read(tmp_path):
+    out = tmp_path / "out"
+    check_ok(
+        run_script("scripts/imdb.py", "--dataset", "synthetic", "--max-steps", 2, "--buckets", 100, "--output-dir", out)
+    )
+
+    def predict(path):
+        return run_script("scripts/imdb.py", "--output-dir", out, "--predict-file", path)
+
+    def predictions(result):
+        return [line for line in check_ok(result).splitlines() if line.startswith(("positive", "negative"))]
+
+    # real reviews hold U+0085 (NEL) and U+2028: str.splitlines() made 5 of 500 IMDB reviews two predictions each
+    lines = write(tmp_path / "reviews.txt", "a fine film\u0085really\na dull\u2028film\r\n\nthe end\n")
+    assert len(predictions(predict(lines))) == 3
+    jsonl = write(tmp_path / "reviews.jsonl", '{"text": "a fine film", "label": 1}\n\n{"text": "a dull film"}\n')
+    assert [line.split("\t")[2] for line in predictions(predict(jsonl))] == ["a fine film", "a dull film"]
+    # under a launcher every process runs --predict: rank 0 alone prints
+    rank_1 = run_script(
+        "scripts/imdb.py", "--output-dir", out, "--predict", "a film", env={"WORLD_SIZE": "2", "RANK": "1"}
+    )
+    assert check_ok(rank_1).strip() == "", rank_1
+    assert_clean_error(predict(write(tmp_path / "bad.jsonl", '{"label": 1}\n')), "bad.jsonl: line 1 has no")
+    assert_clean_error(predict(write(tmp_path / "empty.txt", "\n\n")), "empty.txt: no text to classify")
+    # a vocab.json of another run beside the model: one line, not a size-mismatch traceback
+    vocab = json.loads((out / "vocab.json").read_text())
+    (out / "vocab.json").write_text(json.dumps({"tokens": [*vocab["tokens"], "a word of another run"]}))
+    assert_clean_error(
+        run_script("scripts/imdb.py", "--output-dir", out, "--predict", "a film"), "come from different runs"
+    )
