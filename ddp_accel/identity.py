@@ -1,6 +1,7 @@
-"""A run's identity: the options and inputs that shape its model, data pipeline and data, and the library versions.
+"""A run's identity: the options and inputs that shape its model, data pipeline and data (by content), and the
+library versions.
 
-Recorded in every checkpoint (TrainState.identity) and in the committed args.json; a resume (or an IMDB `--predict`)
+Recorded in every checkpoint (RunIdentity) and in the committed args.json; a resume (or an IMDB `--predict`)
 under another identity stops with one line naming what differs. Not identity: the world size, the batch size, the
 workers, the launcher, the output path, and options that only change the schedule (lr, epochs, max-steps, logging).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
@@ -30,20 +32,33 @@ def versions() -> dict[str, str]:
     return found
 
 
-def source_fingerprint(source: str | Path | None) -> str | None:
-    """A single file by its content (sha256), a folder by the sorted list of (path, size, mtime) of everything in it,
-    anything else (a hub dataset name) as it is."""
+CONTENT_LIMIT = 512 * 1024**2  # a folder up to this size is fingerprinted by content, a larger one by its listing
+
+
+def source_fingerprint(
+    source: str | Path | None, exclude: Iterable[str | Path] = (), content_limit: int = CONTENT_LIMIT
+) -> str | None:
+    """A single file by its content (sha256); a folder by the content of its files (relative path, size, sha256)
+    up to `content_limit` bytes in all, above that by their relative paths and sizes (hashing ImageNet's 150 GB at
+    every start would cost minutes). Never by modification times: the same data copied again (a requeued job
+    staging it to node-local scratch) is the same data. Hidden files and folders and the `exclude` folders (a run's
+    own output dir inside the data) are left out. Anything else (a hub dataset name) as it is."""
     if source is None:
         return None
     path = Path(source)
     if path.is_file():
         return f"file sha256:{file_sha256(path)[:24]}"
-    if path.is_dir():
-        digest = hashlib.sha256()
-        for entry in sorted(_walk(path)):
-            digest.update(repr(entry).encode())
-        return f"folder {digest.hexdigest()[:24]}"
-    return str(source)
+    if not path.is_dir():
+        return str(source)
+    skipped = {Path(folder).resolve() for folder in exclude}
+    files = sorted(_walk(path, skipped))
+    total = sum(size for _, size in files)
+    digest = hashlib.sha256()
+    by_content = total <= content_limit
+    for name, size in files:
+        digest.update(repr((name, size, file_sha256(path / name) if by_content else None)).encode())
+    kind = "content" if by_content else "names and sizes"
+    return f"folder sha256:{digest.hexdigest()[:24]} ({kind} of {len(files)} files, {total:,} bytes)"
 
 
 def file_sha256(path: Path) -> str:
@@ -55,29 +70,36 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _walk(root: Path) -> Iterable[tuple[str, int, int]]:
-    """(relative path, size, mtime) of every file under `root`; a folder seen twice (a link loop) is walked once."""
+def _walk(root: Path, skipped: set[Path]) -> Iterable[tuple[str, int]]:
+    """(relative path, size) of every file under `root`, hidden entries and `skipped` folders left out; a folder
+    seen twice (a link loop) is walked once."""
     seen: set[tuple[int, int]] = set()
     for folder, subfolders, files in os.walk(root, followlinks=True):
         stat = os.stat(folder)
-        if (stat.st_dev, stat.st_ino) in seen:
+        if (stat.st_dev, stat.st_ino) in seen or Path(folder).resolve() in skipped:
             subfolders[:] = []
             continue
         seen.add((stat.st_dev, stat.st_ino))
+        subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
         for name in files:
             path = Path(folder, name)
+            if name.startswith("."):
+                continue
             try:
                 info = path.stat()
             except OSError:  # a dangling link
                 continue
-            yield str(path.relative_to(root)), info.st_size, info.st_mtime_ns
+            yield str(path.relative_to(root)), info.st_size
 
 
-def make_identity(options: dict[str, Any], sources: dict[str, str | Path | None] | None = None) -> dict[str, Any]:
-    """`options`: the values that shape the model and the data pipeline; `sources`: the data, fingerprinted."""
+def make_identity(
+    options: dict[str, Any], sources: dict[str, str | Path | None] | None = None, exclude: Iterable[str | Path] = ()
+) -> dict[str, Any]:
+    """`options`: the values that shape the model and the data pipeline; `sources`: the data, fingerprinted
+    (`exclude`: folders inside them that are not data, such as the run's output dir)."""
     identity: dict[str, Any] = {key: _plain(value) for key, value in sorted(options.items())}
     for key, source in sorted((sources or {}).items()):
-        identity[key] = source_fingerprint(source)
+        identity[key] = source_fingerprint(source, exclude)
     return {"options": identity, "versions": versions()}
 
 
@@ -90,6 +112,9 @@ def compare_identity(saved: dict[str, Any] | None, current: dict[str, Any], what
     does not stop a resume: other library versions, or an identity that was not recorded (older checkpoints)."""
     if not saved:
         return f"{what} was written before run identities were recorded; its options and data cannot be checked"
+    older = [key for key, value in saved.get("options", {}).items() if _mtime_fingerprint(value)]
+    if older:  # folders fingerprinted by modification times (before 2026-11-27): not comparable with content
+        saved = {**saved, "options": {k: v for k, v in saved["options"].items() if k not in older}}
     differences = [
         f"{_option(key)} was {saved['options'].get(key)!r}, now {value!r}"
         for key, value in current["options"].items()
@@ -108,12 +133,23 @@ def compare_identity(saved: dict[str, Any] | None, current: dict[str, Any], what
         )
     old, new = saved.get("versions", {}), current["versions"]
     changed = [f"{name} {old[name]} -> {new[name]}" for name in new if old.get(name) not in (None, new[name])]
+    warnings = []
+    if older:
+        warnings.append(
+            f"{what} fingerprinted {', '.join(_option(key) for key in older)} by modification times (an earlier "
+            "version); that data is not compared"
+        )
     if changed:
-        return (
+        warnings.append(
             f"{what} was written with other versions ({', '.join(changed)}): bitwise resume holds within one "
             "version set"
         )
-    return None
+    return "; ".join(warnings) or None
+
+
+def _mtime_fingerprint(value: Any) -> bool:
+    """A folder fingerprint of an earlier version: 'folder ' and 24 hex digits (paths, sizes and mtimes)."""
+    return isinstance(value, str) and re.fullmatch(r"folder [0-9a-f]{24}", value) is not None
 
 
 def _option(key: str) -> str:

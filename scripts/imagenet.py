@@ -192,8 +192,8 @@ def identity_of(args, evaluation: bool = False) -> dict:
     """What shapes the model and the data: a resume must match it; an evaluation, what its predictions depend on."""
     if evaluation:
         return make_identity({key: getattr(args, key) for key in EVALUATION_OPTIONS})
-    sources = {"data": None if args.dummy else args.data}
-    return make_identity({key: getattr(args, key) for key in IDENTITY_OPTIONS}, sources)
+    sources = {"data": None if args.dummy else args.data}  # by content; an --output-dir inside it is not data
+    return make_identity({key: getattr(args, key) for key in IDENTITY_OPTIONS}, sources, exclude=[args.output_dir])
 
 
 def set_backends(args) -> None:

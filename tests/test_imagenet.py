@@ -332,3 +332,25 @@ def test_uint8_batches_normalised_on_the_device_equal_the_loader_path():
     normalised = DeviceNormalize(mean, std, channels_last=True)(raw[None])
     torch.testing.assert_close(normalised, float_val(image)[None], atol=1e-5, rtol=0)
     assert normalised.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.inprocess
+def test_an_output_dir_inside_the_data_and_a_copy_of_the_data_resume(tmp_path):
+    # the fingerprint was by mtimes over everything under DATA_DIR: the run's own checkpoints changed it, and a copy
+    # of the same images (a requeued job staging them again) was other data
+    import shutil
+
+    data = make_image_folder(tmp_path / "images", classes=3, train=8, val=2)
+    inside = data / "runs" / "one"
+    check_ok(
+        run_script(
+            "scripts/imagenet.py", data, *SMALL, "--epochs", "1", "--checkpointing-steps", "3", "--output-dir", inside
+        )
+    )
+    (inside / "model.safetensors").unlink()
+    (inside / "metrics.json").unlink()
+    copy = shutil.copytree(data, tmp_path / "scratch" / "images", ignore=shutil.ignore_patterns("runs"))
+    output = check_ok(
+        run_script("scripts/imagenet.py", copy, *SMALL, "--epochs", "2", "--output-dir", inside, "--resume", "latest")
+    )
+    assert "resumed from" in output and metrics_of(inside)["steps"] == 12, output[-2000:]

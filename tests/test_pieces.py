@@ -297,3 +297,37 @@ def test_the_best_model_is_the_highest_finite_value_and_a_nan_evaluation_never_i
         run.state.step = step
         best.on_evaluate(run, {"eval_top1": value})
     assert (run.state.best_metric, run.state.best_step) == (0.6, 6) and staged == [{"step": 2}, {"step": 6}]
+
+
+# --- the run's identity: data by content, never by modification times ---
+def test_a_data_folder_is_fingerprinted_by_content_not_by_mtimes_and_leaves_the_output_dir_out(tmp_path):
+    import shutil
+
+    from ddp_accel.identity import compare_identity, make_identity, source_fingerprint
+
+    data = tmp_path / "data"
+    for split, name in (("train", "a.jpg"), ("train", "b.jpg"), ("val", "c.jpg")):
+        (data / split).mkdir(parents=True, exist_ok=True)
+        (data / split / name).write_bytes(name.encode() * 100)
+    before = source_fingerprint(data)
+    assert "content of 3 files" in before
+    shutil.copytree(data, tmp_path / "copy")  # new modification times, the same bytes
+    os.utime(tmp_path / "copy" / "val" / "c.jpg", (1, 1))
+    assert source_fingerprint(tmp_path / "copy") == before
+    (data / "run" / "checkpoints").mkdir(parents=True)  # a run's output dir inside the data, and a hidden file
+    (data / "run" / "checkpoints" / "training_state.json").write_text("{}")
+    (data / ".DS_Store").write_text("x")
+    assert source_fingerprint(data, exclude=[data / "run"]) == before
+    (data / "val" / "c.jpg").write_bytes(b"C" * 500)  # the same size, another image
+    assert source_fingerprint(data) != before
+    listing = source_fingerprint(tmp_path / "copy", content_limit=10)  # a large dataset: names and sizes
+    assert "names and sizes of 3 files" in listing
+    (tmp_path / "copy" / "val" / "c.jpg").write_bytes(b"C" * 500)
+    assert source_fingerprint(tmp_path / "copy", content_limit=10) == listing
+
+    # a checkpoint of an earlier version fingerprinted the folder with mtimes: a warning, not a refusal
+    current = make_identity({"arch": "resnet18"}, {"data": data})
+    old = {"options": {"arch": "resnet18", "data": "folder 053766a0a1b2c3d4e5f60718"}, "versions": current["versions"]}
+    assert "--data by modification times" in compare_identity(old, current, "checkpoint step_5")
+    with pytest.raises(UserError, match="--arch was 'resnet18', now 'resnet50'"):
+        compare_identity(old, make_identity({"arch": "resnet50"}, {"data": data}), "checkpoint step_5")
