@@ -310,7 +310,7 @@ def test_a_data_folder_is_fingerprinted_by_content_not_by_mtimes_and_leaves_the_
         (data / split).mkdir(parents=True, exist_ok=True)
         (data / split / name).write_bytes(name.encode() * 100)
     before = source_fingerprint(data)
-    assert "content of 3 files" in before
+    assert "(by content; train: 2 files, 1,000 bytes, " in before and "val: 1 files, 500 bytes, " in before
     shutil.copytree(data, tmp_path / "copy")  # new modification times, the same bytes
     os.utime(tmp_path / "copy" / "val" / "c.jpg", (1, 1))
     assert source_fingerprint(tmp_path / "copy") == before
@@ -320,10 +320,16 @@ def test_a_data_folder_is_fingerprinted_by_content_not_by_mtimes_and_leaves_the_
     assert source_fingerprint(data, exclude=[data / "run"]) == before
     (data / "val" / "c.jpg").write_bytes(b"C" * 500)  # the same size, another image
     assert source_fingerprint(data) != before
-    listing = source_fingerprint(tmp_path / "copy", content_limit=10)  # a large dataset: names and sizes
-    assert "names and sizes of 3 files" in listing
-    (tmp_path / "copy" / "val" / "c.jpg").write_bytes(b"C" * 500)
-    assert source_fingerprint(tmp_path / "copy", content_limit=10) == listing
+    changed_part = source_fingerprint(data)
+    assert changed_part.split("train: ")[1][:40] == before.split("train: ")[1][:40]  # the refusal shows which part
+    assert changed_part.split("val: ")[1] != before.split("val: ")[1]
+    # a large dataset: every path and size, and the content of 1 file in k (here every 2nd: a.jpg and c.jpg)
+    sampled = source_fingerprint(tmp_path / "copy", content_limit=1000)
+    assert "paths, sizes and the content of 1 file in 2" in sampled
+    (tmp_path / "copy" / "train" / "b.jpg").write_bytes(b"B" * 500)  # not sampled: unseen
+    assert source_fingerprint(tmp_path / "copy", content_limit=1000) == sampled
+    (tmp_path / "copy" / "val" / "c.jpg").write_bytes(b"C" * 500)  # sampled: seen
+    assert source_fingerprint(tmp_path / "copy", content_limit=1000) != sampled
 
     # a checkpoint of an earlier version fingerprinted the folder with mtimes: a warning, not a refusal
     current = make_identity({"arch": "resnet18"}, {"data": data})
