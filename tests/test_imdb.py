@@ -389,3 +389,25 @@ def test_predict_file_gives_one_prediction_per_line_reads_jsonl_texts_and_refuse
     assert_clean_error(
         run_script("scripts/imdb.py", "--output-dir", out, "--predict", "a film"), "come from different runs"
     )
+
+
+@pytest.mark.multiprocess
+def test_a_damaged_shard_of_a_multi_process_map_is_built_again(tmp_path, capsys):
+    # above 5,000 reviews the tokenisation runs in worker processes and writes NAME_0000i_of_0000n.arrow shards
+    import datasets
+
+    from ddp_accel.text.pipeline import cache_files, cached_map
+
+    reviews = datasets.Dataset.from_dict({"text": [f"review number {i}" for i in range(200)]})
+    name = str(tmp_path / "tokens.arrow")
+
+    def tokens(batch):
+        return {"tokens": [text.split() for text in batch["text"]]}
+
+    expected = cached_map(reviews, tokens, cache_file_name=name, batched=True, num_proc=2)["tokens"][:]
+    shards = cache_files(tmp_path / "tokens.arrow")
+    assert [shard.name for shard in shards] == ["tokens_00000_of_00002.arrow", "tokens_00001_of_00002.arrow"]
+    shards[1].write_bytes(shards[1].read_bytes()[:100])  # cut short: a full disk, a killed run
+    again = cached_map(reviews, tokens, cache_file_name=name, batched=True, num_proc=2)
+    assert again["tokens"][:] == expected
+    assert "tokens.arrow is damaged" in capsys.readouterr().out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -187,11 +188,19 @@ def cached_map(dataset: datasets.Dataset, function: Any, *, cache_file_name: str
                 len(mapped.data)  # the arrow file is read here, if it was cached
                 return mapped
         except (OSError, ValueError, pa.ArrowException) as error:
-            if attempt == 2 or not path.is_file():
+            files = cache_files(path)
+            if attempt == 2 or not files:
                 raise
             print(f"warning: the cache file {path} is damaged ({type(error).__name__}); building it again", flush=True)
-            path.unlink(missing_ok=True)
+            for file in files:
+                file.unlink(missing_ok=True)
     raise AssertionError("unreachable")
+
+
+def cache_files(path: Path) -> list[Path]:
+    """A map's cache file, and the shards a multi-process map writes instead (NAME_00001_of_00002.arrow)."""
+    shards = path.parent.glob(f"{glob.escape(path.stem)}_[0-9]*_of_[0-9]*{path.suffix}")
+    return [file for file in [path, *sorted(shards)] if file.is_file()]
 
 
 def _token_counts(tokenized: datasets.Dataset) -> dict[str, int]:
