@@ -327,6 +327,26 @@ def _lost_peers(error: BaseException) -> bool:
     )
 
 
+def _interrupted(signals: StopSignals) -> int:
+    """Ctrl-C: one line (rank 0) with where to continue from; exit status 130."""
+    signals.enter(Phase.DONE)
+    if process_rank() == 0:
+        print(f"\ninterrupted (Ctrl-C). {signals.resume_hint}", file=sys.stderr, flush=True)
+    return 130
+
+
+def _while_interrupted(error: BaseException) -> bool:
+    """The error was raised while a KeyboardInterrupt was being handled (its context chain holds one)."""
+    seen: set[int] = set()
+    context: BaseException | None = error
+    while context is not None and id(context) not in seen:
+        if isinstance(context, KeyboardInterrupt):
+            return True
+        seen.add(id(context))
+        context = context.__context__
+    return False
+
+
 def _one_line(error: UserError) -> str:
     """A UserError raised in a DataLoader worker reaches us wrapped in the worker's traceback: keep its message."""
     message = str(error)
@@ -337,7 +357,7 @@ def _one_line(error: UserError) -> str:
 
 def run_main(main: Callable[..., Any]) -> None:
     """Run a script's main(): user errors as one line (exit 2), a preemption after its checkpoint (exit 0), a clean
-    distributed shutdown (exit 0). The process's StopSignals watch SIGTERM/SIGUSR1 from here to the exit; a main
+    distributed shutdown (exit 0). The process's StopSignals watch SIGTERM/SIGUSR1/SIGHUP from here to the exit; a main
     that takes one argument receives them (to pass to fit)."""
     signals = StopSignals()
     exit_code = 0
@@ -360,14 +380,13 @@ def run_main(main: Callable[..., Any]) -> None:
         exit_code = PEER_STOPPED_EXIT_CODE if preempted.by_peer else PREEMPTED_EXIT_CODE
         preempted.__traceback__ = None
     except KeyboardInterrupt:
-        signals.enter(Phase.DONE)
-        if process_rank() == 0:
-            print(f"\ninterrupted (Ctrl-C). {signals.resume_hint}", file=sys.stderr, flush=True)
-        exit_code = 130
+        exit_code = _interrupted(signals)
     except Exception as error:
         signals.enter(Phase.DONE)
         exit_code = 1
-        if isinstance(error, OSError) and error.filename is not None:  # read-only, full, a file for a folder...
+        if _while_interrupted(error):  # a library's cleanup failed on the way out of a Ctrl-C (a worker pool's join)
+            exit_code = _interrupted(signals)
+        elif isinstance(error, OSError) and error.filename is not None:  # read-only, full, a file for a folder...
             message, exit_code = f"error: cannot write or read {error.filename}: {error.strerror}", 2
             if process_rank() == 0:
                 print(message, file=sys.stderr, flush=True)

@@ -1,8 +1,8 @@
 """Why training must stop before its end, and how every process of a job stops in order.
 
-A preemption signal (SIGTERM, SIGUSR1) may reach every process of a job at any moment of its life, or only some
-ranks. `StopSignals` is the process's one record of it, from `run_main`'s start to the exit, with the phase the
-run is in:
+A preemption signal (SIGTERM, SIGUSR1; SIGHUP from a closed terminal) may reach every process of a job at any
+moment of its life, or only some ranks. `StopSignals` is the process's one record of it, from `run_main`'s start to
+the exit, with the phase the run is in:
 
 - `startup` (arguments, data, model, resume): nothing is trained yet, so the signal ends the process at once
   (`Preempted` raised from the handler) with a marker that says so; the job script requeues it.
@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from ddp_accel.files import write_json
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# SIGHUP: a closed terminal or SSH session saves and stops like a preemption (unless started under nohup)
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 PREEMPTED_EXIT_CODE = 0  # a launcher neither restarts the group in place nor reports a crash; see docs/clusters.md
 # a rank that stopped only because a peer was signalled: non-zero, so that its elastic agent (which was not signalled)
 # forms the group again with the machines that remain (a node leaving), instead of ending the run unfinished
@@ -123,10 +124,14 @@ class StopSignals:
         self.phase = Phase.STARTUP
         self.output_dir: Path | None = None
         self.resume_hint = NO_CHECKPOINT_HINT
+        self.pid = os.getpid()  # the process these signals belong to
         self._previous: dict[int, Any] = {}
 
     def install(self) -> StopSignals:
+        self.pid = os.getpid()
         for signum in PREEMPTION_SIGNALS:
+            if signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN:
+                continue  # nohup: the user asked to outlive the terminal
             try:
                 self._previous[signum] = signal.signal(signum, self._handle)
             except ValueError:  # not the main thread (e.g. a debug launcher): no handler, no preemption stop
@@ -157,6 +162,10 @@ class StopSignals:
         return signal.Signals(self.received).name if self.received else None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self.pid:  # a process forked from ours (a datasets.map pool worker) inherited the handler:
+            signal.signal(signum, signal.SIG_DFL)  # its pool ends it with SIGTERM; it must end, not write our marker
+            os.kill(os.getpid(), signum)
+            return
         self.received = self.received or signum
         # nothing trained, nothing to save: stop now, not after a long data preparation (once the marker's folder is
         # known: a signal during the imports or the argument parsing stops when the output dir is set)

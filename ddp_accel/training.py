@@ -374,7 +374,7 @@ def fit(
     commit model.safetensors, model_best.safetensors (by `task.best_metric`), the record's `artifacts`, args.json,
     training_curves.png and metrics.json together.
 
-    Every process calls fit(). Returns the final metrics (the same on every rank). On SIGTERM/SIGUSR1 every rank
+    Every process calls fit(). Returns the final metrics (the same on every rank). On SIGTERM/SIGUSR1/SIGHUP every rank
     checkpoints the step reached and fit raises `Preempted`; a loss that is not finite stops with a UserError.
     `signals`: the process's StopSignals (run_main's); without them fit uses the installed ones, or watches the
     signals itself while it runs (a notebook). `callbacks`: ddp_accel.callbacks.Callback hooks.

@@ -29,7 +29,7 @@ def _signal_state_restored():
     """Each test starts with SIGTERM/SIGUSR1 unblocked and leaves pytest's handlers as it found them: a signal
     blocked in pytest is blocked in every process a later test starts (a launcher that never hears the SIGTERM a
     test sends it)."""
-    signums = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    signums = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
     assert not {signal.SIGTERM, signal.SIGUSR1} & signal.pthread_sigmask(signal.SIG_BLOCK, []), (
         "SIGTERM/SIGUSR1 are blocked in pytest: an imported script blocked them at import"
     )

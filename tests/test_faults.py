@@ -273,3 +273,23 @@ def test_a_stopped_rank_is_diagnosed_by_its_peer_and_the_restart_resumes_to_iden
     assert "resumed from" in log
     assert_same_weights(uninterrupted, output_dir)
     print(f"\nSIGSTOP of rank 1 -> rank 0's diagnosis after {diagnosed_s:.1f} s", file=sys.stderr)
+
+
+@pytest.mark.multiprocess
+def test_a_process_forked_from_ours_ends_on_sigterm_and_leaves_no_marker(tmp_path):
+    # pool workers forked during preprocessing inherit the handler; their pool ends them with SIGTERM
+    import multiprocessing
+    import time
+
+    from ddp_accel import StopSignals
+    from ddp_accel.stopping import PREEMPTED_MARKER
+
+    with StopSignals() as signals:
+        signals.set_output_dir(tmp_path)
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+        child.start()
+        time.sleep(0.2)
+        os.kill(child.pid, signal.SIGTERM)
+        child.join(10)
+        assert child.exitcode == -signal.SIGTERM and signals.received is None
+    assert not (tmp_path / PREEMPTED_MARKER).exists()

@@ -35,7 +35,7 @@ def accelerator():
 # --- the agreement on stopping (one process: no all-reduce, the flags themselves) ---
 def fake_accelerator(scale: float | None = None):
     scaler = SimpleNamespace(get_scale=lambda: scale) if scale is not None else None
-    return SimpleNamespace(device=torch.device("cpu"), optimizer_step_was_skipped=False, scaler=scaler)
+    return SimpleNamespace(device=torch.device("cpu"), process_index=0, optimizer_step_was_skipped=False, scaler=scaler)
 
 
 def test_the_agreement_says_stop_for_a_nonfinite_loss_or_a_signal_and_nothing_otherwise():
@@ -337,3 +337,37 @@ def test_a_data_folder_is_fingerprinted_by_content_not_by_mtimes_and_leaves_the_
     assert "--data by modification times" in compare_identity(old, current, "checkpoint step_5")
     with pytest.raises(UserError, match="--arch was 'resnet18', now 'resnet50'"):
         compare_identity(old, make_identity({"arch": "resnet50"}, {"data": data}), "checkpoint step_5")
+
+
+# --- the process's signals: Ctrl-C through a library's cleanup, and processes forked from ours ---
+def test_an_error_raised_while_leaving_on_ctrl_c_is_still_the_interrupt(capsys):
+    # datasets.map's pool, interrupted, fails its own join with a TimeoutError raised inside the KeyboardInterrupt
+    from ddp_accel import run_main
+
+    def main():
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise TimeoutError("the pool's workers did not stop") from None
+
+    with pytest.raises(SystemExit) as exit_:
+        run_main(main)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 130 and "interrupted (Ctrl-C)" in err and "Traceback" not in err, err
+
+
+def test_a_closed_terminal_sighup_stops_like_a_preemption_unless_started_under_nohup():
+    from ddp_accel import StopSignals
+
+    with StopSignals() as signals:
+        signals.enter(Phase.TRAIN)
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert signals.received == signal.SIGHUP  # the loop's agreement saves and stops at the next step
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does
+    try:
+        with StopSignals() as signals:
+            signals.enter(Phase.TRAIN)
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert signals.received is None and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
