@@ -72,8 +72,12 @@ def build_accelerator(
     """
     _cache_per_step_package_probe()
     cpu = not has_accelerator()
-    if cpu and mixed_precision == "fp16":
-        raise UserError("--mixed-precision fp16 needs a GPU; on CPU use bf16 or no")
+    # accelerate launch --mixed_precision and the YAML's mixed_precision reach the Accelerator by this variable
+    if cpu and (mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")) == "fp16":
+        raise UserError(
+            "mixed precision fp16 (--mixed-precision, accelerate launch --mixed_precision, or the accelerate config) "
+            "needs a GPU; on CPU use bf16 or no"
+        )
     check_launch_environment()
     init_elastic_process_group(cpu, timeout_s)
     accelerator = Accelerator(

@@ -222,6 +222,8 @@ def evaluate_saved(args, accelerator, model, val_set, eval_fn, metrics_fn) -> No
     if not args.resume:
         raise UserError("--evaluate needs --resume (a checkpoint folder, 'latest', or model_best.safetensors)")
     output_dir = Path(args.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():  # said before the evaluation, not after it
+        raise UserError(f"--output-dir {output_dir} is a file; evaluate.json goes into a folder")
     model = load_saved_weights(accelerator, model, args.resume, output_dir, identity_of(args, evaluation=True))
     metrics = evaluate(accelerator, model, accelerator.prepare(loader(val_set, args, False)), eval_fn, metrics_fn)
     accelerator.print(

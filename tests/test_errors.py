@@ -339,3 +339,31 @@ def config_with(**changes) -> str:
 )
 def test_check_config_refuses_what_accelerate_launch_would_refuse(tmp_path, content, fragment):
     assert_clean_error(check_config(write(tmp_path / "bad.yaml", content)), fragment)
+
+
+@inprocess
+def test_small_inputs_that_used_to_be_misread_or_late(tmp_path):
+    import gzip
+
+    from ddp_accel.runtime import has_accelerator
+
+    # fp16 on a CPU, asked by the option or by accelerate launch / the accelerate config (ACCELERATE_MIXED_PRECISION)
+    if not has_accelerator():
+        minimal = ["scripts/minimal.py", "--output-dir", tmp_path / "fp16"]
+        assert_clean_error(run_script(*minimal, "--mixed-precision", "fp16"), "fp16", "needs a GPU")
+        assert_clean_error(run_script(*minimal, env={"ACCELERATE_MIXED_PRECISION": "fp16"}), "needs a GPU")
+    # -e into an --output-dir that is a file: said before the evaluation, not after it
+    weights = tmp_path / "weights.safetensors"
+    save_file({"weight": torch.zeros(2)}, str(weights))
+    evaluate = ["--dummy", "-a", "resnet18", "-j", "0", "-e", "--resume", weights]
+    result = run_script("scripts/imagenet.py", *evaluate, "--output-dir", write(tmp_path / "file", "x"))
+    assert "top1" not in assert_clean_error(result, "is a file")
+    # a gzipped csv is read as csv (every .gz was read as JSON)
+    rows = "text,label\n" + "".join(f"a {'good' if i % 2 else 'bad'} film number {i},{i % 2}\n" for i in range(40))
+    gzipped = tmp_path / "train.csv.gz"
+    gzipped.write_bytes(gzip.compress(rows.encode()))
+    imdb = ["scripts/imdb.py", "--train-file", gzipped, "--max-steps", 1, "--buckets", 100, "--min-freq", 1]
+    check_ok(run_script(*imdb, "--output-dir", tmp_path / "csv", "--cache-dir", tmp_path / "cache"))
+    # an encoded-data cache that is a file: one line naming it, before any data is read
+    result = run_script(*imdb, "--output-dir", tmp_path / "cached", "--cache-dir", write(tmp_path / "cache.txt", "x"))
+    assert_clean_error(result, "cache.txt is a file")

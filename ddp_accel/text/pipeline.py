@@ -50,6 +50,20 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ddp_accel" / "imdb"
 
 
+def check_cache_dir(cache: Path) -> None:
+    """The encoded-data cache is a folder this process can write (said before any data is read)."""
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UserError(f"the encoded-data cache {cache} is a file, or inside one; give --cache-dir a folder") from None
+    except PermissionError:
+        raise UserError(
+            f"the encoded-data cache {cache} cannot be created; give --cache-dir a writable folder"
+        ) from None
+    if not os.access(cache, os.W_OK | os.X_OK):
+        raise UserError(f"the encoded-data cache {cache} is not writable; give --cache-dir a writable folder")
+
+
 def prepare_text_data(
     accelerator: Accelerator,
     *,
@@ -69,6 +83,8 @@ def prepare_text_data(
     The second run with the same inputs reads the encoded arrow files instead of tokenising again.
     """
     start = time.perf_counter()
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    check_cache_dir(cache)
     train, test, source, synthetic = sources.load_sources(dataset, data_dir, train_file, test_file, accelerator)
     fingerprints = {
         "train data": source_fingerprint(train_file or data_dir or source),
@@ -82,7 +98,6 @@ def prepare_text_data(
             f"with --val-fraction {val_fraction}; give more reviews"
         ) from None
     train, val = split["train"], split["test"]
-    cache = Path(cache_dir) if cache_dir else default_cache_dir()
     key = cache_key(fingerprints["train data"], len(train), val_fraction, seed, PIPELINE_VERSION)
     num_proc = min(4, os.cpu_count() or 1) if len(train) > 5000 else None
 

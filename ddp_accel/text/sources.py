@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from ddp_accel.errors import UserError
 
 _LABEL_NAMES = {"pos": 1, "positive": 1, "1": 1, "neg": 0, "negative": 0, "0": 0}
-_FORMATS = {".jsonl": "json", ".json": "json", ".gz": "json", ".csv": "csv", ".parquet": "parquet"}
+_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}  # each also gzipped (.gz)
 
 
 def _normalise_labels(dataset: datasets.Dataset, source: str) -> datasets.Dataset:
@@ -82,9 +82,9 @@ def load_file(path: str | Path) -> datasets.Dataset:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such file")
-    suffix = ".jsonl" if path.name.endswith((".jsonl.gz", ".json.gz")) else path.suffix
+    suffix = Path(path.name.removesuffix(".gz")).suffix  # train.csv.gz is a csv file
     if suffix not in _FORMATS:
-        raise UserError(f"{path}: unknown format; use .jsonl, .json, .csv or .parquet (optionally .jsonl.gz)")
+        raise UserError(f"{path}: unknown format; use .jsonl, .json, .csv or .parquet (optionally gzipped: .gz)")
     if path.stat().st_size == 0:
         raise UserError(f"{path}: empty file")
     try:
