@@ -21,12 +21,13 @@ import torch.distributed as dist
 from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
+from ddp_accel.checkpoint import complete_checkpoints
 from ddp_accel.config import TrainConfig
 from ddp_accel.errors import UserError
 from ddp_accel.loaders import kill_leftover_workers
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.stopping import PEER_STOPPED_EXIT_CODE, PREEMPTED_EXIT_CODE, Phase, Preempted, StopSignals
-from ddp_accel.tracking import make_trackers, tracker_names
+from ddp_accel.tracking import check_trackers, make_trackers, tracker_names
 
 
 def _cache_per_step_package_probe() -> None:
@@ -111,11 +112,15 @@ def make_accelerator(
         RunFolder(config.output_dir).check(config.resume_from_checkpoint, config.overwrite_output_dir)
     if signals is not None:
         signals.set_output_dir(Path(config.output_dir))
-    trackers = make_trackers(
-        tracker_names(config.report_to, config.with_tracking),
-        config.output_dir,
-        resuming=config.resume_from_checkpoint is not None,
+    names = tracker_names(config.report_to, config.with_tracking)
+    if process_rank() == 0:  # the main process logs
+        check_trackers(names, config.output_dir)
+    # a tracker run continues only with the checkpoint it logged: `latest` without one starts a new run
+    folder = RunFolder(config.output_dir)
+    resuming = config.resume_from_checkpoint not in (None, "latest") or (
+        config.resume_from_checkpoint == "latest" and bool(complete_checkpoints(folder.checkpoints))
     )
+    trackers = make_trackers(names, config.output_dir, resuming=resuming)
     return build_accelerator(
         seed=config.seed,
         log_with=trackers or None,

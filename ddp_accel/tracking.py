@@ -50,6 +50,63 @@ def tracker_names(report_to: str = "none", with_tracking: bool = False) -> list[
     return names
 
 
+def check_trackers(names: list[str], output_dir: str | Path, timeout_s: float = 10.0) -> None:
+    """What would make a tracker fail at its first log, after the first steps were trained, said before training:
+    W&B without a login, an MLflow store that cannot be written or a server that does not answer within
+    `timeout_s`. Each line names the tracker and its remedy."""
+    if "wandb" in names and os.environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled", "dryrun"):
+        if not _wandb_key():
+            raise UserError(
+                "--report-to wandb: not logged in to W&B (no WANDB_API_KEY, no key in ~/.netrc); run `wandb login`, "
+                "or set WANDB_MODE=offline to log into OUTPUT_DIR/wandb and `wandb sync` later"
+            )
+    if "mlflow" in names:
+        _check_mlflow(os.environ.get("MLFLOW_TRACKING_URI") or _default_mlflow_uri(output_dir), timeout_s)
+
+
+def _wandb_key() -> str | None:
+    import netrc
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_API_KEY"):
+        return os.environ["WANDB_API_KEY"]
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    try:
+        found = netrc.netrc(os.environ.get("NETRC")).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return None
+    return found[2] if found else None
+
+
+def _default_mlflow_uri(output_dir: str | Path) -> str:
+    return f"sqlite:///{Path(output_dir).resolve()}/mlflow.db"
+
+
+def _check_mlflow(uri: str, timeout_s: float) -> None:
+    import urllib.error
+    import urllib.request
+
+    if uri.startswith(("http://", "https://")):
+        try:
+            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+        except (urllib.error.URLError, OSError) as error:
+            reason = getattr(error, "reason", error)
+            raise UserError(
+                f"--report-to mlflow: the MLflow server {uri} does not answer within {timeout_s:g} s ({reason}); "
+                "start it, or unset MLFLOW_TRACKING_URI to log into OUTPUT_DIR/mlflow.db"
+            ) from None
+        return
+    store = Path(uri.removeprefix("sqlite:///").removeprefix("file://"))
+    folder = store.parent if uri.startswith("sqlite:") else store
+    existing = next((path for path in [folder, *folder.parents] if path.exists()), Path("/"))
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(
+            f"--report-to mlflow: the MLflow store {uri} cannot be written ({existing} is "
+            f"{'not a folder' if not existing.is_dir() else 'not writable'}); set MLFLOW_TRACKING_URI to a writable "
+            "place, or unset it to log into OUTPUT_DIR/mlflow.db"
+        )
+
+
 def read_state(output_dir: str | Path) -> dict[str, Any]:
     path = Path(output_dir) / TRACKER_RUNS
     try:
@@ -72,7 +129,7 @@ def make_trackers(names: list[str], output_dir: str | Path, resuming: bool) -> l
             trackers.append(TensorBoardTracker("tensorboard", str(output_dir)))  # OUTPUT_DIR/tensorboard
         elif name == "mlflow":
             # MLflow's default store is ./mlruns in the current directory; Accelerate does not set one
-            os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{output_dir}/mlflow.db")
+            os.environ.setdefault("MLFLOW_TRACKING_URI", _default_mlflow_uri(output_dir))
             trackers.append(
                 MLflowTracker(project, logging_dir=str(output_dir / "mlartifacts"), run_id=state.get("mlflow_run_id"))
             )
@@ -101,11 +158,12 @@ class TrackerLog:
         accelerator = self.accelerator
         try:
             accelerator.init_trackers(Path(sys.argv[0]).stem or "ddp_accel")
-        except Exception as error:  # e.g. W&B without a login: one line
+        except Exception as error:  # what check_trackers could not foresee: one line naming the trackers
+            names = ", ".join(str(getattr(tracker, "name", tracker)) for tracker in self.accelerator.log_with)
             raise UserError(
-                f"cannot start the {type(error).__module__.split('.')[0]} tracker: "
-                f"{str(error).splitlines()[0] if str(error) else type(error).__name__} "
-                "(W&B: `wandb login`, or WANDB_MODE=offline)"
+                f"cannot start the {names} tracker(s): "
+                f"{str(error).splitlines()[0] if str(error) else type(error).__name__}"
+                + (" (W&B: `wandb login`, or WANDB_MODE=offline)" if "wandb" in names else "")
             ) from None
         for tracker in accelerator.trackers:
             if not (tracker.name == "mlflow" and self.state.get("mlflow_run_id")):  # MLflow refuses changed params

@@ -171,3 +171,48 @@ def test_a_missing_tracker_package_is_one_line_before_training(tmp_path, monkeyp
     assert tracking.tracker_names("none", with_tracking=True) == ["tensorboard"]
     result = run_script("tests/probe.py", "--report-to", "neptune", "--output-dir", tmp_path)
     assert_clean_error(result, "--report-to", "invalid choice: 'neptune'")
+
+
+@needs_trackers
+@pytest.mark.inprocess
+def test_a_tracker_that_would_fail_at_its_first_log_is_one_line_before_training(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+
+    def minimal(output_dir, *args, env=None):
+        return run_script("scripts/minimal.py", "--output-dir", output_dir, *args, env=env)
+
+    result = minimal(tmp_path / "wandb", "--report-to", "wandb")
+    assert_clean_error(result, "--report-to wandb: not logged in", "wandb login", "WANDB_MODE=offline")
+    assert not (tmp_path / "wandb").exists()  # nothing trained, nothing written
+    (tmp_path / "file").write_text("x")
+    unwritable = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/file/mlflow.db"}
+    result = minimal(tmp_path / "store", "--report-to", "mlflow", env=unwritable)
+    assert_clean_error(result, "--report-to mlflow: the MLflow store", "cannot be written", "not a folder")
+    started = time.monotonic()
+    result = minimal(tmp_path / "server", "--report-to", "mlflow", env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"})
+    assert_clean_error(result, "the MLflow server http://127.0.0.1:9 does not answer")
+    assert time.monotonic() - started < 30 and not (tmp_path / "server").exists()
+
+
+@needs_trackers
+@pytest.mark.inprocess
+def test_a_restart_before_the_first_checkpoint_logs_each_step_once(tmp_path, monkeypatch):
+    # killed before its first checkpoint, the run starts again from step 0: a new tracker run, not the first steps
+    # logged twice into the old one (MLflow: steps 5, 5, 10, ...)
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = tmp_path / "run"
+    args = ["scripts/minimal.py", "--output-dir", out, "--report-to", "mlflow", "--resume-from-checkpoint", "latest"]
+    run_script(*args)
+    for name in ("model.safetensors", "metrics.json"):  # as if killed after its logs, before any checkpoint
+        (out / name).unlink()
+    run_script(*args)
+    client = MlflowClient(tracking_uri=f"sqlite:///{out.resolve()}/mlflow.db")
+    runs = client.search_runs([experiment.experiment_id for experiment in client.search_experiments()])
+    for run in runs:
+        steps = [metric.step for metric in client.get_metric_history(run.info.run_id, "train_loss")]
+        assert steps == sorted(set(steps)), steps
+    assert len(runs) == 2
