@@ -253,6 +253,17 @@ class Checkpoints:
         return path
 
 
+def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str, target: str) -> None:
+    """`weights` into `model`; weights of another model are one line: `{source} holds weights of another model
+    than {target} (the first mismatch)`."""
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as error:
+        lines = str(error).splitlines()
+        first = lines[1].strip() if len(lines) > 1 else lines[0]
+        raise UserError(f"{source} holds weights of another model than {target} ({first})") from None
+
+
 def strip_module_prefix(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """DDP saves `module.layer.weight`; the bare model wants `layer.weight`."""
     prefix = "module."

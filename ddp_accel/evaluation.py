@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 from ddp_accel import loaders
-from ddp_accel.checkpoint import load_checkpoint, model_fingerprint, read_training_state, resolve_resume
+from ddp_accel.checkpoint import load_checkpoint, load_weights, model_fingerprint, read_training_state, resolve_resume
 from ddp_accel.errors import UserError
 from ddp_accel.identity import compare_identity
 from ddp_accel.state import RunIdentity
@@ -101,11 +101,4 @@ def load_weights_file(model: torch.nn.Module, path: Path) -> None:
         weights = load_file(str(path))
     except Exception as error:  # safetensors' own error type: truncated or not a safetensors file
         raise UserError(f"--resume {path}: not a readable .safetensors file ({str(error).splitlines()[0]})") from None
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as error:
-        lines = str(error).splitlines()
-        raise UserError(
-            f"--resume {path} holds weights of another model than this {type(model).__name__} "
-            f"({lines[1].strip() if len(lines) > 1 else error})"
-        ) from None
+    load_weights(model, weights, f"--resume {path}", f"this {type(model).__name__}")

@@ -9,7 +9,7 @@ import torch
 import torchvision
 from torch import nn
 
-from ddp_accel.checkpoint import strip_module_prefix
+from ddp_accel.checkpoint import load_weights, strip_module_prefix
 from ddp_accel.errors import UserError
 
 
@@ -190,14 +190,7 @@ def _load_state_dict_file(path: str, arch: str) -> dict:
 
 
 def _load_into(model: nn.Module, weights: dict, path: str, arch: str) -> None:
-    try:
-        model.load_state_dict(strip_module_prefix(weights))
-    except RuntimeError as error:
-        lines = str(error).splitlines()
-        raise UserError(
-            f"--pretrained {path} holds weights of another model than -a {arch} "
-            f"({lines[1].strip() if len(lines) > 1 else lines[0]})"
-        ) from None
+    load_weights(model, strip_module_prefix(weights), f"--pretrained {path}", f"-a {arch}")
 
 
 def _last_linear(model: nn.Module) -> tuple[nn.Module, str, nn.Linear]:
