@@ -26,11 +26,12 @@ IMAGENET_FILES = 1_281_167 + 50_000
 
 def make_folder(root: Path, files: int, size: int) -> None:
     payload = os.urandom(size)
+    for split in ("train", "val"):
+        for label in range(1000):
+            (root / split / f"n{label:08d}").mkdir(parents=True)
     for index in range(files):
         split = "val" if index % 26 == 0 else "train"
         folder = root / split / f"n{index % 1000:08d}"
-        if index < 2000:
-            folder.mkdir(parents=True, exist_ok=True)
         (folder / f"{index}.JPEG").write_bytes(payload[index % 64 :] + payload[: index % 64])
 
 

@@ -188,12 +188,13 @@ def lr_lambda(args, steps_per_epoch: int, total_steps: int):
     return factor
 
 
-def identity_of(args, evaluation: bool = False) -> dict:
+def identity_of(args, accelerator, evaluation: bool = False) -> dict:
     """What shapes the model and the data: a resume must match it; an evaluation, what its predictions depend on."""
     if evaluation:
         return make_identity({key: getattr(args, key) for key in EVALUATION_OPTIONS})
+    options = {key: getattr(args, key) for key in IDENTITY_OPTIONS}
     sources = {"data": None if args.dummy else args.data}  # by content; an --output-dir inside it is not data
-    return make_identity({key: getattr(args, key) for key in IDENTITY_OPTIONS}, sources, exclude=[args.output_dir])
+    return make_identity(options, sources, exclude=[args.output_dir], accelerator=accelerator)
 
 
 def set_backends(args) -> None:
@@ -224,7 +225,9 @@ def evaluate_saved(args, accelerator, model, val_set, eval_fn, metrics_fn) -> No
     output_dir = Path(args.output_dir)
     if output_dir.exists() and not output_dir.is_dir():  # said before the evaluation, not after it
         raise UserError(f"--output-dir {output_dir} is a file; evaluate.json goes into a folder")
-    model = load_saved_weights(accelerator, model, args.resume, output_dir, identity_of(args, evaluation=True))
+    model = load_saved_weights(
+        accelerator, model, args.resume, output_dir, identity_of(args, accelerator, evaluation=True)
+    )
     metrics = evaluate(accelerator, model, accelerator.prepare(loader(val_set, args, False)), eval_fn, metrics_fn)
     accelerator.print(
         f"top1 {metrics['eval_top1']:.4f}"
@@ -293,7 +296,7 @@ def main(signals: StopSignals) -> None:
         "sync_bn_layers": sync_bn_layers,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
-    record = RunRecord(title="imagenet", banner=banner, identity=identity_of(args))
+    record = RunRecord(title="imagenet", banner=banner, identity=identity_of(args, accelerator))
     metrics = fit(accelerator, config, task, record, signals=signals)
     accelerator.print(f"best top1 {metrics['best_top1']:.4f}; model_best.safetensors in {config.output_dir}")
 
