@@ -68,9 +68,13 @@ class RunFolder:
                 "pick another --output-dir"
             )
 
-    def committed_metrics(self, total_steps: int, identity: dict[str, Any]) -> dict[str, Any] | None:
-        """The metrics of a run committed here for at least `total_steps` under this identity (a complete run), or
-        None. A committed run under another identity is refused."""
+    def committed_metrics(
+        self, target: tuple[int, int], total_steps: int, identity: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """The metrics of a run committed here under this identity that trained at least as far as `target`
+        (epoch, samples into it: what a command asks for, in a unit that does not change with the world size, the
+        batch size or the accumulation), or None. A run committed before it recorded its progress counts by
+        `total_steps`. A committed run under another identity is refused."""
         try:
             committed = json.loads((self.path / COMMITTED).read_text())
         except (OSError, ValueError):
@@ -79,6 +83,10 @@ class RunFolder:
             return None
         if committed.get("identity") and identity:
             compare_identity(committed["identity"], identity, f"the run in {self.path}")
+        progress = committed.get("progress")
+        if isinstance(progress, dict):
+            reached = (progress.get("epoch", -1), progress.get("samples_in_epoch", -1))
+            return committed if reached >= target else None
         if not isinstance(committed.get("steps"), int) or committed["steps"] < total_steps:
             return None
         return committed

@@ -151,11 +151,13 @@ class TrainingRun:
         return None
 
     def committed_run(self) -> dict[str, Any] | None:
-        """A run whose artifacts were committed for at least the steps this command asks for, under the same
-        identity, is complete: `--resume-from-checkpoint latest` then changes nothing."""
+        """A run whose artifacts were committed as far as this command asks for (in epochs and samples, whatever
+        the world size), under the same identity, is complete: `--resume-from-checkpoint latest` changes nothing."""
         if self.config.resume_from_checkpoint != "latest":
             return None
-        committed = self.folder.committed_metrics(self.total_steps, self.identity.identity)
+        epochs, steps = divmod(self.total_steps, self.steps_per_epoch)
+        target = (epochs, steps * self.accumulation * self.state.global_batch)
+        committed = self.folder.committed_metrics(target, self.total_steps, self.identity.identity)
         if committed is None:
             return None
         self.accelerator.print(
@@ -326,6 +328,8 @@ class TrainingRun:
             **self.test_metrics,
             "train_loss": state.last_loss,
             "steps": state.step,
+            # how far training got, in a unit that does not change with the world size, batch size or accumulation
+            "progress": {"epoch": state.epoch, "samples_in_epoch": state.samples_in_epoch},
             "skipped_optimizer_steps": self.agreement.skipped_steps,
             **self.step.meter.summary(),
             "wall_time_s": time.perf_counter() - self.wall_start,

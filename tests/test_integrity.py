@@ -84,6 +84,10 @@ def test_rerunning_a_finished_run_changes_nothing_and_a_longer_one_continues(tmp
     assert {k: v for k, v in snapshot(out).items() if not k.startswith("seen_rank")} == {
         k: v for k, v in before.items() if not k.startswith("seen_rank")
     }
+    # the same run asked for on twice the processes (or at half the batch): complete by epochs and samples, although
+    # its steps are counted at another global batch (64 of them at batch 2, 32 committed at batch 4)
+    half = check_ok(run_script("tests/probe.py", "--batch-size", 2, *args[2:], "--resume-from-checkpoint", "latest"))
+    assert "is complete (32 steps); nothing to do" in half, half[-2000:]
     longer = check_ok(
         run_script("tests/probe.py", *args[:2], "--epochs", 3, *args[4:], "--resume-from-checkpoint", "latest")
     )

@@ -137,12 +137,14 @@ def test_the_folder_is_locked_by_one_run_and_commits_its_artifacts_with_the_metr
     final.mkdir()
     (final / "model.safetensors").write_text("weights")
     (tmp_path / "vocab.json").write_text("{}")
-    assert folder.committed_metrics(10, {}) is None
-    folder.commit(final, {"vocab.json": tmp_path / "vocab.json"}, {"steps": 10})
+    assert folder.committed_metrics((2, 0), 10, {}) is None
+    progress = {"epoch": 2, "samples_in_epoch": 0}
+    folder.commit(final, {"vocab.json": tmp_path / "vocab.json"}, {"steps": 10, "progress": progress})
     names = {path.name for path in folder.path.iterdir()}
     assert names == {"model.safetensors", "model_best.safetensors", "vocab.json", "metrics.json"}, names
-    assert folder.committed_metrics(10, {}) == {"steps": 10}
-    assert folder.committed_metrics(11, {}) is None  # a longer run is not complete
+    assert folder.committed_metrics((2, 0), 10, {})["steps"] == 10
+    assert folder.committed_metrics((2, 0), 20, {}) is not None  # 2 epochs, whatever the steps counted
+    assert folder.committed_metrics((2, 8), 11, {}) is None  # a longer run is not complete
 
 
 def test_a_committed_run_under_another_identity_is_refused(tmp_path):
@@ -150,9 +152,10 @@ def test_a_committed_run_under_another_identity_is_refused(tmp_path):
     (tmp_path / "model.safetensors").write_text("weights")
     saved = {"options": {"arch": "resnet18"}, "versions": {}}
     (tmp_path / "metrics.json").write_text(json.dumps({"steps": 5, "identity": saved}))
-    assert folder.committed_metrics(5, saved)["steps"] == 5
+    assert folder.committed_metrics((1, 0), 5, saved)["steps"] == 5  # an earlier version's metrics: by steps
+    assert folder.committed_metrics((1, 0), 6, saved) is None
     with pytest.raises(UserError, match="--arch was 'resnet18', now 'resnet50'"):
-        folder.committed_metrics(5, {"options": {"arch": "resnet50"}, "versions": {}})
+        folder.committed_metrics((1, 0), 5, {"options": {"arch": "resnet50"}, "versions": {}})
 
 
 # --- the meter, the position after a resume, the stop's facts ---
