@@ -145,10 +145,21 @@ def compare_identity(saved: dict[str, Any] | None, current: dict[str, Any], what
         if key not in current["options"]
     ]
     if differences:
+        changed_data = any(
+            _is_fingerprint(saved["options"].get(key))
+            for key, value in current["options"].items()
+            if key in saved["options"] and saved["options"][key] != value
+        )
         raise UserError(
             f"{what} was made with other options or data: "
             + "; ".join(differences)
             + ". Use the same options and data, or another --output-dir"
+            + (
+                " (to go on knowingly with the changed data, start that new run from the weights trained so far: "
+                "the checkpoint's model.safetensors)"
+                if changed_data
+                else ""
+            )
         )
     old, new = saved.get("versions", {}), current["versions"]
     changed = [f"{name} {old[name]} -> {new[name]}" for name in new if old.get(name) not in (None, new[name])]
@@ -164,6 +175,11 @@ def compare_identity(saved: dict[str, Any] | None, current: dict[str, Any], what
             "version set"
         )
     return "; ".join(warnings) or None
+
+
+def _is_fingerprint(value: Any) -> bool:
+    """A data source's fingerprint (not an option's value)."""
+    return isinstance(value, str) and value.startswith(("folder ", "file sha256:"))
 
 
 def _mtime_fingerprint(value: Any) -> bool:

@@ -340,6 +340,9 @@ def test_a_data_folder_is_fingerprinted_by_content_not_by_mtimes_and_leaves_the_
     assert "--data by modification times" in compare_identity(old, current, "checkpoint step_5")
     with pytest.raises(UserError, match="--arch was 'resnet18', now 'resnet50'"):
         compare_identity(old, make_identity({"arch": "resnet50"}, {"data": data}), "checkpoint step_5")
+    other = shutil.copytree(data, tmp_path / "other", ignore=shutil.ignore_patterns("c.jpg"))
+    with pytest.raises(UserError, match=r"--data was .*val: 1 files, 500 bytes.*now .*go on knowingly"):
+        compare_identity(current, make_identity({"arch": "resnet18"}, {"data": other}), "checkpoint step_5")
 
 
 # --- the process's signals: Ctrl-C through a library's cleanup, and processes forked from ours ---
