@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
+from ddp_accel.config import every
 from ddp_accel.errors import UserError
 from ddp_accel.files import finite_or_null, writing
 from ddp_accel.identity import compare_identity
@@ -192,7 +193,7 @@ class Checkpoints:
         self.accelerator, self.root, self.every, self.limit = accelerator, root, every, limit
 
     def due_at_step(self, step: int) -> bool:
-        return isinstance(self.every, int) and step % self.every == 0
+        return every(step, self.every)
 
     def due_at_epoch_end(self) -> bool:
         return self.every == "epoch"

@@ -72,6 +72,12 @@ class TrainConfig:
         return {key: getattr(self, key) for key in (f.name for f in fields(self)) if key != "hparams"}
 
 
+def every(step: int, period: int | str | None) -> bool:
+    """Whether a periodic option (`--log-steps`, `--eval-steps`, `--checkpointing-steps`) is due at optimizer step
+    `step`: every `period` steps; `period` None or 'epoch': never."""
+    return isinstance(period, int) and step % period == 0
+
+
 def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options every training script shares, from TrainConfig's fields. Scripts change defaults with
     `parser.set_defaults`."""

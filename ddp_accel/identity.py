@@ -13,7 +13,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -102,24 +102,31 @@ def _walk(root: Path, skipped: set[Path]) -> Iterable[tuple[str, int]]:
 
 def make_identity(
     options: dict[str, Any],
-    sources: dict[str, str | Path | None] | None = None,
+    sources: Mapping[str, str | Path | None] | None = None,
     exclude: Iterable[str | Path] = (),
     accelerator: Any = None,
 ) -> dict[str, Any]:
-    """`options`: the values that shape the model and the data pipeline; `sources`: the data, fingerprinted
-    (`exclude`: folders inside them that are not data, such as the run's output dir). With `accelerator`, the main
-    process fingerprints the data and the others receive its fingerprints: a large folder is walked once per job,
-    not once per rank (ImageNet: about 16 s, benchmarks/fingerprint.py)."""
+    """`options`: the values that shape the model and the data pipeline; `sources`: the data, fingerprinted by
+    `fingerprint_sources` (`exclude`: folders inside them that are not data, such as the run's output dir)."""
     identity: dict[str, Any] = {key: _plain(value) for key, value in sorted(options.items())}
+    identity.update(fingerprint_sources(sources or {}, exclude, accelerator))
+    return {"options": identity, "versions": versions()}
+
+
+def fingerprint_sources(
+    sources: Mapping[str, str | Path | None], exclude: Iterable[str | Path] = (), accelerator: Any = None
+) -> dict[str, str | None]:
+    """Each source's `source_fingerprint`. With `accelerator`, the main process fingerprints and the others receive
+    its fingerprints: a large folder is walked once per job, not once per rank (ImageNet: about 16 s,
+    benchmarks/fingerprint.py)."""
     fingerprints: dict[str, str | None] | None = None
     if accelerator is None or accelerator.is_main_process:
-        fingerprints = {key: source_fingerprint(source, exclude) for key, source in sorted((sources or {}).items())}
+        fingerprints = {key: source_fingerprint(source, exclude) for key, source in sorted(sources.items())}
     if accelerator is not None and accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
         fingerprints = broadcast_object_list([fingerprints])[0]
-    identity.update(fingerprints or {})
-    return {"options": identity, "versions": versions()}
+    return fingerprints or {}
 
 
 def _plain(value: Any) -> Any:

@@ -50,8 +50,7 @@ class RunFolder:
             if resume_from_checkpoint == "latest":
                 return
             has_checkpoints = bool(complete_checkpoints(self.checkpoints))
-        resuming = resume_from_checkpoint is not None and (resume_from_checkpoint != "latest" or has_checkpoints)
-        if resuming or not self.path.is_dir() or overwrite:
+        if self.resumes(resume_from_checkpoint, has_checkpoints) or not self.path.is_dir() or overwrite:
             return
         held = (
             "a trained model (model.safetensors)"
@@ -67,6 +66,15 @@ class RunFolder:
                 + "; continue it with --resume-from-checkpoint latest, replace it with --overwrite-output-dir, or "
                 "pick another --output-dir"
             )
+
+    def resumes(self, resume_from_checkpoint: str | None, has_checkpoints: bool | None = None) -> bool:
+        """Whether `--resume-from-checkpoint` continues a run: a path does; `latest` does when a complete checkpoint
+        is here (`has_checkpoints`, looked up when None), and is a new run otherwise."""
+        if resume_from_checkpoint is None:
+            return False
+        if resume_from_checkpoint != "latest":
+            return True
+        return bool(complete_checkpoints(self.checkpoints)) if has_checkpoints is None else has_checkpoints
 
     def committed_metrics(
         self, target: tuple[int, int], total_steps: int, identity: dict[str, Any]

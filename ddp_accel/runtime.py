@@ -13,7 +13,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +20,6 @@ import torch.distributed as dist
 from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
-from ddp_accel.checkpoint import complete_checkpoints
 from ddp_accel.config import TrainConfig
 from ddp_accel.errors import UserError
 from ddp_accel.loaders import kill_leftover_workers
@@ -108,19 +106,16 @@ def make_accelerator(
     training into it); `signals` (run_main's) then leave their marker there if a preemption stops the run before
     training. A missing tracker package is one line here, before anything; the trackers start at the first log.
     `kwargs`: more of build_accelerator's options (find_unused_parameters)."""
+    folder = RunFolder(config.output_dir)
     if check_output_dir:
-        RunFolder(config.output_dir).check(config.resume_from_checkpoint, config.overwrite_output_dir)
+        folder.check(config.resume_from_checkpoint, config.overwrite_output_dir)
     if signals is not None:
-        signals.set_output_dir(Path(config.output_dir))
+        signals.set_output_dir(folder.path)
     names = tracker_names(config.report_to, config.with_tracking)
     if process_rank() == 0:  # the main process logs
         check_trackers(names, config.output_dir)
     # a tracker run continues only with the checkpoint it logged: `latest` without one starts a new run
-    folder = RunFolder(config.output_dir)
-    resuming = config.resume_from_checkpoint not in (None, "latest") or (
-        config.resume_from_checkpoint == "latest" and bool(complete_checkpoints(folder.checkpoints))
-    )
-    trackers = make_trackers(names, config.output_dir, resuming=resuming)
+    trackers = make_trackers(names, config.output_dir, resuming=folder.resumes(config.resume_from_checkpoint))
     return build_accelerator(
         seed=config.seed,
         log_with=trackers or None,

@@ -16,7 +16,7 @@ from accelerate import Accelerator
 from ddp_accel import loaders
 from ddp_accel.callbacks import BestModel, Callback, Callbacks, ProgressBar, Trackers
 from ddp_accel.checkpoint import Checkpoints, model_fingerprint
-from ddp_accel.config import TrainConfig
+from ddp_accel.config import TrainConfig, every
 from ddp_accel.errors import UserError
 from ddp_accel.evaluation import evaluate
 from ddp_accel.files import write_json, writing
@@ -46,11 +46,6 @@ def seed_loader_generators(seed: int, *loaders_: Any) -> None:
     for loader in loaders_:
         if loader is not None and loader.generator is None:
             loader.generator = torch.Generator().manual_seed(seed)
-
-
-def every(step: int, period: int | str | None) -> bool:
-    """True every `period` optimizer steps (`period` None or 'epoch': never)."""
-    return isinstance(period, int) and step % period == 0
 
 
 class TrainingRun:

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from ddp_accel.errors import UserError
 from ddp_accel.files import writing
-from ddp_accel.identity import source_fingerprint
+from ddp_accel.identity import fingerprint_sources
 from ddp_accel.text import sources
 from ddp_accel.text.tokenizer import basic_english
 from ddp_accel.text.vocab import Vocab
@@ -86,10 +86,8 @@ def prepare_text_data(
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     check_cache_dir(cache)
     train, test, source, synthetic = sources.load_sources(dataset, data_dir, train_file, test_file, accelerator)
-    fingerprints = {
-        "train data": source_fingerprint(train_file or data_dir or source),
-        "test data": source_fingerprint(test_file) if test_file else None,  # a --data-dir covers its test/ folder
-    }
+    data_paths = {"train data": train_file or data_dir or source, "test data": test_file}  # a --data-dir has test/
+    fingerprints = fingerprint_sources(data_paths, accelerator=accelerator)
     try:
         split = train.train_test_split(test_size=val_fraction, seed=seed, stratify_by_column=None)
     except ValueError:  # too few reviews for a held-out part
@@ -106,7 +104,6 @@ def prepare_text_data(
 
     vocab_path = cache / f"vocab-{cache_key(key, min_freq, max_vocab)}.json"
     with accelerator.main_process_first():
-        cache.mkdir(parents=True, exist_ok=True)
         tokens = cached_map(
             train,
             tokenize,
