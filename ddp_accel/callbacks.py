@@ -131,7 +131,9 @@ class ProgressBar(Callback):
 
 class Trackers(Callback):
     """TensorBoard / MLflow / W&B (the Accelerator's trackers): the log windows, every evaluation and the final
-    metrics, one tracker run across resumes. A slow tracker server is waited for under the watchdog's generous
+    metrics, one tracker run across resumes. Their x axis is the samples trained (`TrainState.samples_trained`),
+    which only grows across a resize, while optimizer steps are counted again in steps of the new global batch;
+    the step is logged as `optimizer_step`. A slow tracker server is waited for under the watchdog's generous
     bound, not taken for a hang."""
 
     def __init__(self) -> None:
@@ -148,7 +150,7 @@ class Trackers(Callback):
     def _log(self, run: TrainingRun, values: dict[str, Any]) -> None:
         assert self.log is not None
         with run.slow_on_main("logging to the trackers", self.log.active):
-            self.log.log(values, run.state.step)
+            self.log.log({**values, "optimizer_step": run.state.step}, run.state.samples_trained)
 
     def on_log(self, run: TrainingRun, logs: dict[str, Any]) -> None:
         self._log(run, logs)
@@ -158,7 +160,7 @@ class Trackers(Callback):
 
     def on_end(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
         assert self.log is not None
-        self.log.log({f"final_{key}": value for key, value in numbers(metrics).items()}, run.state.step)
+        self.log.log({f"final_{key}": value for key, value in numbers(metrics).items()}, run.state.samples_trained)
         self.log.finish([run.folder.path / "model.safetensors", run.folder.path / "training_curves.png"])
 
 

@@ -191,6 +191,7 @@ class Checkpoints:
 
     def __init__(self, accelerator: Accelerator, root: Path, every: int | str | None = None, limit: int | None = None):
         self.accelerator, self.root, self.every, self.limit = accelerator, root, every, limit
+        self.leftover = 0  # samples of the epoch the resume sees again (its skip rounded down to this global batch)
 
     def due_at_step(self, step: int) -> bool:
         return every(step, self.every)
@@ -238,6 +239,7 @@ class Checkpoints:
         for warning in self.load(path, state, identity):
             accelerator.print(f"warning: {warning}")
         rebase = state.rebase(global_batch, world_size, batches_per_epoch, accumulation)
+        self.leftover = rebase.leftover
         changed = rebase.warning(state, total_steps)
         if changed and accelerator.is_main_process:
             print(f"warning: {changed}", file=sys.stderr, flush=True)

@@ -67,16 +67,23 @@ class ThroughputMeter:
 
 
 class EvalHistory:
-    """history.json: one record per evaluation. A resumed run keeps the records up to its step and goes on."""
+    """history.json: one record per evaluation, at its step, its place in the data (`samples` trained, which only
+    grows across a resize while steps are counted again) and epoch. A resumed run keeps the records up to its place
+    and goes on."""
 
     def __init__(self, path: Path):
         self.path = path
         self.records: list[dict] = []
 
-    def keep_until(self, step: int) -> None:
-        """A resumed run: the records up to its step (a damaged file restarts the curves, not the training)."""
+    def keep_until(self, samples: int, step: int) -> None:
+        """A resumed run: the records up to its place (a damaged file restarts the curves, not the training).
+        Records of an earlier version have no `samples`: their step decides."""
         try:
-            self.records = [record for record in json.loads(self.path.read_text()) if record["step"] <= step]
+            self.records = [
+                record
+                for record in json.loads(self.path.read_text())
+                if (record["samples"] <= samples if "samples" in record else record["step"] <= step)
+            ]
         except FileNotFoundError:
             self.records = []
         except (OSError, ValueError, KeyError, TypeError):
@@ -84,10 +91,12 @@ class EvalHistory:
             self.records = []
 
     def record(
-        self, accelerator: Accelerator, step: int, epoch: float, train_loss: float | None, metrics: dict
+        self, accelerator: Accelerator, step: int, samples: int, epoch: float, train_loss: float | None, metrics: dict
     ) -> None:
-        self.records = [record for record in self.records if record["step"] != step]  # one record per step
-        self.records.append({"step": step, "epoch": epoch, "train_loss": train_loss, **numbers(metrics)})
+        self.records = [record for record in self.records if record.get("samples", -1) != samples]  # one per place
+        self.records.append(
+            {"step": step, "samples": samples, "epoch": epoch, "train_loss": train_loss, **numbers(metrics)}
+        )
         if accelerator.is_main_process:
             write_json(self.path, self.records, indent=1)
 

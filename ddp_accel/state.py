@@ -57,6 +57,7 @@ class TrainState:
     batches_in_epoch: int = 0  # batches of `epoch` every rank consumed (micro-batches, with accumulation)
     global_batch: int = 0  # samples per batch over all processes
     world_size: int = 1
+    epoch_samples: int = 0  # the training set's samples (an epoch, whatever the batch and world size; 0: unknown)
     last_loss: float | None = None  # the last logged training loss (None before the first log)
     last_eval_step: int = -1  # the step of the last complete evaluation
     eval_metrics: dict[str, Any] = field(default_factory=dict)  # its metrics (metrics.json reports them at the end)
@@ -67,6 +68,14 @@ class TrainState:
     @property
     def samples_in_epoch(self) -> int:
         return self.batches_in_epoch * self.global_batch
+
+    @property
+    def samples_trained(self) -> int:
+        """How far training got, in samples since its start: the same number at the same place in the data whatever
+        the world size, batch size or accumulation (the padding of an epoch's last round not counted), so it only
+        grows across a resize. The trackers' x axis and history.json's `samples`."""
+        in_epoch = self.samples_in_epoch
+        return self.epoch * self.epoch_samples + (min(in_epoch, self.epoch_samples) if self.epoch_samples else in_epoch)
 
     def state_dict(self) -> dict[str, Any]:
         return {**asdict(self), "samples_in_epoch": self.samples_in_epoch}
@@ -95,5 +104,9 @@ class TrainState:
         done = steps_per_epoch if skip >= batches_per_epoch else skip // accumulation
         rebase = Rebase(self.step, saved_batch, skip, leftover)
         self.step = self.epoch * steps_per_epoch + done
+        if self.last_eval_step == rebase.saved_step:  # the evaluation of the place resumed from: not due again
+            self.last_eval_step = self.step
+        elif self.step != rebase.saved_step:  # an older one, counted in the checkpoint's steps
+            self.last_eval_step = -1
         self.batches_in_epoch, self.global_batch, self.world_size = skip, global_batch, world_size
         return rebase

@@ -1,10 +1,11 @@
 """Experiment tracking through Accelerate's own trackers (`--report-to tensorboard|mlflow|wandb|all|none`), as one
 run across interruptions: a resumed, restarted or requeued run continues the same TensorBoard directory, MLflow
-run and W&B run, and never logs a step twice.
+run and W&B run, and never logs a step twice. The x axis is the samples trained (it only grows, also across a
+resize, when optimizer steps are counted again in steps of another global batch).
 
 Everything is kept in the output dir: OUTPUT_DIR/tensorboard/, OUTPUT_DIR/mlflow.db (+ mlartifacts/) unless
 MLFLOW_TRACKING_URI says otherwise, OUTPUT_DIR/wandb/, and OUTPUT_DIR/tracking.json (the run ids and the last
-logged step).
+logged place, in samples).
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ class TrackerLog:
     ) -> None:
         self.accelerator, self.output_dir, self.hyperparameters = accelerator, Path(output_dir), hyperparameters
         self.state = read_state(output_dir) if resumed else {}
-        self.horizon = self.state.get("last_logged_step", -1)  # logged before this process started
+        # logged before this process started, in samples trained (a file of an earlier version counted steps)
+        self.horizon = self.state.get("last_logged_samples", -1)
         self.last = self.horizon
         self.started = False
 
@@ -176,6 +178,7 @@ class TrackerLog:
         return bool(self.accelerator.log_with)
 
     def log(self, values: dict[str, Any], step: int) -> None:
+        """`step`: the x axis, samples trained."""
         if not self.active or step <= self.horizon:
             return
         if not self.started:
@@ -204,7 +207,7 @@ class TrackerLog:
     def _save_state(self) -> None:
         if not self.accelerator.is_main_process:
             return
-        state = {"last_logged_step": self.last}
+        state = {"last_logged_samples": self.last}
         for tracker in self.accelerator.trackers:
             if tracker.name == "mlflow":
                 state["mlflow_run_id"] = tracker.active_run.info.run_id

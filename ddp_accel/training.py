@@ -39,6 +39,14 @@ class StopTraining(Exception):
         self.verdict = verdict
 
 
+def epoch_samples(loader: Any) -> int:
+    """The samples of an epoch: the training set's length (0 for a dataset without one)."""
+    try:
+        return len(loader.dataset)
+    except TypeError:
+        return 0
+
+
 def seed_loader_generators(seed: int, *loaders_: Any) -> None:
     """Creating a DataLoader iterator draws a worker seed from the global RNG unless the loader has a generator
     of its own. On a mid-epoch resume that draw would land after the restored RNG state (at epoch start in the
@@ -68,7 +76,9 @@ class TrainingRun:
         )
         self.identity = RunIdentity(model_fingerprint(task.model), record.identity)
         self.state = TrainState(
-            global_batch=config.batch_size * accelerator.num_processes, world_size=accelerator.num_processes
+            global_batch=config.batch_size * accelerator.num_processes,
+            world_size=accelerator.num_processes,
+            epoch_samples=epoch_samples(task.train_loader),
         )
         seed_loader_generators(config.seed, task.train_loader, task.eval_loader, task.test_loader)
         self.model: torch.nn.Module
@@ -133,12 +143,14 @@ class TrainingRun:
             if config.overwrite_output_dir and self.resumed_from is None:
                 self.folder.clear_previous_run()
         if self.resumed_from is not None:
-            self.history.keep_until(self.state.step)
+            # the place the checkpoint saved, before a resize rounded it down to this command's batches
+            saved = self.state.samples_trained + self.checkpoints.leftover
+            self.history.keep_until(saved, self.state.step)
             if self.state.last_eval_step < 0 and self.history.records:
                 # a checkpoint of an earlier version does not record its last evaluation: history.json does
-                self.state.last_eval_step = (
-                    self.state.step if self.history.records[-1]["step"] == self.state.step else -1
-                )
+                last = self.history.records[-1]
+                at_place = last.get("samples") == saved if "samples" in last else last["step"] == self.state.step
+                self.state.last_eval_step = self.state.step if at_place else -1
             self.grace.check(StopFacts.last_save_s(self.folder.path))  # the save time of the last stop
         self.signals.enter(Phase.TRAIN)
         self.callbacks.on_start(self)
@@ -254,7 +266,9 @@ class TrainingRun:
         self.signals.enter(phase)
         state.eval_pending, state.last_eval_step, state.eval_metrics = False, state.step, metrics
         self.accelerator.print(f"step {state.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in numbers(metrics).items()))
-        self.history.record(self.accelerator, state.step, state.step / self.steps_per_epoch, state.last_loss, metrics)
+        samples = state.samples_trained
+        epoch = samples / state.epoch_samples if state.epoch_samples else state.step / self.steps_per_epoch
+        self.history.record(self.accelerator, state.step, samples, epoch, state.last_loss, metrics)
         self.callbacks.on_evaluate(self, metrics)
 
     def final_evaluations(self) -> None:
@@ -324,7 +338,11 @@ class TrainingRun:
             "train_loss": state.last_loss,
             "steps": state.step,
             # how far training got, in a unit that does not change with the world size, batch size or accumulation
-            "progress": {"epoch": state.epoch, "samples_in_epoch": state.samples_in_epoch},
+            "progress": {
+                "epoch": state.epoch,
+                "samples_in_epoch": state.samples_in_epoch,
+                "samples": state.samples_trained,
+            },
             "skipped_optimizer_steps": self.agreement.skipped_steps,
             **self.step.meter.summary(),
             "wall_time_s": time.perf_counter() - self.wall_start,

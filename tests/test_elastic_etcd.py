@@ -150,3 +150,47 @@ def test_a_node_joins_then_one_leaves_and_the_run_goes_on(tmp_path, etcd_endpoin
         f"{resumed[-1]} and finished at {metrics['steps']} steps (world size 1)",
         file=sys.stderr,
     )
+
+
+@pytest.mark.system
+def test_a_node_that_joins_in_the_second_half_of_a_run_finishes_it(tmp_path, etcd_endpoint):
+    """Agent A trains alone (batch 4: 256 steps); B joins once A's checkpoints are past the middle of the run (chosen
+    from its progress, not a sleep). At world size 2 the run has 128 steps and the place reached is past step 64:
+    comparing step numbers of different global batches refused this resume and ended both agents."""
+    output_dir = tmp_path / "out"
+    command = [str(BIN / "torchrun"), "--nnodes", "1:2", "--nproc_per_node", "1", "--rdzv_backend", "etcd"]
+    command += ["--rdzv_endpoint", etcd_endpoint, "--rdzv_id", "join-late", "--max_restarts", "3"]
+    command += ["--rdzv_conf", "last_call_timeout=2", "--monitor_interval", "1", str(ROOT / "tests" / "probe.py")]
+    command += ["--output-dir", str(output_dir), "--batch-size", "4", "--epochs", "2", "--train-size", "512"]
+    command += [
+        "--step-ms",
+        "100",
+        "--dropout",
+        "0",
+        "--checkpointing-steps",
+        "10",
+        "--resume-from-checkpoint",
+        "latest",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    logs = [tmp_path / "agent_a.log", tmp_path / "agent_b.log"]
+    agents = []
+    try:
+        for log in logs:
+            agents.append(subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT,
+                                           env=env, start_new_session=True))  # fmt: skip
+            if len(agents) == 1:  # B starts once A alone is past the middle: step 128 of 256
+                wait_for(lambda: max(checkpoint_steps(output_dir), default=0) > 128, timeout=180, alive=agents[0],
+                         what="agent A past the middle of the run")  # fmt: skip
+        for agent, log in zip(agents, logs, strict=True):
+            assert agent.wait(timeout=300) == 0, agent_log(log)[-4000:]
+    finally:
+        for agent in agents:
+            kill_tree(agent)
+    text = agent_log(logs[0]) + agent_log(logs[1])
+    metrics = metrics_of(output_dir)
+    assert metrics["world_size"] == 2, text[-4000:]  # B joined before the end: the run finished at world size 2
+    resumed = [int(step) for step in re.findall(r"resumed from \S+: step (\d+)", text)]
+    assert resumed and min(resumed) > 64, text[-4000:]  # the join's place: past the middle of the 128 steps
+    assert metrics["steps"] == 128 and metrics["progress"]["samples"] == 2 * 512  # the uninterrupted run's samples
+    print(f"\nB joined past the middle: resumed at step {min(resumed)} of 128 (world size 2)", file=sys.stderr)

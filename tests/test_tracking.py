@@ -33,6 +33,23 @@ def tensorboard_steps(directory: Path, tag: str) -> list[int]:
     return steps
 
 
+def tensorboard_values(directory: Path, tag: str) -> list[float]:
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    values = []
+    for events in sorted(directory.glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(events)).Load():
+            for value in event.summary.value:
+                if value.tag == tag:
+                    values.append(
+                        float(tensor_util.make_ndarray(value.tensor))
+                        if value.HasField("tensor")
+                        else value.simple_value
+                    )
+    return values
+
+
 def wandb_records(run_file: Path) -> list[bytes]:
     """The records of a W&B .wandb file: a 7-byte header (':W&B', magic, version), then LevelDB-log framing
     (32 KiB blocks; each chunk: crc32c, length, type FULL=1/FIRST=2/MIDDLE=3/LAST=4)."""
@@ -112,10 +129,10 @@ def test_every_tracker_keeps_one_run_across_a_kill_and_resume(tmp_path):
     agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
     deadline = time.monotonic() + 180
     # a few log steps past the checkpoint of step 10, then a worker dies; the agent restarts the group
-    while tracking.read_state(output_dir).get("last_logged_step", 0) < 14:
+    while tracking.read_state(output_dir).get("last_logged_samples", 0) < 14 * 8:  # the x axis: samples trained
         assert time.monotonic() < deadline and agent.poll() is None, (tmp_path / "torchrun.log").read_text()[-3000:]
         time.sleep(0.02)
-    logged_before_kill = tracking.read_state(output_dir)["last_logged_step"]
+    logged_before_kill = tracking.read_state(output_dir)["last_logged_samples"] // 8
     # rank 1 dies: the main process (the one that talks to the trackers) ends through its error path, so that
     # W&B, which buffers in a process of its own, writes what it holds (a SIGKILLed main process loses that part)
     rank1 = next(pid for pid in workers(agent) if rank_of(pid) == 1)
@@ -125,11 +142,12 @@ def test_every_tracker_keeps_one_run_across_a_kill_and_resume(tmp_path):
     assert "resumed from" in text and "step 10," in text, text[-3000:]
     total = 64  # 256 samples / (2 x 4) = 32 steps an epoch, 2 epochs
     state = tracking.read_state(output_dir)
-    assert state["last_logged_step"] == total
+    assert state["last_logged_samples"] == total * 8
 
-    # TensorBoard: one directory, a file per process start, every step once, in order
-    steps = tensorboard_steps(output_dir / "tensorboard", "train_loss")
+    # TensorBoard: one directory, a file per process start, every step once, in order (at 8 samples a step)
+    steps = [samples // 8 for samples in tensorboard_steps(output_dir / "tensorboard", "train_loss")]
     assert steps == list(range(1, total + 1)), steps
+    assert sorted(set(tensorboard_values(output_dir / "tensorboard", "optimizer_step"))) == list(range(1, total + 1))
     assert len(list((output_dir / "tensorboard").glob("events.out.tfevents.*"))) >= 2
 
     # MLflow: one run in the experiment, its metric history every step once
@@ -139,7 +157,7 @@ def test_every_tracker_keeps_one_run_across_a_kill_and_resume(tmp_path):
     experiment = client.get_experiment_by_name("probe")
     runs = client.search_runs([experiment.experiment_id])
     assert [run.info.run_id for run in runs] == [state["mlflow_run_id"]]
-    history = sorted(metric.step for metric in client.get_metric_history(state["mlflow_run_id"], "train_loss"))
+    history = sorted(metric.step // 8 for metric in client.get_metric_history(state["mlflow_run_id"], "train_loss"))
     assert history == list(range(1, total + 1)), history
     assert runs[0].data.params["report_to"] == "all"
     artifacts = {item.path for item in client.list_artifacts(state["mlflow_run_id"])}
@@ -148,7 +166,7 @@ def test_every_tracker_keeps_one_run_across_a_kill_and_resume(tmp_path):
     # W&B offline: two run directories (one per start) under the same run id, steps never repeated
     run_dirs = sorted((output_dir / "wandb").glob("offline-run-*"))
     assert len(run_dirs) == 2 and all(d.name.endswith(state["wandb_run_id"]) for d in run_dirs), run_dirs
-    wandb_steps = [step for d in run_dirs for step in wandb_history_steps(next(d.glob("*.wandb")))]
+    wandb_steps = [step // 8 for d in run_dirs for step in wandb_history_steps(next(d.glob("*.wandb")))]
     # no step twice, never backwards, the resumed part complete; what the killed group's W&B service process had
     # not yet written is lost with it (it is in the workers' process group, which torch elastic signals)
     assert wandb_steps == sorted(set(wandb_steps)) and wandb_steps[-1] == total, wandb_steps

@@ -351,3 +351,27 @@ def test_a_one_process_run_resumed_past_the_middle_on_two_processes_completes(st
     ranks = [json.loads((tmp_path / "joined" / f"seen_rank{rank}.json").read_text()) for rank in (0, 1)]
     seen = sorted(i for rank in ranks for batch in rank for i in batch)
     assert seen == sorted(rest)  # every remaining sample of epoch 2 once, across the two processes
+
+
+@pytest.mark.multiprocess
+def test_a_two_process_run_resumed_past_the_middle_on_one_process_completes_with_monotonic_trackers(tmp_path):
+    # what a node leaving in the second half of a run does: world size 2 -> 1, half the global batch. Steps are
+    # counted again (step 10 of 16 at 8 samples is step 20 of 32 at 4); the trackers' x axis (samples trained),
+    # history.json's `samples` and metrics.json's progress only grow and end at the uninterrupted run's count.
+    from test_tracking import tensorboard_steps, tensorboard_values
+
+    out, common = tmp_path / "run", ["--batch-size", 4, "--epochs", 2, "--with-tracking", "--log-steps", 1]
+    probe(
+        out, *common, "--checkpointing-steps", 10, "--max-steps", 10
+    )  # 2 processes: 8 steps an epoch; evaluated at 10
+    output = probe(out, *common, "--resume-from-checkpoint", "latest", nproc=1)
+    assert "at step 20 of this command's 32 (step 10 as the checkpoint counted)" in output, output[-3000:]
+    metrics = metrics_of(out)
+    assert metrics["steps"] == 32 and metrics["world_size"] == 1
+    assert metrics["progress"] == {"epoch": 2, "samples_in_epoch": 0, "samples": 128}  # 2 epochs of 64, once
+    samples = tensorboard_steps(out / "tensorboard", "train_loss")
+    assert samples == [8 * step for step in range(1, 11)] + [80 + 4 * step for step in range(1, 13)], samples
+    logged_steps = tensorboard_values(out / "tensorboard", "optimizer_step")  # log windows and evaluations
+    assert sorted(set(logged_steps)) == [*range(1, 11), *range(21, 33)], logged_steps
+    history = json.loads((out / "history.json").read_text())
+    assert [record["samples"] for record in history] == [64, 80, 128] and history[-1]["epoch"] == 2.0, history

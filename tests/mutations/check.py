@@ -92,6 +92,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         '    return "fork" if interactive else "forkserver"',
         '    return "fork"',
     ),
+    "trackers_log_raw_steps": (
+        "ddp_accel/callbacks.py",
+        'self.log.log({**values, "optimizer_step": run.state.step}, run.state.samples_trained)',
+        'self.log.log({**values, "optimizer_step": run.state.step}, run.state.step)',
+    ),
     "resume_compares_raw_step_numbers": (
         "ddp_accel/state.py",
         "        self.step = self.epoch * steps_per_epoch + done\n",
