@@ -8,7 +8,7 @@ from ddp_accel.callbacks import Callback
 from ddp_accel.cli import ArgumentParser
 from ddp_accel.config import TrainConfig, add_training_args
 from ddp_accel.errors import UserError
-from ddp_accel.evaluation import evaluate, load_saved_weights, load_weights_file
+from ddp_accel.evaluation import check_trained_with, evaluate, load_saved_weights, load_weights_file
 from ddp_accel.files import write_json
 from ddp_accel.identity import make_identity
 from ddp_accel.metrics import classification_metrics, classification_values
@@ -42,6 +42,7 @@ __all__ = [
     "add_training_args",
     "build_accelerator",
     "check_memory",
+    "check_trained_with",
     "classification_metrics",
     "classification_values",
     "cli",

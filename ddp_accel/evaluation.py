@@ -69,11 +69,7 @@ def load_saved_weights(
         file = Path(source)
         if not file.is_file():
             raise UserError(f"--resume {source}: no such file")
-        committed = file.parent / "metrics.json"
-        if identity and committed.is_file():
-            recorded = json.loads(committed.read_text()).get("identity")
-            if recorded:
-                compare_identity(same_keys(recorded, identity), identity, f"the run that wrote {file}")
+        check_trained_with(file, identity)
         load_weights_file(model, file)
         return accelerator.prepare(model)
     prepared = accelerator.prepare(model)
@@ -85,6 +81,22 @@ def load_saved_weights(
         compare_identity(same_keys(saved, identity), identity, f"checkpoint {path}")
     load_checkpoint(accelerator, path, RunIdentity(model_fingerprint(model)))  # the model's fingerprint is checked
     return prepared
+
+
+def check_trained_with(
+    file: Path, identity: dict[str, Any], remedy: str = "Use the same options and data, or another --output-dir"
+) -> None:
+    """The options `identity` names against those the run that wrote `file` trained with (its metrics.json beside
+    it records them); weights from elsewhere are not checked."""
+    committed = file.parent / "metrics.json"
+    if not identity or not committed.is_file():
+        return
+    try:
+        recorded = json.loads(committed.read_text()).get("identity")
+    except (OSError, ValueError, AttributeError):
+        return
+    if recorded:
+        compare_identity(same_keys(recorded, identity), identity, f"the run that wrote {file}", remedy)
 
 
 def same_keys(saved: dict[str, Any] | None, current: dict[str, Any]) -> dict[str, Any] | None:

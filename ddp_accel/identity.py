@@ -133,9 +133,15 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def compare_identity(saved: dict[str, Any] | None, current: dict[str, Any], what: str) -> str | None:
-    """None when `saved` matches `current`; else raises UserError naming what differs. Returns a warning for what
-    does not stop a resume: other library versions, or an identity that was not recorded (older checkpoints)."""
+def compare_identity(
+    saved: dict[str, Any] | None,
+    current: dict[str, Any],
+    what: str,
+    remedy: str = "Use the same options and data, or another --output-dir",
+) -> str | None:
+    """None when `saved` matches `current`; else raises UserError naming what differs, then `remedy`. Returns a
+    warning for what does not stop a resume: other library versions, or an identity that was not recorded (older
+    checkpoints)."""
     if not saved:
         return f"{what} was written before run identities were recorded; its options and data cannot be checked"
     older = [key for key, value in saved.get("options", {}).items() if _mtime_fingerprint(value)]
@@ -160,7 +166,7 @@ def compare_identity(saved: dict[str, Any] | None, current: dict[str, Any], what
         raise UserError(
             f"{what} was made with other options or data: "
             + "; ".join(differences)
-            + ". Use the same options and data, or another --output-dir"
+            + f". {remedy}"
             + (
                 " (to go on knowingly with the changed data, start that new run from the weights trained so far: "
                 "the checkpoint's model.safetensors)"

@@ -35,6 +35,7 @@ from ddp_accel import (
     UserError,
     add_training_args,
     check_memory,
+    check_trained_with,
     classification_metrics,
     classification_values,
     cli,
@@ -62,6 +63,9 @@ from ddp_accel.vision import (
 IDENTITY_OPTIONS = ("arch", "image_size", "augment", "mean", "std", "dummy", "dummy_classes", "sync_bn")
 # what the validation images and so the predictions depend on: -e refuses weights trained with other values
 EVALUATION_OPTIONS = ("arch", "image_size", "augment", "mean", "std")
+# what the input means to weights fine-tuned (--pretrained FILE, --resume FILE.safetensors): another image size or
+# augmentation is a choice (FixRes), another normalisation feeds values the weights never saw
+FINE_TUNING_OPTIONS = ("mean", "std")
 
 
 def parse_args(argv=None):
@@ -207,8 +211,18 @@ def set_backends(args) -> None:
         check_memory(args.dummy_classes * 2048 * 4 * 3, f"--dummy-classes {args.dummy_classes}")
 
 
+def check_fine_tuning(args) -> None:
+    """Weights of one of this project's runs (a metrics.json beside them) fine-tuned under their normalisation."""
+    for option, file in (("--pretrained", args.pretrained), ("--resume", args.resume)):
+        if file and file != "default" and file.endswith((".safetensors", ".pth", ".pt")) and Path(file).is_file():
+            identity = make_identity({key: getattr(args, key) for key in FINE_TUNING_OPTIONS})
+            check_trained_with(Path(file), identity, f"Give {option} {file} the --mean and --std it was trained with")
+
+
 def make_model(args, accelerator, classes: list[str]) -> tuple[torch.nn.Module, int]:
     """The model, and how many BatchNorm layers became SyncBatchNorm."""
+    if not args.evaluate:
+        check_fine_tuning(args)
     model = build_model(args.arch, len(classes), args.pretrained)
     sync_bn_layers = 0
     if args.sync_bn and accelerator.num_processes > 1:

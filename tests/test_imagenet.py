@@ -81,6 +81,13 @@ def test_two_processes_train_count_every_val_image_once_and_evaluate_reproduces_
         refused = assert_clean_error(run_script("scripts/imagenet.py", data, *other), "--image-size was 16, now 24")
         assert "--std was [0.229, 0.224, 0.225], now [1.0, 1.0, 1.0]" in refused
         assert not (out / "evaluate.json").exists()
+    # fine-tuning the run's weights under another normalisation: one line (another image size is a choice)
+    for option in ("--resume", "--pretrained"):
+        tune = [*SMALL, "--mean", "0", "0", "0", option, out / "model.safetensors", "--output-dir", tmp_path / "tune"]
+        refused = assert_clean_error(run_script("scripts/imagenet.py", data, *tune), "--mean was [0.485, 0.456, 0.406]")
+        assert f"Give {option} {out / 'model.safetensors'} the --mean and --std it was trained with" in refused
+    tuned = [*SMALL, "--image-size", "24", "--max-steps", "1", "--pretrained", out / "model.safetensors"]
+    check_ok(run_script("scripts/imagenet.py", data, *tuned, "--output-dir", tmp_path / "tune"))
 
 
 @pytest.mark.inprocess
