@@ -47,6 +47,12 @@ def epoch_samples(loader: Any) -> int:
         return 0
 
 
+def padded_samples(epoch_samples: int, per_round: int, processes: int) -> int:
+    """The samples an epoch's last round repeats to fill every process's batch (none on one process, whose last
+    batch is short instead)."""
+    return -epoch_samples % per_round if epoch_samples and processes > 1 else 0
+
+
 def seed_loader_generators(seed: int, *loaders_: Any) -> None:
     """Creating a DataLoader iterator draws a worker seed from the global RNG unless the loader has a generator
     of its own. On a mid-epoch resume that draw would land after the restored RNG state (at epoch start in the
@@ -128,6 +134,7 @@ class TrainingRun:
             accumulation=self.accumulation,
             steps_per_epoch=self.steps_per_epoch,
             total_steps=self.total_steps,
+            **self.epoch_padding(),
             **self.record.banner,
         )
         complete = self.committed_run()
@@ -156,6 +163,16 @@ class TrainingRun:
         self.callbacks.on_start(self)
         self.watchdog.start()
         return None
+
+    def epoch_padding(self) -> dict[str, str]:
+        """On several processes an epoch's last round is filled up with samples from its start (Accelerate's
+        even_batches), so that every process steps together: said in the banner, as it makes 1 x 2B and 2 x B
+        differ in each epoch's last step."""
+        per_round = self.config.batch_size * self.accelerator.num_processes
+        padding = padded_samples(self.state.epoch_samples, per_round, self.accelerator.num_processes)
+        if not padding:
+            return {}
+        return {"epoch_padding": f"{padding} samples seen twice per epoch (the last round of {per_round})"}
 
     def committed_run(self) -> dict[str, Any] | None:
         """A run whose artifacts were committed as far as this command asks for (in epochs and samples, whatever

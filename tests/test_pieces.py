@@ -377,3 +377,12 @@ def test_a_closed_terminal_sighup_stops_like_a_preemption_unless_started_under_n
             assert signals.received is None and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+def test_the_padding_of_an_epochs_last_round_is_counted():
+    # 18 samples, 2 processes x 8: the second round holds 2 real samples and 14 from the epoch's start (measured
+    # with tests/probe.py: 64 ids consumed in 2 epochs, 18 distinct); one process has a short last batch instead
+    from ddp_accel.training import padded_samples
+
+    assert padded_samples(18, 16, 2) == 14 and padded_samples(18, 16, 1) == 0
+    assert padded_samples(40, 8, 2) == 0 and padded_samples(0, 8, 2) == 0  # a dataset without a length: unknown
