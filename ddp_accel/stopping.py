@@ -112,6 +112,29 @@ class Preempted(BaseException):
         )
 
 
+_fork_hook_registered = False
+
+
+def _leave_ctrl_c_to_the_parent_in_forked_children() -> None:
+    """A child forked from a training process (a datasets.map pool worker, a DataLoader worker started by fork)
+    ignores Ctrl-C: its parent gets the KeyboardInterrupt and ends it. A pool worker killed by Ctrl-C while it held
+    the pool's task-queue lock left the lock held; the pool forked a worker in its place, which waited for that lock
+    forever, and so did the parent's exit (seen with datasets' multiprocess pool, 1 Ctrl-C in 4 during tokenising)."""
+    global _fork_hook_registered
+    if not _fork_hook_registered:
+        os.register_at_fork(after_in_child=_ignore_ctrl_c_in_forked_child)
+        _fork_hook_registered = True
+
+
+def _ignore_ctrl_c_in_forked_child() -> None:
+    if StopSignals.current is None or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return  # not in a training process, or its SIGINT handling is someone else's
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread of the child (cannot happen after fork; no harm if it does)
+        pass
+
+
 class StopSignals:
     """The process's preemption state: the first signal received, the phase of the run, the output dir (for the
     marker) and the newest checkpoint (for the Ctrl-C hint). Created by `run_main` for the whole life of a script's
@@ -129,6 +152,7 @@ class StopSignals:
 
     def install(self) -> StopSignals:
         self.pid = os.getpid()
+        _leave_ctrl_c_to_the_parent_in_forked_children()
         for signum in PREEMPTION_SIGNALS:
             if signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN:
                 continue  # nohup: the user asked to outlive the terminal

@@ -362,6 +362,27 @@ def test_an_error_raised_while_leaving_on_ctrl_c_is_still_the_interrupt(capsys):
     assert exit_.value.code == 130 and "interrupted (Ctrl-C)" in err and "Traceback" not in err, err
 
 
+def test_a_child_forked_from_a_training_process_leaves_ctrl_c_to_its_parent():
+    # Ctrl-C reaches the whole foreground process group: a datasets.map pool worker killed by it while holding the
+    # pool's queue lock made the worker forked in its place wait forever, and the parent's exit with it
+    from ddp_accel import StopSignals
+
+    def forked_child_sigint():
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(write, b"ignored" if signal.getsignal(signal.SIGINT) == signal.SIG_IGN else b"handled")
+            os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        return os.read(read, 16).decode()
+
+    with StopSignals():
+        assert forked_child_sigint() == "ignored"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the parent still takes Ctrl-C
+    assert forked_child_sigint() == "handled"  # outside a training process nothing changes
+
+
 def test_a_closed_terminal_sighup_stops_like_a_preemption_unless_started_under_nohup():
     from ddp_accel import StopSignals
 
