@@ -10,7 +10,6 @@ import argparse
 import difflib
 import math
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -40,15 +39,21 @@ class ArgumentParser(argparse.ArgumentParser):
                     break
         # Under a launcher every process parses the same arguments: one of them says it, and torch elastic's
         # failure report shows the message instead of 'To enable traceback see ...'
+        from ddp_accel.elastic import stop_restarts
         from ddp_accel.runtime import process_rank, report_to_launcher
 
         report_to_launcher(f"error: {message}")
         if process_rank() != 0:
-            # the launcher stops every process once one has ended: let rank 0 end first, having printed
-            time.sleep(10)
+            # the launcher stops every process once one has ended: let rank 0 end first, having printed (a stop
+            # signal, the launcher ending this process, ends the wait)
+            from ddp_accel.elastic import wait_for_a_stop_signal
+
+            wait_for_a_stop_signal(10.0)
             self.exit(2)
         self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        stop_restarts()  # the same arguments fail the same way at every restart
+        self.exit(2)
 
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None

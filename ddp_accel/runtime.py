@@ -21,6 +21,7 @@ from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGr
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
 from ddp_accel.config import TrainConfig
+from ddp_accel.elastic import stop_restarts
 from ddp_accel.errors import UserError
 from ddp_accel.loaders import kill_leftover_workers
 from ddp_accel.run_folder import RunFolder
@@ -375,6 +376,7 @@ def run_main(main: Callable[..., Any]) -> None:
         if process_rank() == 0 or error.every_process:
             print(message, file=sys.stderr, flush=True)
         report_to_launcher(message)
+        stop_restarts()  # a user error fails the same way at every restart of the launcher
         exit_code = 2
         error.__traceback__ = None  # drop frames holding models before teardown
     except Preempted as preempted:  # every rank saved its part of the checkpoint (or nothing was trained yet)
@@ -395,6 +397,7 @@ def run_main(main: Callable[..., Any]) -> None:
             if process_rank() == 0:
                 print(message, file=sys.stderr, flush=True)
             report_to_launcher(message)
+            stop_restarts()
         elif _lost_peers(error):
             print(
                 f"error: process {process_rank()} lost contact with the others: another process ended (its own message "

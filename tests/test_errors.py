@@ -14,10 +14,12 @@ import sys
 import pytest
 import torch
 from helpers import (
+    BIN,
     ROOT,
     Result,
     assert_clean_error,
     check_ok,
+    free_port,
     launch,
     run_script,
     snapshot,
@@ -157,6 +159,25 @@ def test_a_user_error_under_a_launcher_is_one_line_and_appears_in_the_launchers_
     # torch elastic's failure report shows our line instead of "To enable traceback see ..."
     assert re.search(r"traceback\s*:\s*error: --resume-from-checkpoint .*no such checkpoint", output), output[-3000:]
     assert "Connection closed by peer" not in output
+
+
+@multiprocess
+@pytest.mark.parametrize(
+    "args, fragment",
+    [(["--bogus-option"], "unrecognized arguments: --bogus-option"), (["--lr", "1e38"], "not finite")],
+    ids=["bad-option", "loss-not-finite"],
+)
+def test_a_user_error_does_not_burn_the_launchers_restarts(tmp_path, args, fragment):
+    # torchrun restarts a failed group up to --max_restarts times whatever the cause: a typo made 4 attempts in 49 s,
+    # printing its line each time. The failing worker stops its agent instead; crashes still restart (test_faults)
+    command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--max_restarts", "3", "--master_port", str(free_port())]
+    command += ["tests/probe.py", "--output-dir", str(tmp_path), "--train-size", "256", "--batch-size", "4", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "will restart worker group" not in output, output[-3000:]  # one attempt
+    errors = [line for line in output.splitlines() if "error: " in line and fragment in line]
+    assert len(errors) == 1, output[-3000:]
 
 
 @multiprocess

@@ -1,0 +1,66 @@
+"""What a worker tells torch elastic's agent (torchrun, accelerate launch): a user error is not to be retried.
+
+torch elastic restarts a failed worker group up to `--max_restarts` times, whatever the cause: a mistyped option,
+missing data, a checkpoint of another run or a loss that turns nan at the same step fail the same way each time (a
+typo cost 4 attempts and 49 s with `--max_restarts 3`). The agent has no exit code for "do not retry"; a worker can
+stop it, though: SIGTERM to the agent makes it end its workers and exit at once, without another attempt (it prints
+torch's `SignalException: Process N got signal: 15` after our error line). Crashes still restart.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+# the processes that run torch elastic's agent in-process, by their command line
+AGENT_COMMANDS = ("torchrun", "torch.distributed.run", "torch/distributed/run.py", "accelerate")
+
+
+def restarts_left() -> int:
+    """The restarts torch elastic's agent has left for this worker group (0 outside torch elastic)."""
+    try:
+        return int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) - int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    except (KeyError, ValueError):
+        return 0
+
+
+def agent_pid() -> int | None:
+    """This worker's agent: its parent, when the parent runs torch elastic (not a shell, srun or a notebook)."""
+    parent = os.getppid()
+    try:
+        command = Path(f"/proc/{parent}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    return parent if any(name in command for name in AGENT_COMMANDS) else None
+
+
+def wait_for_a_stop_signal(seconds: float) -> bool:
+    """Wait up to `seconds`; True as soon as this process received a stop signal (its launcher is ending it)."""
+    from ddp_accel.stopping import StopSignals
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if StopSignals.current is not None and StopSignals.current.received:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def stop_restarts() -> bool:
+    """After a user error's line is out: stop this node's agent, so that it does not start the group again. The
+    local main process tells it; another process only when the error is its alone (the agent, once told, ends it
+    within that wait). Returns whether the agent was told."""
+    if restarts_left() <= 0 or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    if int(os.environ.get("LOCAL_RANK", "0") or 0) != 0 and wait_for_a_stop_signal(3.0):
+        return False  # the agent, told by the local main process, is ending this one
+    agent = agent_pid()
+    if agent is None:
+        return False
+    try:
+        os.kill(agent, signal.SIGTERM)
+    except OSError:
+        return False
+    return True
