@@ -114,8 +114,27 @@ class RunFolder:
         curves and tracker runs not continued; its final artifacts are replaced at this run's commit."""
         shutil.rmtree(self.checkpoints, ignore_errors=True)
         shutil.rmtree(self.path / "tensorboard", ignore_errors=True)
+        shutil.rmtree(self.path / "failures", ignore_errors=True)
         for name in ("history.json", PREEMPTED_MARKER, TRACKER_RUNS):
             (self.path / name).unlink(missing_ok=True)
+
+    def repeated_failure(self, rank: int, resumed_from: Path | None, step: int, error: BaseException) -> str | None:
+        """A crash of this rank, noted in failures/rank_N.json. Returns the note of the earlier one when this crash
+        repeats it: the same error, at the same step, after a resume from the same checkpoint. A restart would fail
+        the same way again."""
+        note = {
+            "resumed_from": str(resumed_from) if resumed_from else None,
+            "step": step,
+            "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}",
+        }
+        path = self.path / "failures" / f"rank_{rank}.json"
+        try:
+            earlier = json.loads(path.read_text())
+        except (OSError, ValueError):
+            earlier = None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, note)
+        return note["error"] if earlier == note else None
 
     def stage_best(self, weights: dict[str, torch.Tensor]) -> None:
         """model_best.safetensors, staged until the commit (written aside, renamed)."""
@@ -137,3 +156,4 @@ class RunFolder:
             self.checkpoints.rmdir()
         write_json(self.path / COMMITTED, metrics)
         (self.path / PREEMPTED_MARKER).unlink(missing_ok=True)
+        shutil.rmtree(self.path / "failures", ignore_errors=True)  # the crashes this run came through

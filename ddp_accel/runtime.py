@@ -321,7 +321,7 @@ def report_to_launcher(message: str) -> None:
             json.dump({"message": message, "timestamp": str(int(time.time()))}, file)
 
 
-def _lost_peers(error: BaseException) -> bool:
+def lost_peers(error: BaseException) -> bool:
     """A collective failed because another process is gone (it ended with its own error, or was killed)."""
     return isinstance(error, getattr(dist, "DistError", ())) or bool(
         re.search(
@@ -398,7 +398,7 @@ def run_main(main: Callable[..., Any]) -> None:
                 print(message, file=sys.stderr, flush=True)
             report_to_launcher(message)
             stop_restarts()
-        elif _lost_peers(error):
+        elif lost_peers(error):
             print(
                 f"error: process {process_rank()} lost contact with the others: another process ended (its own message "
                 f"says why), or no answer came within the collective timeout (--timeout-s): a machine or the network "

@@ -23,7 +23,7 @@ from ddp_accel.files import write_json, writing
 from ddp_accel.meters import EvalHistory, numbers
 from ddp_accel.plots import plot_history
 from ddp_accel.run_folder import RunFolder
-from ddp_accel.runtime import print_banner, topology
+from ddp_accel.runtime import lost_peers, print_banner, topology
 from ddp_accel.state import RunIdentity, TrainState
 from ddp_accel.stopping import Phase, Preempted, SaveGrace, StepAgreement, StopFacts, StopSignals, Verdict
 from ddp_accel.task import RunRecord, Task
@@ -345,6 +345,23 @@ class TrainingRun:
             time.sleep(1.0)
         raise Preempted(facts, by_peer=self.signals.received is None)
 
+    def crashed(self, error: Exception) -> None:
+        """A crash (not a user error, not a lost peer) that repeats from the same start (the same checkpoint, or
+        none) at the same step is deterministic: a UserError, so that the launcher does not restart it again."""
+        if isinstance(error, UserError) or lost_peers(error):
+            return
+        earlier = self.folder.repeated_failure(
+            self.accelerator.process_index, self.resumed_from, self.state.step, error
+        )
+        if earlier is not None:
+            start = f"resuming from {self.resumed_from}" if self.resumed_from else "starting from the beginning"
+            raise UserError(
+                f"the run failed at step {self.state.step} with the same error the last two times, each after "
+                f"{start} ({earlier}; the traceback is in the earlier attempt's log): a restart would fail the same "
+                "way, so it stops here. Fix the cause, then continue with --resume-from-checkpoint latest",
+                every_process=True,
+            ) from error
+
     # --- the end: every final artifact committed at once ---
     def final_metrics(self) -> dict[str, Any]:
         """metrics.json: the last evaluation and test, the loss, the throughput, the topology, the best metric."""
@@ -440,6 +457,9 @@ def fit(
             run.final_evaluations()
         except StopTraining as stop:
             run.stop(stop.verdict)
+        except Exception as error:
+            run.crashed(error)
+            raise
         return run.commit()
 
 

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddp_accel import (
     ArgumentParser,
+    Callback,
     Optimizers,
     RunRecord,
     SparseAdamW,
@@ -87,6 +88,17 @@ class IdDataset(Dataset):
         return index, self.x[index], self.y[index]
 
 
+class CrashAt(Callback):
+    """A bug that strikes at the same step every time."""
+
+    def __init__(self, step: int, rank: int):
+        self.step, self.rank = step, rank
+
+    def on_step_end(self, run) -> None:
+        if run.state.step == self.step and run.accelerator.process_index == self.rank:
+            raise RuntimeError(f"probe: a bug at step {self.step}")
+
+
 def main(signals: StopSignals | None = None) -> None:
     parser = add_training_args(ArgumentParser())
     parser.add_argument("--train-size", type=int, default=64)
@@ -105,6 +117,7 @@ def main(signals: StopSignals | None = None) -> None:
     parser.add_argument("--eval-ms", type=float, default=0, help="a slow evaluation batch: makes the phase easy to hit")
     parser.add_argument("--test-size", type=int, default=0, help="a test set evaluated once at the end")
     parser.add_argument("--hang-at-sample", type=int, help="reading this training sample blocks forever, once")
+    parser.add_argument("--crash-at-step", type=int, help="rank 1 (or the only one) raises after this step: a bug")
     args = parser.parse_args()
     config = TrainConfig.from_args(args)
     accelerator = make_accelerator(config, signals)
@@ -171,7 +184,8 @@ def main(signals: StopSignals | None = None) -> None:
         make_scheduler=warmup_then_decay,
     )
     identity = make_identity({key: getattr(args, key) for key in ("hidden", "complex", "sparse_embedding")})
-    fit(accelerator, config, task, RunRecord(identity=identity), signals=signals)
+    crash = [CrashAt(args.crash_at_step, min(1, accelerator.num_processes - 1))] if args.crash_at_step else []
+    fit(accelerator, config, task, RunRecord(identity=identity), signals=signals, callbacks=crash)
     Path(config.output_dir, f"seen_rank{accelerator.process_index}.json").write_text(json.dumps(seen))
     # where each rank ran (the SLURM tests check the machine ranks)
     print(
