@@ -122,11 +122,8 @@ class RunFolder:
         """A crash of this rank, noted in failures/rank_N.json. Returns the note of the earlier one when this crash
         repeats it: the same error, at the same step, after a resume from the same checkpoint. A restart would fail
         the same way again."""
-        note = {
-            "resumed_from": str(resumed_from) if resumed_from else None,
-            "step": step,
-            "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}",
-        }
+        summary = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        note = {"resumed_from": str(resumed_from) if resumed_from else None, "step": step, "error": summary}
         path = self.path / "failures" / f"rank_{rank}.json"
         try:
             earlier = json.loads(path.read_text())
@@ -134,7 +131,7 @@ class RunFolder:
             earlier = None
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, note)
-        return note["error"] if earlier == note else None
+        return summary if earlier == note else None
 
     def stage_best(self, weights: dict[str, torch.Tensor]) -> None:
         """model_best.safetensors, staged until the commit (written aside, renamed)."""
