@@ -34,6 +34,28 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return f"{type(model).__name__}:{digest}"
 
 
+# parameter-group options that decide what state the optimizer keeps (SGD's momentum buffers, Adam's max_exp_avg_sq,
+# RMSprop's grad_avg): a checkpoint's state does not fit an optimizer without them. lr, betas, weight decay and the
+# like only change the schedule and may change at a resume.
+STATE_SHAPING_OPTIONS = ("momentum", "amsgrad", "centered")
+
+
+def optimizer_fingerprint(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's type, its groups' sizes and the options that shape its state, e.g.
+    `AdamW(4 params, amsgrad off)`; several (ddp_accel.Optimizers) joined with ' + '."""
+    parts = []
+    for inner in getattr(optimizer, "optimizers", None) or [optimizer]:
+        groups = [
+            ", ".join(
+                [f"{len(group['params'])} params"]
+                + [f"{key} {'on' if group[key] else 'off'}" for key in STATE_SHAPING_OPTIONS if key in group]
+            )
+            for group in inner.param_groups
+        ]
+        parts.append(f"{type(inner).__name__}({'; '.join(groups)})")
+    return " + ".join(parts)
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     """`step_N` folders that finished writing, oldest first: by how far training had got (epoch, samples into it),
     not by N alone. A resume with another global batch (another world size, an elastic join or leave) counts
@@ -170,6 +192,13 @@ def load_checkpoint(
             f"checkpoint {path} was written by another model ({saved.get('model_fingerprint')}, "
             f"this run builds {identity.model_fingerprint}); resume with the same model options or use a new "
             "--output-dir."
+        )
+    saved_optimizer = saved.get("optimizer_fingerprint")  # not in checkpoints of earlier versions
+    if saved_optimizer and identity.optimizer_fingerprint and saved_optimizer != identity.optimizer_fingerprint:
+        raise UserError(
+            f"checkpoint {path} was written with another optimizer ({saved_optimizer}; this run makes "
+            f"{identity.optimizer_fingerprint}): its state cannot continue here. Resume with the same optimizer "
+            "options, or start a new run (another --output-dir) from the checkpoint's model.safetensors."
         )
     warning = (
         compare_identity(saved.get("identity"), identity.identity, f"checkpoint {path}") if identity.identity else None

@@ -10,11 +10,13 @@ from typing import Any
 
 @dataclass
 class RunIdentity:
-    """Who the run is: the model's fingerprint (class, parameter names and shapes) and `make_identity`'s options,
-    data fingerprints and versions. A checkpoint of another identity is refused, not loaded."""
+    """Who the run is: the model's fingerprint (class, parameter names and shapes), `make_identity`'s options,
+    data fingerprints and versions, and the optimizer's fingerprint. A checkpoint of another identity is refused,
+    not loaded."""
 
     model_fingerprint: str = ""
     identity: dict[str, Any] = field(default_factory=dict)
+    optimizer_fingerprint: str = ""  # its type and the options that shape its state (checkpoint.optimizer_fingerprint)
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)

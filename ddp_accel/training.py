@@ -15,7 +15,7 @@ from accelerate import Accelerator
 
 from ddp_accel import loaders
 from ddp_accel.callbacks import BestModel, Callback, Callbacks, ProgressBar, Trackers
-from ddp_accel.checkpoint import Checkpoints, model_fingerprint
+from ddp_accel.checkpoint import Checkpoints, model_fingerprint, optimizer_fingerprint
 from ddp_accel.config import TrainConfig, every
 from ddp_accel.errors import UserError
 from ddp_accel.evaluation import evaluate
@@ -80,7 +80,9 @@ class TrainingRun:
         self.checkpoints = Checkpoints(
             accelerator, self.folder.checkpoints, config.checkpointing_steps, config.checkpoint_limit
         )
-        self.identity = RunIdentity(model_fingerprint(task.model), record.identity)
+        self.identity = RunIdentity(
+            model_fingerprint(task.model), record.identity, optimizer_fingerprint(task.optimizer)
+        )
         self.state = TrainState(
             global_batch=config.batch_size * accelerator.num_processes,
             world_size=accelerator.num_processes,

@@ -117,6 +117,7 @@ def main(signals: StopSignals | None = None) -> None:
     parser.add_argument("--eval-ms", type=float, default=0, help="a slow evaluation batch: makes the phase easy to hit")
     parser.add_argument("--test-size", type=int, default=0, help="a test set evaluated once at the end")
     parser.add_argument("--hang-at-sample", type=int, help="reading this training sample blocks forever, once")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     parser.add_argument("--crash-at-step", type=int, help="rank 1 (or the only one) raises after this step: a bug")
     args = parser.parse_args()
     config = TrainConfig.from_args(args)
@@ -135,6 +136,8 @@ def main(signals: StopSignals | None = None) -> None:
             SparseAdamW([table], lr=config.lr, weight_decay=0.1),
             torch.optim.AdamW([p for p in model.parameters() if p is not table], lr=config.lr),
         )
+    elif args.optimizer == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
 

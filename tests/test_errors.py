@@ -64,6 +64,17 @@ def test_checkpoint_of_another_model(tmp_path):
 
 
 @inprocess
+def test_a_checkpoint_of_another_optimizer_is_one_line(tmp_path):
+    # AdamW's state resumed into SGD failed at the first step with a 46-line KeyError: 'momentum'
+    common = ["--epochs", 3, "--checkpointing-steps", 2, "--output-dir", tmp_path]
+    check_ok(run_script("tests/probe.py", *common, "--max-steps", 2))
+    result = run_script("tests/probe.py", *common, "--optimizer", "sgd", "--resume-from-checkpoint", "latest")
+    assert_clean_error(
+        result, "was written with another optimizer (AdamW(4 params, amsgrad off)", "makes SGD(4 params, momentum on)"
+    )
+
+
+@inprocess
 def test_output_dir_that_is_a_file_or_empty(tmp_path):
     (tmp_path / "file").write_text("x")
     assert_clean_error(run_script("scripts/minimal.py", "--output-dir", tmp_path / "file"), "is a file")
