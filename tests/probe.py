@@ -117,6 +117,7 @@ def main(signals: StopSignals | None = None) -> None:
     parser.add_argument("--eval-ms", type=float, default=0, help="a slow evaluation batch: makes the phase easy to hit")
     parser.add_argument("--test-size", type=int, default=0, help="a test set evaluated once at the end")
     parser.add_argument("--hang-at-sample", type=int, help="reading this training sample blocks forever, once")
+    parser.add_argument("--linger-s", type=float, default=0, help="stay this long after training (a signal may come)")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     parser.add_argument("--crash-at-step", type=int, help="rank 1 (or the only one) raises after this step: a bug")
     args = parser.parse_args()
@@ -196,6 +197,7 @@ def main(signals: StopSignals | None = None) -> None:
         f"node {os.environ.get('SLURMD_NODENAME', '-')}",
         flush=True,
     )
+    time.sleep(args.linger_s)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def slurm(tmp_path_factory):
         yield cluster
 
 
-def submit(slurm: LocalSlurm, output_dir: Path, extra: str = "") -> tuple[str, Path]:
+def submit(slurm: LocalSlurm, output_dir: Path, extra: str = "", options=(), cwd: Path = ROOT) -> tuple[str, Path]:
     log = output_dir.parent / f"{output_dir.name}.slurm.log"
     env = {
         "SCRIPT": "tests/probe.py",
@@ -45,7 +45,7 @@ def submit(slurm: LocalSlurm, output_dir: Path, extra: str = "") -> tuple[str, P
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
     }
-    job = slurm.sbatch(ROOT / "slurm" / "train.sbatch", *SBATCH_OPTIONS, f"--output={log}", env=env, cwd=ROOT)
+    job = slurm.sbatch(ROOT / "slurm" / "train.sbatch", *SBATCH_OPTIONS, *options, f"--output={log}", env=env, cwd=cwd)
     return job, log
 
 
@@ -209,8 +209,70 @@ def test_a_hung_rank_is_requeued_by_the_job_script_and_resumes_to_the_same_weigh
     output_dir = tmp_path / "hung"
     job, log = submit(slurm, output_dir, extra="--workers 1 --hang-at-sample 150 --hang-timeout-s 5")
     text = finish(slurm, job, log, requeues=1)
-    assert "made no progress for" in text and "a rank hung; requeueing job" in text, text[-3000:]
+    assert "made no progress for" in text and "a rank hung (hang requeue 1 of 3); requeueing job" in text, text[-3000:]
     assert (output_dir / "hangs" / "requeues").read_text().strip() == "1"
     assert re.search(r"resumed from \S+: step (\d+),", text), text[-3000:]
     reference, final = weights(uninterrupted[0]), weights(output_dir)
     assert all(torch.equal(reference[key], final[key]) for key in reference), "weights differ"
+
+
+def wait_for_log(log: Path, text: str, slurm: LocalSlurm, job: str, timeout: float = 180) -> str:
+    deadline = time.monotonic() + timeout
+    while text not in (log.read_text() if log.is_file() else ""):
+        assert time.monotonic() < deadline, f"{text!r} not in the log: {slurm.job(job)}\n{log.read_text()[-3000:]}"
+        time.sleep(0.1)
+    return log.read_text()
+
+
+@pytest.mark.system
+def test_scancel_ends_the_job_and_keeps_the_checkpoint_without_requeueing(slurm, tmp_path):
+    # the script requeued whenever preempted.json existed: a cancelled job started again ~120 s later
+    output_dir = tmp_path / "cancelled"
+    job, log = submit(slurm, output_dir)
+    wait_for_checkpoint(output_dir, 5)
+    subprocess.run(["scancel", job], env=slurm.env, check=True)
+    text = wait_for_log(log, "not requeueing", slurm, job)
+    state = slurm.wait_state(job, "CANCELLED", "PENDING", "COMPLETED", "FAILED")
+    assert state["JobState"] == "CANCELLED" and state.get("Restarts") == "0", f"{state}\n{text[-3000:]}"
+    assert "requeueing job" not in text and (output_dir / "preempted.json").is_file()
+
+
+@pytest.mark.system
+def test_a_job_that_cannot_be_requeued_fails_with_one_line(slurm, tmp_path):
+    # sbatch --no-requeue: `scontrol requeue` is refused; the job ended COMPLETED at step 102 of 640, no model
+    output_dir = tmp_path / "no_requeue"
+    # submitted from another folder: SCRIPT and CONFIG are still found in the project (they were relative to it)
+    job, log = submit(slurm, output_dir, options=["--no-requeue"], cwd=tmp_path)
+    wait_for_checkpoint(output_dir, 5)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm.env, check=True)
+    state = slurm.wait_state(job, "COMPLETED", "FAILED", "CANCELLED")
+    text = log.read_text()
+    assert state["JobState"] == "FAILED", f"{state}\n{text[-3000:]}"
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "SLURM refuses to requeue" in errors[0] and "--no-requeue" in errors[0], text[-3000:]
+
+
+@pytest.mark.system
+def test_a_time_limit_that_leaves_no_training_time_is_refused_at_start(slurm, tmp_path):
+    # --time=1 with the 180 s signal lead: every run got USR1 within seconds and was requeued, forever
+    output_dir = tmp_path / "short"
+    job, log = submit(slurm, output_dir, options=["--time=1"])
+    state = slurm.wait_state(job, "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+    text = log.read_text()
+    assert state["JobState"] == "FAILED" and state.get("Restarts") == "0", f"{state}\n{text[-3000:]}"
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "raise sbatch --time" in errors[0], text[-3000:]
+    assert not (output_dir / "checkpoints").exists()
+
+
+@pytest.mark.system
+def test_a_signal_after_training_finished_ends_the_job_completed(slurm, tmp_path):
+    # USR1 after both ranks wrote their model and metrics: the launchers' SignalException made the job FAILED
+    output_dir = tmp_path / "late_signal"
+    job, log = submit(slurm, output_dir, "--linger-s 10")
+    wait_for_log(log, "done: ", slurm, job)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm.env, check=True)
+    state = slurm.wait_state(job, "COMPLETED", "FAILED", "CANCELLED")
+    text = log.read_text()
+    assert state["JobState"] == "COMPLETED" and state.get("Restarts") == "0", f"{state}\n{text[-3000:]}"
+    assert "training finished before the stop signal" in text and (output_dir / "model.safetensors").is_file()
