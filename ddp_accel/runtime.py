@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -217,7 +218,8 @@ def check_memory(needed_bytes: float, what: str) -> None:
 
 
 def check_topology(accelerator: Accelerator) -> None:
-    """Refuse to run N silent duplicate trainings when the launcher started N processes."""
+    """Refuse to run N silent duplicate trainings when the launcher started N processes, one process when
+    `accelerate launch` was asked for several, and machines that run different numbers of processes."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and accelerator.num_processes != launched:
         raise UserError(
@@ -225,6 +227,62 @@ def check_topology(accelerator: Accelerator) -> None:
             f"{accelerator.num_processes} ({accelerator.distributed_type}); each would train alone. "
             "Check the accelerate config (distributed_type, num_processes) or set ACCELERATE_USE_CPU=1."
         )
+    if launched == 1 and "WORLD_SIZE" not in os.environ:
+        asked = processes_asked_of_accelerate_launch(parent_command())
+        if asked and asked > 1:
+            raise UserError(
+                f"accelerate launch was asked for {asked} processes (--num_processes), but its config starts one "
+                "(distributed_type NO: accelerate_configs/cpu.yaml, or --cpu without --multi_gpu). For several "
+                "processes on CPUs use --config_file accelerate_configs/multi_gpu.yaml: on a machine without a GPU it "
+                "runs them over gloo"
+            )
+    if accelerator.num_processes > 1 and "LOCAL_WORLD_SIZE" in os.environ:
+        check_processes_per_machine(accelerator)
+
+
+def parent_command() -> list[str]:
+    try:
+        return Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def processes_asked_of_accelerate_launch(command: list[str]) -> int | None:
+    """`--num_processes N` of an `accelerate launch` command line (None for another command)."""
+    if not any(Path(part).name == "accelerate" or part.endswith("accelerate.commands.launch") for part in command):
+        return None
+    for index, part in enumerate(command):
+        for flag in ("--num_processes", "--num-processes"):
+            value = part[len(flag) + 1 :] if part.startswith(flag + "=") else None
+            if part == flag and index + 1 < len(command):
+                value = command[index + 1]
+            if value is not None:
+                try:
+                    return int(value)
+                except ValueError:
+                    return None
+    return None
+
+
+def check_processes_per_machine(accelerator: Accelerator) -> None:
+    """Every machine runs the same number of processes: accelerate launch with another --num_processes on one
+    machine formed a group of 3 from 1 + 2 and trained without a word. Said by every process; under torchrun
+    (which allows it) a warning."""
+    mine = (int(os.environ.get("GROUP_RANK", "0") or 0), int(os.environ["LOCAL_WORLD_SIZE"]))
+    gathered: list[Any] = [None] * accelerator.num_processes
+    dist.all_gather_object(gathered, mine)
+    per_machine = dict(sorted(gathered))
+    if len(set(per_machine.values())) <= 1:
+        return
+    counts = ", ".join(f"machine {rank}: {count}" for rank, count in per_machine.items())
+    message = (
+        f"the machines run different numbers of processes ({counts}; world size {accelerator.num_processes}): give "
+        "every machine the same --num_processes (the total over all machines) and --num_machines"
+    )
+    if any(key.startswith("ACCELERATE_") for key in os.environ):  # accelerate launch: a misconfiguration
+        raise UserError(message, every_process=True)
+    if accelerator.is_main_process:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def topology(accelerator: Accelerator, batch_size: int | None = None, accumulation: int = 1) -> dict[str, Any]:

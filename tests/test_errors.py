@@ -417,3 +417,24 @@ def test_small_inputs_that_used_to_be_misread_or_late(tmp_path):
     # an encoded-data cache that is a file: one line naming it, before any data is read
     result = run_script(*imdb, "--output-dir", tmp_path / "cached", "--cache-dir", write(tmp_path / "cache.txt", "x"))
     assert_clean_error(result, "cache.txt is a file")
+
+
+@multiprocess
+def test_accelerate_launch_asked_for_several_processes_that_starts_one_is_refused(tmp_path):
+    # `accelerate launch --config_file accelerate_configs/cpu.yaml --num_processes 2` runs one process: it said so
+    # only in the banner
+    from ddp_accel.runtime import processes_asked_of_accelerate_launch
+
+    launch = ["/venv/bin/python", "/venv/bin/accelerate", "launch", "--config_file", "cpu.yaml", "--num_processes"]
+    assert processes_asked_of_accelerate_launch([*launch, "2", "x.py"]) == 2
+    assert processes_asked_of_accelerate_launch(["/venv/bin/accelerate", "launch", "--num-processes=3", "x.py"]) == 3
+    assert processes_asked_of_accelerate_launch(["python", "x.py", "--num_processes", "2"]) is None  # not accelerate
+    config = ROOT / "accelerate_configs" / "cpu.yaml"
+    command = [str(BIN / "accelerate"), "launch", "--config_file", str(config), "--num_processes", "2"]
+    command += ["scripts/minimal.py", "--output-dir", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]  # then accelerate's own traceback
+    assert result.returncode != 0 and len(errors) == 1, output[-3000:]
+    assert "was asked for 2 processes" in errors[0] and "accelerate_configs/multi_gpu.yaml" in errors[0], errors
+    assert not (tmp_path / "model.safetensors").exists()

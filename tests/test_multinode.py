@@ -57,3 +57,22 @@ def test_two_machines_on_one_host(tmp_path, rdzv_backend, per_machine):
     assert ranks == list(range(2 * per_machine)), reports  # every global rank once, across both machines
     assert all(int(world) == 2 * per_machine for report in reports for _, _, world in report)
     assert all(len(report) == per_machine for report in reports)
+
+
+@pytest.mark.multiprocess
+def test_machines_that_disagree_on_the_number_of_processes_are_refused_on_every_machine(tmp_path):
+    # `--num_processes 4` on machine 1 only: 1 + 2 processes trained at world size 3 and exited 0
+    port, machines = free_port(), []
+    for machine_rank, processes in ((0, 2), (1, 4)):
+        command = [str(BIN / "accelerate"), "launch", "--config_file", str(MULTI_NODE_YAML), "--machine_rank"]
+        command += [str(machine_rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)]
+        command += ["--num_processes", str(processes), "scripts/minimal.py", "--output-dir", str(tmp_path / "out")]
+        machines.append(start_node(command))
+        if machine_rank == 0:
+            wait_listening(port, machines[0])
+    for machine in machines:
+        out, _ = machine.communicate(timeout=240)
+        assert machine.returncode != 0, out[-3000:]
+        errors = [line for line in out.splitlines() if line.startswith("error: the machines run different numbers")]
+        assert errors and "machine 0: 1, machine 1: 2; world size 3" in errors[0], out[-3000:]
+    assert not (tmp_path / "out" / "model.safetensors").exists()
