@@ -80,6 +80,7 @@ def build_accelerator(
             "needs a GPU; on CPU use bf16 or no"
         )
     check_launch_environment()
+    check_no_inherited_process_group()
     init_elastic_process_group(cpu, timeout_s)
     accelerator = Accelerator(
         cpu=cpu,
@@ -143,8 +144,8 @@ def init_elastic_process_group(cpu: bool, timeout_s: int) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     # unique per rendezvous: a node leaving uses up a restart, a node joining changes the world size (and not the
-    # restart count), so the pair tells the groups of one job apart
-    prefix = f"ddp_accel/restart_{restart}_world_{os.environ['WORLD_SIZE']}"
+    # restart count), so the pair tells the groups of one job apart; and per launch on one machine (below)
+    prefix = f"ddp_accel/restart_{restart}_world_{os.environ['WORLD_SIZE']}{launch_key()}"
     dist.init_process_group(
         "gloo" if cpu else "nccl",
         store=dist.PrefixStore(prefix, store),
@@ -152,6 +153,19 @@ def init_elastic_process_group(cpu: bool, timeout_s: int) -> None:
         world_size=int(os.environ["WORLD_SIZE"]),
         timeout=timeout,
     )
+
+
+def launch_key() -> str:
+    """On one machine, a key of this launch that every worker shares: the agent's own log folder (torch elastic
+    makes one per launch). A notebook's kernel keeps the store of its earlier launches (torch's static rendezvous
+    reuses a store server of the same process), and their keys: without this a launch after a failed or
+    interrupted one read the gloo addresses of the earlier workers (`Gloo connectFullMesh failed ... Connection
+    refused` after 30 s, every later launch). On several machines each has its own folder: no key (each launch
+    there is a new agent process with a new store)."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        return ""
+    return "/" + Path(error_file).parents[2].name  # .../torchelastic_X/RUNID_Y/attempt_N/RANK/error.json -> RUNID_Y
 
 
 def check_launch_environment(env: dict[str, str] | None = None) -> None:
@@ -353,12 +367,32 @@ def shutdown(clean: bool) -> None:
         dist.destroy_process_group()
 
 
+INHERITED_GROUP = (
+    "torch.distributed was initialised in the notebook's kernel before this launch (a cell made an Accelerator or "
+    "called init_process_group), and the launched processes inherited its process group. Restart the kernel, and "
+    "make the Accelerator inside the training function only"
+)
+
+
+def check_no_inherited_process_group() -> None:
+    """A process group that exists before this process made one was forked from a notebook's kernel: using it
+    (or destroying it) aborts the worker (`terminate called ... std::system_error`, exit -6)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    launched = os.environ.get("WORLD_SIZE")
+    if launched is not None and "TORCHELASTIC_RUN_ID" in os.environ and dist.get_world_size() != int(launched):
+        raise UserError(INHERITED_GROUP)
+
+
 def launched(function: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a training function for `notebook_launcher`/`debug_launcher`: it runs, its locals are released,
-    then the distributed shutdown `run_main` does for scripts (no gloo teardown abort in the workers)."""
+    then the distributed shutdown `run_main` does for scripts (no gloo teardown abort in the workers). A process
+    group inherited from the kernel is named as the cause, not left to abort the worker."""
 
     @functools.wraps(function)
     def run(*args: Any, **kwargs: Any) -> Any:
+        if dist.is_available() and dist.is_initialized() and "TORCHELASTIC_RUN_ID" in os.environ:
+            raise UserError(INHERITED_GROUP)  # before any process group work: touching the kernel's aborts
         try:
             result = function(*args, **kwargs)
         except BaseException:

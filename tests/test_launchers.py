@@ -66,3 +66,94 @@ def test_notebook_runs_two_processes_in_a_real_kernel(tmp_path):
     # (accelerate's own line says "Launching training on 2 CUDAs" with a CUDA build of torch even without a
     # GPU; the metrics above are what the processes really ran on)
     assert "Launching training on 2" in text
+
+
+KERNEL_SETUP = """
+import time
+from accelerate import notebook_launcher
+from ddp_accel import RunRecord, Task, TrainConfig, fit, launched, make_accelerator
+
+@launched
+def training_function(output_dir, epochs, resume=None, step_s=0.0):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    config = TrainConfig(output_dir=output_dir, epochs=epochs, batch_size=16, seed=0, resume_from_checkpoint=resume)
+    accelerator = make_accelerator(config)
+    data = TensorDataset(torch.randn(400, 16), torch.randint(0, 3, (400,)))
+    model = torch.nn.Linear(16, 3)
+    def loss_fn(model, batch):
+        time.sleep(step_s)
+        return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+    task = Task(model, torch.optim.SGD(model.parameters(), lr=0.05), DataLoader(data, batch_size=16), loss_fn)
+    fit(accelerator, config, task, RunRecord(title="kernel"))
+"""
+
+
+class Kernel:
+    """A real Jupyter kernel: run a cell, optionally interrupt it (what the notebook's stop button does)."""
+
+    def __init__(self, cwd):
+        from jupyter_client.manager import start_new_kernel
+
+        self.manager, self.client = start_new_kernel(kernel_name="python3", cwd=str(cwd))
+
+    def run(self, code: str, interrupt_after: float | None = None, timeout: float = 120) -> tuple[str, list[str]]:
+        import queue
+        import threading
+
+        msg_id = self.client.execute(code)
+        if interrupt_after is not None:
+            threading.Timer(interrupt_after, self.manager.interrupt_kernel).start()
+        text, errors = [], []
+        while True:
+            try:
+                msg = self.client.get_iopub_msg(timeout=timeout)
+            except queue.Empty:
+                return "".join(text), [*errors, "TIMEOUT"]
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            content = msg["content"]
+            if msg["msg_type"] == "stream":
+                text.append(content["text"])
+            elif msg["msg_type"] == "error":
+                errors.append(f"{content['ename']}: {content['evalue']}")
+            elif msg["msg_type"] == "status" and content["execution_state"] == "idle":
+                return "".join(text), errors
+
+    def close(self) -> None:
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=True)
+
+
+@pytest.mark.multiprocess
+def test_notebook_launches_after_an_interrupted_and_a_failed_one_and_a_kernel_process_group(tmp_path):
+    # the kernel keeps its earlier launches' store: a launch after an interrupted or failed one read their gloo
+    # addresses (`Gloo connectFullMesh failed ... Connection refused` after 30 s, every later launch); a process
+    # group made in the kernel aborted the workers (`terminate called ... std::system_error`, SIGABRT)
+    pytest.importorskip("jupyter_client")
+    kernel = Kernel(ROOT)
+    try:
+        _, errors = kernel.run(KERNEL_SETUP)
+        assert not errors, errors
+
+        def launch(name, *args, interrupt_after=None):
+            return kernel.run(
+                f"notebook_launcher(training_function, args=({str(tmp_path / name)!r}, {', '.join(map(repr, args))}),"
+                " num_processes=2)",
+                interrupt_after=interrupt_after,
+            )
+
+        _, errors = launch("interrupted", 50, None, 0.05, interrupt_after=1.0)  # stopped while it starts
+        assert errors and "TIMEOUT" not in errors, errors
+        _, errors = launch("failed", 1, "/nonexistent")  # a user error in every worker
+        assert errors and "TIMEOUT" not in errors, errors
+        for run in range(3):
+            text, errors = launch(f"run{run}", 1)
+            assert not errors and "done: 13 steps" in text, (errors, text[-2000:])
+        init = "import torch.distributed as dist; dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{}', "
+        assert not kernel.run(init.format(free_port()) + "rank=0, world_size=1)")[1]
+        text, errors = launch("inherited", 1)
+        assert errors and "terminate called" not in text, (errors, text[-2000:])
+        assert "torch.distributed was initialised in the notebook's kernel" in text, text[-3000:]
+    finally:
+        kernel.close()
