@@ -179,6 +179,6 @@ class BestModel(Callback):
             return
         with run.slow_on_main("saving the best model"):
             state.best_metric, state.best_step = value, state.step
-            weights = run.accelerator.get_state_dict(run.model)  # every rank: gathered under FSDP
+            weights = run.accelerator.get_state_dict(run.exported_model())  # every rank: gathered under FSDP
             if run.accelerator.is_main_process:
                 run.folder.stage_best(weights)

@@ -48,6 +48,18 @@ class TrainConfig:
     mixed_precision: str | None = option(
         None, "default: what the accelerate config says", choices=["no", "fp16", "bf16"]
     )
+    compile: str | None = option(
+        None,
+        "torch.compile the model in place (nn.Module.compile: the weights keep their names); MODE: default, "
+        "reduce-overhead, max-autotune, max-autotune-no-cudagraphs",
+        nargs="?",
+        const="default",
+        choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+        metavar="MODE",
+    )
+    compile_backend: str = option(
+        "inductor", "torch.compile's backend (eager, aot_eager: no C++ compiler needed; for checks)"
+    )
     timeout_s: int = option(
         600, "collective timeout: a dead or hung rank ends the job after this long", type=timeout_seconds
     )

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from ddp_accel import loaders
 from ddp_accel.callbacks import BestModel, Callback, Callbacks, ProgressBar, Trackers
@@ -89,6 +90,9 @@ class TrainingRun:
             epoch_samples=epoch_samples(task.train_loader),
         )
         seed_loader_generators(config.seed, task.train_loader, task.eval_loader, task.test_loader)
+        if config.compile:  # in place: the module, its class and its state dict's names stay what they were
+            mode = None if config.compile == "default" or config.compile_backend != "inductor" else config.compile
+            task.model.compile(mode=mode, backend=config.compile_backend)
         self.model: torch.nn.Module
         self.optimizer: torch.optim.Optimizer
         self.model, self.optimizer, self.train_loader = accelerator.prepare(
@@ -364,6 +368,14 @@ class TrainingRun:
                 every_process=True,
             ) from error
 
+    def exported_model(self) -> torch.nn.Module:
+        """The model whose weights users read: without DDP's `module.` and without `_orig_mod.` where the accelerate
+        config's dynamo_config wrapped it in torch.compile (--compile compiles in place: no wrapper); under
+        FSDP/DeepSpeed the prepared model, from which the full weights are gathered."""
+        if self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+            return self.model
+        return self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+
     # --- the end: every final artifact committed at once ---
     def final_metrics(self) -> dict[str, Any]:
         """metrics.json: the last evaluation and test, the loss, the throughput, the topology, the best metric."""
@@ -401,7 +413,7 @@ class TrainingRun:
         accelerator.wait_for_everyone()
         final = folder.staging / "model"
         with writing(final, cleanup=final):
-            accelerator.save_model(self.model, str(final))  # every rank: under FSDP the full weights are gathered
+            accelerator.save_model(self.exported_model(), str(final))  # every rank: FSDP gathers the full weights
             accelerator.wait_for_everyone()  # every rank is done with the folder before it goes
             if accelerator.is_main_process:
                 if self.history.records:

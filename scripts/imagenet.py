@@ -113,7 +113,6 @@ def parse_args(argv=None):
         "--label-smoothing", type=cli.probability, default=0.0, help="share of the target spread over all classes"
     )
     parser.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster convs on GPUs)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--image-size", type=cli.positive_int, default=224, help="training and validation crop size")
     parser.add_argument(
         "--augment",
@@ -273,8 +272,6 @@ def main(signals: StopSignals) -> None:
         return evaluate_saved(args, accelerator, model, val_set, eval_fn, metrics_fn)
     if args.resume and args.resume.endswith(".safetensors"):  # fine-tune from these weights
         load_weights_file(model, Path(args.resume))
-    if args.compile:
-        model = torch.compile(model)
     optimizer = torch.optim.SGD(
         model.parameters(), lr=config.lr, momentum=args.momentum, weight_decay=args.weight_decay
     )

@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -361,3 +362,22 @@ def test_an_output_dir_inside_the_data_and_a_copy_of_the_data_resume(tmp_path):
         run_script("scripts/imagenet.py", copy, *SMALL, "--epochs", "2", "--output-dir", inside, "--resume", "latest")
     )
     assert "resumed from" in output and metrics_of(inside)["steps"] == 12, output[-2000:]
+
+
+NO_CXX = "inductor needs a C++ compiler (apt-get install g++); the eager backend is tested in test_training.py"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason=NO_CXX)
+@pytest.mark.system
+def test_compiled_with_inductor_the_weights_load_into_the_bare_model_and_evaluate(tmp_path):
+    # torch.compile's wrapper wrote 128 keys starting with `_orig_mod.`; `-e --resume` refused them
+    out = tmp_path / "compiled"
+    dummy = ["--dummy", "--dummy-classes", "10", *SMALL]
+    check_ok(run_script("scripts/imagenet.py", *dummy, "--compile", "--max-steps", "2", "--output-dir", out))
+    from ddp_accel.vision import build_model
+
+    weights = load_file(str(out / "model.safetensors"))
+    build_model("cifar_resnet20", 10).load_state_dict(weights)  # the bare nn.Module, strict
+    for name in ("model.safetensors", "model_best.safetensors"):
+        check_ok(run_script("scripts/imagenet.py", *dummy, "-e", "--resume", out / name, "--output-dir", out))
+    assert json.loads((out / "evaluate.json").read_text())["eval_samples"] > 0

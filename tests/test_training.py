@@ -375,3 +375,23 @@ def test_a_two_process_run_resumed_past_the_middle_on_one_process_completes_with
     assert sorted(set(logged_steps)) == [*range(1, 11), *range(21, 33)], logged_steps
     history = json.loads((out / "history.json").read_text())
     assert [record["samples"] for record in history] == [64, 80, 128] and history[-1]["epoch"] == 2.0, history
+
+
+@inprocess
+def test_compile_keeps_the_weights_names_and_resumes_with_or_without_compile(tmp_path):
+    # torch.compile's wrapper prefixed every exported key with `_orig_mod.` (a file -e refused as another model's);
+    # --compile compiles in place. The eager backend: the same path without a C++ compiler, and the same numbers
+    from safetensors.torch import load_file
+
+    common = ["--batch-size", 4, "--epochs", 2, "--checkpointing-steps", 8, "--dropout", "0"]
+    eager = ["--compile", "--compile-backend", "eager"]
+    probe(tmp_path / "plain", *common, nproc=1)
+    probe(tmp_path / "compiled", *common, *eager, nproc=1)
+    assert not [key for key in load_file(str(tmp_path / "compiled" / "model.safetensors")) if "_orig_mod" in key]
+    assert_same_weights(tmp_path / "plain", tmp_path / "compiled", atol=None)
+    for name, resumed_with in (("to_plain", []), ("to_compiled", eager)):  # a compiled run's checkpoint, and back
+        source = "compiled" if name == "to_plain" else "plain"
+        shutil.copytree(tmp_path / source / "checkpoints" / "step_8", tmp_path / name / "checkpoints" / "step_8")
+        output = probe(tmp_path / name, *common, *resumed_with, "--resume-from-checkpoint", "latest", nproc=1)
+        assert "resumed from" in output, output[-2000:]
+        assert_same_weights(tmp_path / "plain", tmp_path / name, atol=None)
