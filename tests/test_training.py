@@ -2,10 +2,21 @@
 
 import json
 import shutil
+import subprocess
 
 import pytest
 import torch
-from helpers import assert_clean_error, assert_same_weights, check_ok, launch, metrics_of, run_script, weights
+from helpers import (
+    BIN,
+    ROOT,
+    assert_clean_error,
+    assert_same_weights,
+    check_ok,
+    launch,
+    metrics_of,
+    run_script,
+    weights,
+)
 from probe import ComplexLinear
 
 PROBE = "tests/probe.py"
@@ -395,3 +406,19 @@ def test_compile_keeps_the_weights_names_and_resumes_with_or_without_compile(tmp
         output = probe(tmp_path / name, *common, *resumed_with, "--resume-from-checkpoint", "latest", nproc=1)
         assert "resumed from" in output, output[-2000:]
         assert_same_weights(tmp_path / "plain", tmp_path / name, atol=None)
+
+
+@multiprocess
+def test_the_accelerate_configs_dynamo_path_exports_the_bare_models_weights(tmp_path):
+    # `accelerate launch --dynamo_backend` (the YAML dynamo_config) wraps the model in torch.compile: model.safetensors
+    # had `_orig_mod.` names. Its checkpoint resumes without dynamo
+    from safetensors.torch import load_file
+
+    config = ROOT / "accelerate_configs" / "cpu.yaml"
+    command = [str(BIN / "accelerate"), "launch", "--config_file", str(config), "--dynamo_backend", "eager", PROBE]
+    command += ["--output-dir", str(tmp_path), "--epochs", "2", "--max-steps", "2", "--checkpointing-steps", "2"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    check_ok(result)
+    assert sorted(load_file(str(tmp_path / "model.safetensors"))) == ["0.bias", "0.weight", "3.bias", "3.weight"]
+    output = probe(tmp_path, "--epochs", 2, "--max-steps", 4, "--resume-from-checkpoint", "latest", nproc=1)
+    assert "resumed from" in output and metrics_of(tmp_path)["steps"] == 4, output[-2000:]
