@@ -46,7 +46,9 @@ class TrainConfig:
         choices=["tensorboard", "mlflow", "wandb", "all", "none"],
     )
     mixed_precision: str | None = option(
-        None, "default: what the accelerate config says", choices=["no", "fp16", "bf16"]
+        None,
+        "default: what the accelerate config says; auto: bf16 where the device computes it natively, else no",
+        choices=["no", "fp16", "bf16", "auto"],
     )
     compile: str | None = option(
         None,

@@ -82,6 +82,7 @@ def build_accelerator(
     check_launch_environment()
     check_no_inherited_process_group()
     init_elastic_process_group(cpu, timeout_s)
+    mixed_precision, _ = resolve_mixed_precision(mixed_precision, cpu)
     accelerator = Accelerator(
         cpu=cpu,
         mixed_precision=mixed_precision,
@@ -326,11 +327,30 @@ def cpu_has_fast_bf16() -> bool:
         return False
 
 
+def resolve_mixed_precision(value: str | None, cpu: bool) -> tuple[str | None, str]:
+    """`auto`: bf16 where it is fast (a GPU that supports it, a CPU with AVX512-BF16 or AMX), else no (fp32): on an
+    AVX2-only CPU bf16 is emulated, 8-13x slower than fp32. Returns the precision and why (for the banner)."""
+    if value != "auto":
+        return value, ""
+    if cpu:
+        if cpu_has_fast_bf16():
+            return "bf16", "auto: this CPU computes bf16 natively (AVX512-BF16/AMX)"
+        return "no", "auto: bf16 would be emulated on this CPU (no AVX512-BF16/AMX), slower than fp32"
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16", "auto: this GPU supports bf16"
+    return "no", "auto: this device has no fast bf16"
+
+
 def print_banner(accelerator: Accelerator, title: str, **extra: Any) -> None:
     """One block at start, main process only, so a misconfigured topology is seen at once."""
     info = topology(accelerator, extra.pop("batch_size", None), extra.pop("accumulation", 1))
-    if info["device"] == "cpu" and info["mixed_precision"] == "bf16" and not cpu_has_fast_bf16():
-        info["mixed_precision"] = "bf16 (emulated on this CPU, slower than fp32: drop --mixed-precision bf16)"
+    asked = extra.pop("mixed_precision_asked", None)
+    if asked == "auto":
+        info["mixed_precision"] = (
+            f"{info['mixed_precision']} ({resolve_mixed_precision('auto', info['device'] == 'cpu')[1]})"
+        )
+    elif info["device"] == "cpu" and info["mixed_precision"] == "bf16" and not cpu_has_fast_bf16():
+        info["mixed_precision"] = "bf16 (emulated on this CPU, slower than fp32: use --mixed-precision auto or no)"
     info.update(extra)
     if accelerator.is_main_process:
         width = max(len(key) for key in info)

@@ -140,6 +140,7 @@ class TrainingRun:
             accumulation=self.accumulation,
             steps_per_epoch=self.steps_per_epoch,
             total_steps=self.total_steps,
+            mixed_precision_asked=self.config.mixed_precision,
             **self.epoch_padding(),
             **self.record.banner,
         )

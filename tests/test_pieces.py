@@ -407,3 +407,16 @@ def test_the_padding_of_an_epochs_last_round_is_counted():
 
     assert padded_samples(18, 16, 2) == 14 and padded_samples(18, 16, 1) == 0
     assert padded_samples(40, 8, 2) == 0 and padded_samples(0, 8, 2) == 0  # a dataset without a length: unknown
+
+
+def test_mixed_precision_auto_takes_bf16_only_where_it_is_fast(monkeypatch):
+    # the documented CIFAR command asked for bf16: on an AVX2-only CPU that is emulated (16 samples/s instead of
+    # ~210 in fp32); auto picks what this device computes natively
+    from ddp_accel import runtime
+
+    monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: False)
+    assert runtime.resolve_mixed_precision("auto", cpu=True)[0] == "no"
+    monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: True)
+    assert runtime.resolve_mixed_precision("auto", cpu=True)[0] == "bf16"
+    assert runtime.resolve_mixed_precision("bf16", cpu=True) == ("bf16", "")  # asked for: kept (the banner warns)
+    assert runtime.resolve_mixed_precision(None, cpu=True) == (None, "")  # the accelerate config decides
