@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from ddp_accel.errors import UserError
 from ddp_accel.meters import numbers, scalars
 from ddp_accel.tracking import TrackerLog
 
@@ -165,20 +166,28 @@ class Trackers(Callback):
 
 
 class BestModel(Callback):
-    """model_best.safetensors: the weights of the best evaluation so far by the task's `best_metric` (higher is
-    better), staged until the commit. The best value and its step are in TrainState: they resume with it."""
+    """model_best.safetensors: the weights of the best evaluation so far by `metric` (higher is better, lower for a
+    `*loss`), staged until the commit; an `ema_*` metric stages the averaged weights (--ema-decay). The best value
+    and its step are in TrainState: they resume with it."""
 
     def __init__(self, metric: str | None):
         self.metric = metric
 
     def on_evaluate(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
-        state, value = run.state, metrics.get(self.metric) if self.metric else None
+        if not self.metric:
+            return
+        if self.metric not in metrics:
+            names = ", ".join(key for key, value in numbers(metrics).items() if not key.endswith("_samples"))
+            raise UserError(f"--best-metric {self.metric} is not a metric of this run's evaluation: {names}")
+        state, value = run.state, metrics[self.metric]
         if not isinstance(value, int | float) or not math.isfinite(value):  # a nan evaluation is never the best
             return
-        if state.best_metric is not None and value <= state.best_metric:
+        lower = self.metric.endswith("loss")
+        if state.best_metric is not None and (value >= state.best_metric if lower else value <= state.best_metric):
             return
         with run.slow_on_main("saving the best model"):
             state.best_metric, state.best_step = value, state.step
-            weights = run.accelerator.get_state_dict(run.exported_model())  # every rank: gathered under FSDP
-            if run.accelerator.is_main_process:
+            ema = self.metric.startswith("ema_") and run.ema is not None
+            weights = run.ema.weights() if ema and run.ema else run.accelerator.get_state_dict(run.exported_model())
+            if run.accelerator.is_main_process:  # every rank above: the full weights are gathered under FSDP
                 run.folder.stage_best(weights)

@@ -206,6 +206,11 @@ def load_checkpoint(
     try:
         accelerator.load_state(str(path))
     except (RuntimeError, FileNotFoundError, KeyError) as error:
+        if "Number of custom checkpoints" in str(error):  # the stateful callbacks differ: the EMA on one side only
+            raise UserError(
+                f"checkpoint {path} was written with other stateful callbacks than this run has (--ema-decay given "
+                "on one side only?): resume with the same options, or start a new run from its model.safetensors"
+            ) from None
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserError(f"cannot load checkpoint {path}: {first_line}") from None
     if state is not None:

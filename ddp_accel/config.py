@@ -8,7 +8,15 @@ import argparse
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ddp_accel.cli import checkpointing_steps, nonnegative, positive, positive_int, seed_value, timeout_seconds
+from ddp_accel.cli import (
+    checkpointing_steps,
+    nonnegative,
+    number,
+    positive,
+    positive_int,
+    seed_value,
+    timeout_seconds,
+)
 
 
 def option(default: Any, help: str | None = None, **argparse_options: Any) -> Any:
@@ -49,6 +57,20 @@ class TrainConfig:
         None,
         "default: what the accelerate config says; auto: bf16 where the device computes it natively, else no",
         choices=["no", "fp16", "bf16", "auto"],
+    )
+    ema_decay: float | None = option(
+        None,
+        "keep an exponential moving average of the weights (e.g. 0.999): evaluated beside them (ema_* metrics), "
+        "saved in checkpoints, committed as model_ema.safetensors",
+        type=number(float, low=0, high=1, low_open=True, high_open=True),
+        metavar="DECAY",
+    )
+    ema_warmup: bool = option(False, "EMA decay min(DECAY, (1 + t) / (10 + t)) at update t: early weights fade fast")
+    best_metric: str | None = option(
+        None,
+        "the metric model_best.safetensors is chosen by (e.g. ema_top1, eval_loss: lower is better for a *loss); "
+        "default: the script's",
+        metavar="NAME",
     )
     compile: str | None = option(
         None,

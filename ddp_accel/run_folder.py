@@ -135,9 +135,14 @@ class RunFolder:
 
     def stage_best(self, weights: dict[str, torch.Tensor]) -> None:
         """model_best.safetensors, staged until the commit (written aside, renamed)."""
+        self.stage_weights("model_best.safetensors", weights)
+
+    def stage_weights(self, name: str, weights: dict[str, torch.Tensor]) -> None:
+        """A weights file staged until the commit (written aside, renamed)."""
         self.staging.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(self.staging / "model_best.partial"))
-        os.replace(self.staging / "model_best.partial", self.staging / "model_best.safetensors")
+        partial = self.staging / (name + ".partial")
+        save_file({key: value.detach().contiguous().cpu() for key, value in weights.items()}, str(partial))
+        os.replace(partial, self.staging / name)
 
     # --- the end ---
     def commit(self, final_model: Path, files: dict[str, Path], metrics: dict[str, Any]) -> None:

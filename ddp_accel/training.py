@@ -18,6 +18,7 @@ from ddp_accel import loaders
 from ddp_accel.callbacks import BestModel, Callback, Callbacks, ProgressBar, Trackers
 from ddp_accel.checkpoint import Checkpoints, model_fingerprint, optimizer_fingerprint
 from ddp_accel.config import TrainConfig, every
+from ddp_accel.ema import WeightAverage
 from ddp_accel.errors import UserError
 from ddp_accel.evaluation import evaluate
 from ddp_accel.files import write_json, writing
@@ -108,7 +109,13 @@ class TrainingRun:
             if task.make_scheduler
             else None
         )
-        self.callbacks = Callbacks([ProgressBar(), Trackers(), BestModel(task.best_metric), *callbacks])
+        self.best_metric = config.best_metric or task.best_metric  # --best-metric, else the script's
+        self.ema = WeightAverage(config.ema_decay, config.ema_warmup) if config.ema_decay else None
+        if self.ema is not None and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+            raise UserError("--ema-decay averages whole weights on every rank: not with FSDP or DeepSpeed shards")
+        self.callbacks = Callbacks(
+            [ProgressBar(), Trackers(), *([self.ema] if self.ema else []), BestModel(self.best_metric), *callbacks]
+        )
         self.agreement = StepAgreement(accelerator)
         self.step = TrainStep(
             accelerator, self.model, self.optimizer, task.loss_fn, config.max_grad_norm, self.agreement
@@ -287,6 +294,8 @@ class TrainingRun:
         state.eval_pending = True
         self.signals.enter(Phase.EVAL if phase is Phase.TRAIN else phase)
         metrics = self.run_evaluation(self.eval_loader, "eval")
+        if self.ema is not None:  # the averaged weights on the same data, beside the raw ones
+            metrics.update(self.ema.evaluate(self))
         self.signals.enter(phase)
         state.eval_pending, state.last_eval_step, state.eval_metrics = False, state.step, metrics
         self.accelerator.print(f"step {state.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in numbers(metrics).items()))
@@ -334,7 +343,7 @@ class TrainingRun:
         if verdict.nonfinite:
             best = self.folder.staging / "model_best.safetensors"
             kept = (
-                f" The best model so far ({self.task.best_metric} {state.best_metric:.4g} at step {state.best_step}) "
+                f" The best model so far ({self.best_metric} {state.best_metric:.4g} at step {state.best_step}) "
                 f"is {best}."
                 if state.best_metric is not None and best.is_file()
                 else ""
@@ -380,7 +389,7 @@ class TrainingRun:
     # --- the end: every final artifact committed at once ---
     def final_metrics(self) -> dict[str, Any]:
         """metrics.json: the last evaluation and test, the loss, the throughput, the topology, the best metric."""
-        state, best = self.state, self.task.best_metric
+        state, best = self.state, self.best_metric
         return {
             **state.eval_metrics,
             **self.test_metrics,
@@ -417,6 +426,8 @@ class TrainingRun:
             accelerator.save_model(self.exported_model(), str(final))  # every rank: FSDP gathers the full weights
             accelerator.wait_for_everyone()  # every rank is done with the folder before it goes
             if accelerator.is_main_process:
+                if self.ema is not None:
+                    folder.stage_weights("model_ema.safetensors", self.ema.weights())
                 if self.history.records:
                     plot_history(self.history.records, folder.staging / "training_curves.png", self.record.title)
                 write_json(folder.staging / "args.json", self.config.hyperparameters())
@@ -499,7 +510,7 @@ def summary_line(metrics: dict[str, Any], output_dir: Path) -> str:
     scores = ", ".join(
         f"{key} {value:.4g}"
         for key, value in numbers(metrics).items()
-        if key.startswith(("eval_", "test_")) and not key.endswith("_samples")
+        if key.startswith(("eval_", "test_", "ema_")) and not key.endswith("_samples")
     )
     return (
         f"done: {metrics['steps']} steps in {metrics['wall_time_s']:.0f} s on {metrics['world_size']} process(es)"

@@ -309,7 +309,8 @@ def main(signals: StopSignals) -> None:
     }
     record = RunRecord(title="imagenet", banner=banner, identity=identity_of(args, accelerator))
     metrics = fit(accelerator, config, task, record, signals=signals)
-    accelerator.print(f"best top1 {metrics['best_top1']:.4f}; model_best.safetensors in {config.output_dir}")
+    best = (config.best_metric or "eval_top1").removeprefix("eval_")
+    accelerator.print(f"best {best} {metrics['best_' + best]:.4f}; model_best.safetensors in {config.output_dir}")
 
 
 if __name__ == "__main__":

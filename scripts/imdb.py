@@ -139,6 +139,12 @@ def parse_args(argv=None):
         metavar="FILE",
         help="classify each non-empty line of these UTF-8 files with the model in --output-dir",
     )
+    parser.add_argument(
+        "--predict-weights",
+        choices=["model", "best", "ema"],
+        default="model",
+        help="which weights of --output-dir classify: model.safetensors, model_best or model_ema (--ema-decay)",
+    )
     parser.set_defaults(output_dir="outputs/imdb", epochs=3, batch_size=64, lr=5e-3, log_steps=20)
     args = parser.parse_args(argv)
     if args.recipe:
@@ -320,11 +326,12 @@ def predict(args) -> None:
         raise UserError(f"--predict-file {' '.join(args.predict_file)}: no text to classify (empty lines are skipped)")
     vocab = Vocab.load(output_dir / "vocab.json")
     model = model_config(argparse.Namespace(**trained)).build(len(vocab), vocab.pad_id)
+    weights = weights_file(args)
     try:
-        model.load_state_dict(load_file(str(output_dir / "model.safetensors")))
+        model.load_state_dict(load_file(str(output_dir / weights)))
     except RuntimeError as error:
         raise UserError(
-            f"{output_dir}: model.safetensors does not fit vocab.json ({len(vocab)} words; "
+            f"{output_dir}: {weights} does not fit vocab.json ({len(vocab)} words; "
             f"{str(error).splitlines()[-1].strip()}): the two files come from different runs"
         ) from None
     model.eval()
@@ -346,9 +353,13 @@ def predict(args) -> None:
             print(f"{label}\t{max(probability, 1 - probability):.3f}\t{text[:80]}")
 
 
+def weights_file(args) -> str:
+    return "model.safetensors" if args.predict_weights == "model" else f"model_{args.predict_weights}.safetensors"
+
+
 def trained_options(args, output_dir: Path) -> dict:
     """args.json of a trained output dir; options given now must be the ones the model was trained with."""
-    needed = [output_dir / name for name in ("vocab.json", "args.json", "model.safetensors")]
+    needed = [output_dir / name for name in ("vocab.json", "args.json", weights_file(args))]
     missing = [path.name for path in needed if not path.is_file()]
     if missing:
         raise UserError(

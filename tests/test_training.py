@@ -422,3 +422,39 @@ def test_the_accelerate_configs_dynamo_path_exports_the_bare_models_weights(tmp_
     assert sorted(load_file(str(tmp_path / "model.safetensors"))) == ["0.bias", "0.weight", "3.bias", "3.weight"]
     output = probe(tmp_path, "--epochs", 2, "--max-steps", 4, "--resume-from-checkpoint", "latest", nproc=1)
     assert "resumed from" in output and metrics_of(tmp_path)["steps"] == 4, output[-2000:]
+
+
+@inprocess
+def test_the_weight_average_resumes_bitwise_and_chooses_the_best_model(tmp_path):
+    # EMA is where resume breaks elsewhere (lost, or restarted from the raw weights): here it is in every checkpoint
+    from safetensors.torch import load_file
+
+    common = ["--batch-size", 4, "--epochs", 2, "--checkpointing-steps", 5, "--dropout", "0.3"]
+    common += ["--ema-decay", "0.9", "--ema-warmup", "--best-metric", "ema_loss"]
+    probe(tmp_path / "full", *common, nproc=1)
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_5", tmp_path / "cut" / "checkpoints" / "step_5")
+    output = probe(tmp_path / "cut", *common, "--resume-from-checkpoint", "latest", nproc=1)
+    assert "resumed from" in output, output[-2000:]
+    for name in ("model.safetensors", "model_ema.safetensors", "model_best.safetensors"):
+        full, cut = (load_file(str(tmp_path / run / name)) for run in ("full", "cut"))
+        assert all(torch.equal(full[key], cut[key]) for key in full), name
+    full = load_file(str(tmp_path / "full" / "model_ema.safetensors"))
+    raw = load_file(str(tmp_path / "full" / "model.safetensors"))
+    assert not all(torch.equal(full[key], raw[key]) for key in raw)  # an average, not the last weights
+    metrics = metrics_of(tmp_path / "full")
+    assert metrics["best_ema_loss"] == min(record["ema_loss"] for record in json.loads(
+        (tmp_path / "full" / "history.json").read_text()))  # fmt: skip
+    result = run_script(PROBE, "--output-dir", tmp_path / "bad", "--best-metric", "ema_top1", "--max-steps", 2)
+    assert_clean_error(result, "--best-metric ema_top1 is not a metric of this run's evaluation: eval_loss")
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_5", tmp_path / "plain" / "checkpoints" / "step_5")
+    without = [
+        "--batch-size",
+        4,
+        "--epochs",
+        2,
+        "--resume-from-checkpoint",
+        "latest",
+        "--output-dir",
+        tmp_path / "plain",
+    ]
+    assert_clean_error(run_script(PROBE, *without), "other stateful callbacks", "--ema-decay given on one side only")
