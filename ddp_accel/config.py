@@ -72,6 +72,15 @@ class TrainConfig:
         "default: the script's",
         metavar="NAME",
     )
+    early_stopping_patience: int | None = option(
+        None,
+        "end training after this many evaluations in a row without an improvement of --best-metric",
+        type=positive_int,
+        metavar="N",
+    )
+    early_stopping_min_delta: float = option(
+        0.0, "the least change of --best-metric that counts as an improvement", type=nonnegative, metavar="D"
+    )
     compile: str | None = option(
         None,
         "torch.compile the model in place (nn.Module.compile: the weights keep their names); MODE: default, "

@@ -91,6 +91,8 @@ class RunFolder:
             return None
         if committed.get("identity") and identity:
             compare_identity(committed["identity"], identity, f"the run in {self.path}")
+        if str(committed.get("end_reason", "")).startswith("early stopping"):
+            return committed  # it ended where its metric stopped improving: as far as it goes
         progress = committed.get("progress")
         if isinstance(progress, dict):
             reached = (progress.get("epoch", -1), progress.get("samples_in_epoch", -1))

@@ -110,6 +110,11 @@ class TrainingRun:
             else None
         )
         self.best_metric = config.best_metric or task.best_metric  # --best-metric, else the script's
+        if config.early_stopping_patience and (task.eval_loader is None or not self.best_metric):
+            raise UserError(
+                "--early-stopping-patience needs an evaluation to watch: an eval loader and a metric (--best-metric, "
+                "e.g. eval_loss)"
+            )
         self.ema = WeightAverage(config.ema_decay, config.ema_warmup) if config.ema_decay else None
         if self.ema is not None and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
             raise UserError("--ema-decay averages whole weights on every rank: not with FSDP or DeepSpeed shards")
@@ -303,6 +308,33 @@ class TrainingRun:
         epoch = samples / state.epoch_samples if state.epoch_samples else state.step / self.steps_per_epoch
         self.history.record(self.accelerator, state.step, samples, epoch, state.last_loss, metrics)
         self.callbacks.on_evaluate(self, metrics)
+        if self.config.early_stopping_patience:
+            self.count_towards_early_stopping(metrics)
+
+    def count_towards_early_stopping(self, metrics: dict[str, Any]) -> None:
+        """An evaluation that does not improve --best-metric by more than --early-stopping-min-delta counts; after
+        --early-stopping-patience of them in a row training ends. Every rank has the same metrics (gathered), so
+        every rank decides the same at the same step; the count is in the training state (checkpoints)."""
+        state, name, delta = self.state, self.best_metric, self.config.early_stopping_min_delta
+        value = metrics.get(name) if name else None
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            improved = False
+        elif state.early_stopping_best is None:
+            improved = True
+        else:
+            lower_is_better = bool(name and name.endswith("loss"))
+            change = state.early_stopping_best - value if lower_is_better else value - state.early_stopping_best
+            improved = change > delta
+        if improved and isinstance(value, int | float):
+            state.early_stopping_best, state.evaluations_without_improvement = float(value), 0
+            return
+        state.evaluations_without_improvement += 1
+        if state.evaluations_without_improvement >= (self.config.early_stopping_patience or 0):
+            state.stopped_early = True
+            self.accelerator.print(
+                f"early stopping at step {state.step}: {name} has not improved by more than {delta:g} for "
+                f"{state.evaluations_without_improvement} evaluations (best {state.early_stopping_best})"
+            )
 
     def final_evaluations(self) -> None:
         """The last evaluation (unless the last step was just evaluated) and the test set, before the commit."""
@@ -402,6 +434,12 @@ class TrainingRun:
                 "samples": state.samples_trained,
             },
             "skipped_optimizer_steps": self.agreement.skipped_steps,
+            "end_reason": (
+                f"early stopping: {self.best_metric} did not improve for {state.evaluations_without_improvement} "
+                "evaluations"
+                if state.stopped_early
+                else "completed"
+            ),
             **self.step.meter.summary(),
             "wall_time_s": time.perf_counter() - self.wall_start,
             **topology(self.accelerator, self.config.batch_size, self.accumulation),
@@ -470,11 +508,12 @@ def fit(
                 run.evaluate_now()
                 run.watchdog.rearm()
             for epoch in range(state.epoch, config.epochs):
-                if state.step >= run.total_steps:
+                if state.step >= run.total_steps or state.stopped_early:
                     break
                 with run.epoch_batches(epoch) as batches:
                     for batch in batches:
-                        if state.step >= run.total_steps:  # --max-steps reached mid-epoch: no end-of-epoch work
+                        # --max-steps reached, or early stopping, mid-epoch: no end-of-epoch work
+                        if state.step >= run.total_steps or state.stopped_early:
                             break
                         if run.train_step(batch):
                             run.after_optimizer_step()

@@ -458,3 +458,23 @@ def test_the_weight_average_resumes_bitwise_and_chooses_the_best_model(tmp_path)
         tmp_path / "plain",
     ]
     assert_clean_error(run_script(PROBE, *without), "other stateful callbacks", "--ema-decay given on one side only")
+
+
+@inprocess
+def test_early_stopping_ends_at_the_same_step_after_a_resume_and_a_rerun_is_complete(tmp_path):
+    # the probe's accuracy stops improving at once: patience 2 with an evaluation every 4 steps ends at step 12 of 160
+    common = ["--batch-size", 4, "--epochs", 10, "--eval-steps", 4, "--checkpointing-steps", 4, "--dropout", "0.3"]
+    common += ["--early-stopping-patience", 2, "--best-metric", "eval_accuracy"]
+    output = probe(tmp_path / "full", *common, nproc=1)
+    assert "early stopping at step 12: eval_accuracy has not improved" in output, output[-2000:]
+    metrics = metrics_of(tmp_path / "full")
+    assert metrics["steps"] == 12 and metrics["end_reason"].startswith("early stopping: eval_accuracy"), metrics
+    rerun = probe(tmp_path / "full", *common, "--resume-from-checkpoint", "latest", nproc=1)
+    assert "is complete (12 steps); nothing to do" in rerun, rerun[-2000:]
+    # stopped after step 8 (one evaluation without improvement counted): the resume counts on and ends at 12
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_8", tmp_path / "cut" / "checkpoints" / "step_8")
+    output = probe(tmp_path / "cut", *common, "--resume-from-checkpoint", "latest", nproc=1)
+    assert "early stopping at step 12" in output and metrics_of(tmp_path / "cut")["steps"] == 12, output[-2000:]
+    assert_same_weights(tmp_path / "full", tmp_path / "cut", atol=None)
+    result = run_script(PROBE, "--output-dir", tmp_path / "bad", "--early-stopping-patience", 2)
+    assert_clean_error(result, "--early-stopping-patience needs an evaluation to watch", "--best-metric")
