@@ -71,6 +71,17 @@ class ArgumentParser(argparse.ArgumentParser):
         return dashed + sep + value if dashed in known and name not in known else arg
 
 
+def step_range(text: str) -> tuple[int, int]:
+    """START:END with 0 <= START < END (--profile-steps)."""
+    try:
+        start, end = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:END (e.g. 10:15), got {text!r}") from None
+    if not 0 <= start < end:
+        raise argparse.ArgumentTypeError(f"needs 0 <= START < END, got {text}")
+    return start, end
+
+
 def checkpointing_steps(value: str) -> int | str:
     if value == "epoch":
         return value

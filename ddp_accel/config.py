@@ -15,6 +15,7 @@ from ddp_accel.cli import (
     positive,
     positive_int,
     seed_value,
+    step_range,
     timeout_seconds,
 )
 
@@ -80,6 +81,13 @@ class TrainConfig:
     )
     early_stopping_min_delta: float = option(
         0.0, "the least change of --best-metric that counts as an improvement", type=nonnegative, metavar="D"
+    )
+    profile_steps: tuple[int, int] | None = option(
+        None,
+        "record optimizer steps START+1..END with torch.profiler on the main process: a trace in OUTPUT_DIR/profile/ "
+        "and the top operators printed",
+        type=step_range,
+        metavar="START:END",
     )
     compile: str | None = option(
         None,

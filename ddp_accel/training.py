@@ -24,6 +24,7 @@ from ddp_accel.evaluation import evaluate
 from ddp_accel.files import write_json, writing
 from ddp_accel.meters import EvalHistory, numbers
 from ddp_accel.plots import plot_history
+from ddp_accel.profiling import ProfilerWindow
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.runtime import lost_peers, print_banner, topology
 from ddp_accel.state import RunIdentity, TrainState
@@ -118,8 +119,10 @@ class TrainingRun:
         self.ema = WeightAverage(config.ema_decay, config.ema_warmup) if config.ema_decay else None
         if self.ema is not None and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
             raise UserError("--ema-decay averages whole weights on every rank: not with FSDP or DeepSpeed shards")
+        profiler = [ProfilerWindow(*config.profile_steps)] if config.profile_steps else []  # off: no callback
         self.callbacks = Callbacks(
-            [ProgressBar(), Trackers(), *([self.ema] if self.ema else []), BestModel(self.best_metric), *callbacks]
+            [ProgressBar(), Trackers(), *([self.ema] if self.ema else []), BestModel(self.best_metric), *profiler]
+            + list(callbacks)
         )
         self.agreement = StepAgreement(accelerator)
         self.step = TrainStep(

@@ -478,3 +478,14 @@ def test_early_stopping_ends_at_the_same_step_after_a_resume_and_a_rerun_is_comp
     assert_same_weights(tmp_path / "full", tmp_path / "cut", atol=None)
     result = run_script(PROBE, "--output-dir", tmp_path / "bad", "--early-stopping-patience", 2)
     assert_clean_error(result, "--early-stopping-patience needs an evaluation to watch", "--best-metric")
+
+
+@inprocess
+def test_a_profiler_window_writes_a_trace_and_the_top_operators(tmp_path):
+    output = probe(tmp_path / "run", "--batch-size", 4, "--epochs", 2, "--profile-steps", "3:6", nproc=1)
+    assert "profile of steps 4..6 (rank 0)" in output and "Self CPU" in output, output[-3000:]
+    trace = json.loads((tmp_path / "run" / "profile" / "trace_rank0.json").read_text())
+    assert trace["traceEvents"] and "aten::" in (tmp_path / "run" / "profile" / "top_operators.txt").read_text()
+    result = run_script(PROBE, "--output-dir", tmp_path / "past", "--profile-steps", "3:600")
+    assert_clean_error(result, "--profile-steps 3:600 ends past this run's 2 steps")
+    assert_clean_error(run_script(PROBE, "--output-dir", tmp_path / "bad", "--profile-steps", "6:3"), "START < END")
