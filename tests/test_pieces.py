@@ -290,7 +290,8 @@ def test_the_best_model_is_the_highest_finite_value_and_a_nan_evaluation_never_i
     staged = []
     run = SimpleNamespace(
         state=TrainState(),
-        model=None,
+        exported_model=lambda: None,
+        ema=None,
         accelerator=SimpleNamespace(is_main_process=True, get_state_dict=lambda model: {"step": run.state.step}),
         folder=SimpleNamespace(stage_best=staged.append),
         slow_on_main=lambda what, happens=True: contextlib.nullcontext(),
@@ -300,6 +301,12 @@ def test_the_best_model_is_the_highest_finite_value_and_a_nan_evaluation_never_i
         run.state.step = step
         best.on_evaluate(run, {"eval_top1": value})
     assert (run.state.best_metric, run.state.best_step) == (0.6, 6) and staged == [{"step": 2}, {"step": 6}]
+    lowest = BestModel("eval_loss")  # lower is better for a loss
+    run.state = TrainState()
+    for step, value in ((1, 0.9), (2, 0.7), (3, 0.8)):
+        run.state.step = step
+        lowest.on_evaluate(run, {"eval_loss": value})
+    assert (run.state.best_metric, run.state.best_step) == (0.7, 2)
 
 
 # --- the run's identity: data by content, never by modification times ---
