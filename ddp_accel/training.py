@@ -401,9 +401,12 @@ class TrainingRun:
         none) at the same step is deterministic: a UserError, so that the launcher does not restart it again."""
         if isinstance(error, UserError) or lost_peers(error):
             return
-        earlier = self.folder.repeated_failure(
-            self.accelerator.process_index, self.resumed_from, self.state.step, error
-        )
+        try:
+            earlier = self.folder.repeated_failure(
+                self.accelerator.process_index, self.resumed_from, self.state.step, error
+            )
+        except OSError:  # the output dir cannot take the note: the crash's own error is what matters
+            return
         if earlier is not None:
             start = f"resuming from {self.resumed_from}" if self.resumed_from else "starting from the beginning"
             raise UserError(
