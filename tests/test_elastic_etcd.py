@@ -87,6 +87,17 @@ def test_two_nodes_rendezvous_through_etcd(tmp_path, etcd_endpoint):
     assert ranks == [0, 1], outputs
 
 
+def elastic_agent(endpoint: str, rdzv_id: str, output_dir, train_size: int, step_ms: int) -> list[str]:
+    """One torchrun agent of an elastic job (1 to 2 nodes, etcd rendezvous) running tests/probe.py: batch 4, 2 epochs,
+    a checkpoint every 10 steps, resuming the newest."""
+    command = [str(BIN / "torchrun"), "--nnodes", "1:2", "--nproc_per_node", "1", "--rdzv_backend", "etcd"]
+    command += ["--rdzv_endpoint", endpoint, "--rdzv_id", rdzv_id, "--max_restarts", "3"]
+    command += ["--rdzv_conf", "last_call_timeout=2", "--monitor_interval", "1", str(ROOT / "tests" / "probe.py")]
+    command += ["--output-dir", str(output_dir), "--batch-size", "4", "--epochs", "2", "--train-size", str(train_size)]
+    command += ["--step-ms", str(step_ms), "--dropout", "0", "--checkpointing-steps", "10"]
+    return [*command, "--resume-from-checkpoint", "latest"]
+
+
 def agent_log(path) -> str:
     return path.read_text() if path.is_file() else ""
 
@@ -98,20 +109,7 @@ def test_a_node_joins_then_one_leaves_and_the_run_goes_on(tmp_path, etcd_endpoin
     (stopped only by its peer) exits non-zero so that agent A forms the group again alone, and it finishes at world
     size 1. Both agents of the join exit 0 when the run ends; the one stopped by SIGTERM exits with torch's status."""
     output_dir = tmp_path / "out"
-    command = [str(BIN / "torchrun"), "--nnodes", "1:2", "--nproc_per_node", "1", "--rdzv_backend", "etcd"]
-    command += ["--rdzv_endpoint", etcd_endpoint, "--rdzv_id", "join-leave", "--max_restarts", "3"]
-    command += ["--rdzv_conf", "last_call_timeout=2", "--monitor_interval", "1", str(ROOT / "tests" / "probe.py")]
-    command += ["--output-dir", str(output_dir), "--batch-size", "4", "--epochs", "2", "--train-size", "1024"]
-    command += [
-        "--step-ms",
-        "30",
-        "--dropout",
-        "0",
-        "--checkpointing-steps",
-        "10",
-        "--resume-from-checkpoint",
-        "latest",
-    ]
+    command = elastic_agent(etcd_endpoint, "join-leave", output_dir, train_size=1024, step_ms=30)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     logs = [tmp_path / "agent_a.log", tmp_path / "agent_b.log"]
     start = [lambda i=i: subprocess.Popen(command, stdout=open(logs[i], "w"), stderr=subprocess.STDOUT, cwd=ROOT,
@@ -158,20 +156,7 @@ def test_a_node_that_joins_in_the_second_half_of_a_run_finishes_it(tmp_path, etc
     from its progress, not a sleep). At world size 2 the run has 128 steps and the place reached is past step 64:
     comparing step numbers of different global batches refused this resume and ended both agents."""
     output_dir = tmp_path / "out"
-    command = [str(BIN / "torchrun"), "--nnodes", "1:2", "--nproc_per_node", "1", "--rdzv_backend", "etcd"]
-    command += ["--rdzv_endpoint", etcd_endpoint, "--rdzv_id", "join-late", "--max_restarts", "3"]
-    command += ["--rdzv_conf", "last_call_timeout=2", "--monitor_interval", "1", str(ROOT / "tests" / "probe.py")]
-    command += ["--output-dir", str(output_dir), "--batch-size", "4", "--epochs", "2", "--train-size", "512"]
-    command += [
-        "--step-ms",
-        "100",
-        "--dropout",
-        "0",
-        "--checkpointing-steps",
-        "10",
-        "--resume-from-checkpoint",
-        "latest",
-    ]
+    command = elastic_agent(etcd_endpoint, "join-late", output_dir, train_size=512, step_ms=100)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     logs = [tmp_path / "agent_a.log", tmp_path / "agent_b.log"]
     agents = []

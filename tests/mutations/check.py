@@ -97,6 +97,22 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         'self.log.log({**values, "optimizer_step": run.state.step}, run.state.samples_trained)',
         'self.log.log({**values, "optimizer_step": run.state.step}, run.state.step)',
     ),
+    "ema_average_not_resumed": (
+        "ddp_accel/ema.py",
+        'self.updates, self.average = state["updates"], state["average"]',
+        "pass",
+    ),
+    "user_error_burns_the_restarts": (
+        "ddp_accel/runtime.py",
+        "        stop_restarts()  # a user error fails the same way at every restart of the launcher\n",
+        "",
+    ),
+    "early_stopping_counter_not_saved": (
+        "ddp_accel/state.py",
+        'return {**asdict(self), "samples_in_epoch": self.samples_in_epoch}',
+        'return {**{k: v for k, v in asdict(self).items() if k != "evaluations_without_improvement"}, '
+        '"samples_in_epoch": self.samples_in_epoch}',
+    ),
     "resume_compares_raw_step_numbers": (
         "ddp_accel/state.py",
         "        self.step = self.epoch * steps_per_epoch + done\n",
