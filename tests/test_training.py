@@ -394,7 +394,7 @@ def test_compile_keeps_the_weights_names_and_resumes_with_or_without_compile(tmp
     # --compile compiles in place. The eager backend: the same path without a C++ compiler, and the same numbers
     from safetensors.torch import load_file
 
-    common = ["--batch-size", 4, "--epochs", 2, "--checkpointing-steps", 8, "--dropout", "0"]
+    common = ["--batch-size", 4, "--epochs", 1, "--checkpointing-steps", 8, "--dropout", "0"]
     eager = ["--compile", "--compile-backend", "eager"]
     probe(tmp_path / "plain", *common, nproc=1)
     probe(tmp_path / "compiled", *common, *eager, nproc=1)
@@ -425,28 +425,40 @@ def test_the_accelerate_configs_dynamo_path_exports_the_bare_models_weights(tmp_
 
 
 @inprocess
-def test_the_weight_average_resumes_bitwise_and_chooses_the_best_model(tmp_path):
-    # EMA is where resume breaks elsewhere (lost, or restarted from the raw weights): here it is in every checkpoint
+def test_ema_early_stopping_and_a_profiler_window_resume_bitwise_and_say_what_they_did(tmp_path):
+    # EMA is where resume breaks elsewhere (lost, or restarted from the raw weights); the early-stopping count must
+    # go on across a resume. The probe's accuracy stops improving at once: patience 2 with an evaluation every 4
+    # steps ends at step 12 of 160, and model_best is chosen among the averaged weights
     from safetensors.torch import load_file
 
-    common = ["--batch-size", 4, "--epochs", 2, "--checkpointing-steps", 5, "--dropout", "0.3"]
-    common += ["--ema-decay", "0.9", "--ema-warmup", "--best-metric", "ema_loss"]
-    probe(tmp_path / "full", *common, nproc=1)
-    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_5", tmp_path / "cut" / "checkpoints" / "step_5")
+    common = ["--batch-size", 4, "--epochs", 10, "--eval-steps", 4, "--checkpointing-steps", 4, "--dropout", "0.3"]
+    common += ["--ema-decay", "0.9", "--ema-warmup", "--best-metric", "ema_accuracy", "--early-stopping-patience", 2]
+    output = probe(tmp_path / "full", *common, "--profile-steps", "1:3", nproc=1)
+    assert "early stopping at step 12: ema_accuracy has not improved" in output, output[-2000:]
+    metrics = metrics_of(tmp_path / "full")
+    assert metrics["steps"] == 12 and metrics["end_reason"].startswith("early stopping: ema_accuracy"), metrics
+    history = json.loads((tmp_path / "full" / "history.json").read_text())
+    assert metrics["best_ema_accuracy"] == max(record["ema_accuracy"] for record in history)
+    assert "profile of steps 2..3 (rank 0)" in output and "Self CPU" in output, output[-3000:]
+    assert json.loads((tmp_path / "full" / "profile" / "trace_rank0.json").read_text())["traceEvents"]
+    rerun = probe(tmp_path / "full", *common, "--resume-from-checkpoint", "latest", nproc=1)
+    assert "is complete (12 steps); nothing to do" in rerun, rerun[-2000:]
+
+    # stopped after step 8 (one evaluation without improvement counted): the resume counts on and ends at 12 with
+    # every weight file of the uninterrupted run
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_8", tmp_path / "cut" / "checkpoints" / "step_8")
+    staged = tmp_path / "cut" / "checkpoints" / ".final"  # what a kill after step 8 leaves: the best of step 4, staged
+    staged.mkdir()
+    shutil.copy(tmp_path / "full" / "model_best.safetensors", staged / "model_best.safetensors")
     output = probe(tmp_path / "cut", *common, "--resume-from-checkpoint", "latest", nproc=1)
-    assert "resumed from" in output, output[-2000:]
+    assert "resumed from" in output and "early stopping at step 12" in output, output[-2000:]
     for name in ("model.safetensors", "model_ema.safetensors", "model_best.safetensors"):
         full, cut = (load_file(str(tmp_path / run / name)) for run in ("full", "cut"))
         assert all(torch.equal(full[key], cut[key]) for key in full), name
-    full = load_file(str(tmp_path / "full" / "model_ema.safetensors"))
-    raw = load_file(str(tmp_path / "full" / "model.safetensors"))
-    assert not all(torch.equal(full[key], raw[key]) for key in raw)  # an average, not the last weights
-    metrics = metrics_of(tmp_path / "full")
-    assert metrics["best_ema_loss"] == min(record["ema_loss"] for record in json.loads(
-        (tmp_path / "full" / "history.json").read_text()))  # fmt: skip
-    result = run_script(PROBE, "--output-dir", tmp_path / "bad", "--best-metric", "ema_top1", "--max-steps", 2)
-    assert_clean_error(result, "--best-metric ema_top1 is not a metric of this run's evaluation: eval_loss")
-    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_5", tmp_path / "plain" / "checkpoints" / "step_5")
+    average, raw = (load_file(str(tmp_path / "full" / name)) for name in ("model_ema.safetensors", "model.safetensors"))
+    assert not all(torch.equal(average[key], raw[key]) for key in raw)  # an average, not the last weights
+
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_8", tmp_path / "plain" / "checkpoints" / "step_8")
     without = [
         "--batch-size",
         4,
@@ -458,34 +470,9 @@ def test_the_weight_average_resumes_bitwise_and_chooses_the_best_model(tmp_path)
         tmp_path / "plain",
     ]
     assert_clean_error(run_script(PROBE, *without), "other stateful callbacks", "--ema-decay given on one side only")
-
-
-@inprocess
-def test_early_stopping_ends_at_the_same_step_after_a_resume_and_a_rerun_is_complete(tmp_path):
-    # the probe's accuracy stops improving at once: patience 2 with an evaluation every 4 steps ends at step 12 of 160
-    common = ["--batch-size", 4, "--epochs", 10, "--eval-steps", 4, "--checkpointing-steps", 4, "--dropout", "0.3"]
-    common += ["--early-stopping-patience", 2, "--best-metric", "eval_accuracy"]
-    output = probe(tmp_path / "full", *common, nproc=1)
-    assert "early stopping at step 12: eval_accuracy has not improved" in output, output[-2000:]
-    metrics = metrics_of(tmp_path / "full")
-    assert metrics["steps"] == 12 and metrics["end_reason"].startswith("early stopping: eval_accuracy"), metrics
-    rerun = probe(tmp_path / "full", *common, "--resume-from-checkpoint", "latest", nproc=1)
-    assert "is complete (12 steps); nothing to do" in rerun, rerun[-2000:]
-    # stopped after step 8 (one evaluation without improvement counted): the resume counts on and ends at 12
-    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_8", tmp_path / "cut" / "checkpoints" / "step_8")
-    output = probe(tmp_path / "cut", *common, "--resume-from-checkpoint", "latest", nproc=1)
-    assert "early stopping at step 12" in output and metrics_of(tmp_path / "cut")["steps"] == 12, output[-2000:]
-    assert_same_weights(tmp_path / "full", tmp_path / "cut", atol=None)
-    result = run_script(PROBE, "--output-dir", tmp_path / "bad", "--early-stopping-patience", 2)
+    result = run_script(PROBE, "--output-dir", tmp_path / "bad", "--best-metric", "ema_top1", "--max-steps", 2)
+    assert_clean_error(result, "--best-metric ema_top1 is not a metric of this run's evaluation: eval_loss")
+    result = run_script(PROBE, "--output-dir", tmp_path / "none", "--early-stopping-patience", 2)
     assert_clean_error(result, "--early-stopping-patience needs an evaluation to watch", "--best-metric")
-
-
-@inprocess
-def test_a_profiler_window_writes_a_trace_and_the_top_operators(tmp_path):
-    output = probe(tmp_path / "run", "--batch-size", 4, "--epochs", 2, "--profile-steps", "3:6", nproc=1)
-    assert "profile of steps 4..6 (rank 0)" in output and "Self CPU" in output, output[-3000:]
-    trace = json.loads((tmp_path / "run" / "profile" / "trace_rank0.json").read_text())
-    assert trace["traceEvents"] and "aten::" in (tmp_path / "run" / "profile" / "top_operators.txt").read_text()
     result = run_script(PROBE, "--output-dir", tmp_path / "past", "--profile-steps", "3:600")
     assert_clean_error(result, "--profile-steps 3:600 ends past this run's 2 steps")
-    assert_clean_error(run_script(PROBE, "--output-dir", tmp_path / "bad", "--profile-steps", "6:3"), "START < END")
