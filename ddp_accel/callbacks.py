@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from ddp_accel.errors import UserError
-from ddp_accel.meters import numbers, scalars
+from ddp_accel.meters import improves, numbers, scalars
 from ddp_accel.tracking import TrackerLog
 
 if TYPE_CHECKING:
@@ -182,12 +182,11 @@ class BestModel(Callback):
         state, value = run.state, metrics[self.metric]
         if not isinstance(value, int | float) or not math.isfinite(value):  # a nan evaluation is never the best
             return
-        lower = self.metric.endswith("loss")
-        if state.best_metric is not None and (value >= state.best_metric if lower else value <= state.best_metric):
+        if not improves(self.metric, value, state.best_metric):
             return
         with run.slow_on_main("saving the best model"):
             state.best_metric, state.best_step = value, state.step
-            ema = self.metric.startswith("ema_") and run.ema is not None
-            weights = run.ema.weights() if ema and run.ema else run.accelerator.get_state_dict(run.exported_model())
+            ema = run.ema if self.metric.startswith("ema_") else None
+            weights = ema.weights() if ema is not None else run.accelerator.get_state_dict(run.exported_model())
             if run.accelerator.is_main_process:  # every rank above: the full weights are gathered under FSDP
                 run.folder.stage_best(weights)

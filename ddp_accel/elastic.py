@@ -26,14 +26,18 @@ def restarts_left() -> int:
         return 0
 
 
+def parent_command() -> list[str]:
+    """The parent process's command line (empty when it cannot be read)."""
+    try:
+        return Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
 def agent_pid() -> int | None:
     """This worker's agent: its parent, when the parent runs torch elastic (not a shell, srun or a notebook)."""
-    parent = os.getppid()
-    try:
-        command = Path(f"/proc/{parent}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return None
-    return parent if any(name in command for name in AGENT_COMMANDS) else None
+    command = " ".join(parent_command())
+    return os.getppid() if any(name in command for name in AGENT_COMMANDS) else None
 
 
 def wait_for_a_stop_signal(seconds: float) -> bool:

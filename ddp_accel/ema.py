@@ -30,6 +30,7 @@ class WeightAverage(Callback):
         self.decay, self.warmup = decay, warmup
         self.updates = 0
         self.average: dict[str, torch.Tensor] = {}
+        self.live: dict[str, torch.Tensor] = {}
 
     # --- saved in every checkpoint (accelerate's register_for_checkpointing) ---
     def state_dict(self) -> dict[str, Any]:
@@ -40,21 +41,23 @@ class WeightAverage(Callback):
 
     # --- the hooks ---
     def on_start(self, run: TrainingRun) -> None:
-        model = run.exported_model()
+        # the model's own tensors (a state dict's values share their storage), read at every step: optimizer
+        # steps, buffer updates and the evaluation's swap all write into them in place
+        self.live = run.exported_model().state_dict()
         if not self.average:  # a new run; a resumed one loaded its average before this hook
-            self.average = {name: value.detach().clone() for name, value in model.state_dict().items()}
+            self.average = {name: value.detach().clone() for name, value in self.live.items()}
         else:
-            device = next(iter(model.state_dict().values())).device
+            device = next(iter(self.live.values())).device
             self.average = {name: value.to(device) for name, value in self.average.items()}
 
     @torch.no_grad()
     def on_step_end(self, run: TrainingRun) -> None:
         self.updates += 1
         decay = min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
-        for name, value in run.exported_model().state_dict().items():
+        for name, value in self.live.items():
             average = self.average[name]
             if average.is_floating_point() or average.is_complex():
-                average.mul_(decay).add_(value.detach(), alpha=1 - decay)
+                average.mul_(decay).add_(value, alpha=1 - decay)
             else:
                 average.copy_(value)
 

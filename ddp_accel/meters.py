@@ -26,6 +26,14 @@ def scalars(values: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in values.items() if isinstance(value, int | float | str | bool)}
 
 
+def improves(metric: str, value: float, reference: float | None, min_delta: float = 0.0) -> bool:
+    """Whether `value` of `metric` beats `reference` by more than `min_delta`: lower is better for a `*loss`, higher
+    for the rest; anything beats no reference. The best model and early stopping judge alike."""
+    if reference is None:
+        return True
+    return (reference - value if metric.endswith("loss") else value - reference) > min_delta
+
+
 class ThroughputMeter:
     """Global samples/s and the share of step time spent waiting for data: over the whole run, over each log
     window (what the run does now), and steady (after the first window: cuDNN autotuning, compilation and

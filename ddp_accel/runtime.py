@@ -22,7 +22,7 @@ from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGr
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
 from ddp_accel.config import TrainConfig
-from ddp_accel.elastic import stop_restarts
+from ddp_accel.elastic import parent_command, stop_restarts
 from ddp_accel.errors import UserError
 from ddp_accel.loaders import kill_leftover_workers
 from ddp_accel.run_folder import RunFolder
@@ -253,13 +253,6 @@ def check_topology(accelerator: Accelerator) -> None:
             )
     if accelerator.num_processes > 1 and "LOCAL_WORLD_SIZE" in os.environ:
         check_processes_per_machine(accelerator)
-
-
-def parent_command() -> list[str]:
-    try:
-        return Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
 
 
 def processes_asked_of_accelerate_launch(command: list[str]) -> int | None:

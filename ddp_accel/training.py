@@ -22,7 +22,7 @@ from ddp_accel.ema import WeightAverage
 from ddp_accel.errors import UserError
 from ddp_accel.evaluation import evaluate
 from ddp_accel.files import write_json, writing
-from ddp_accel.meters import EvalHistory, numbers
+from ddp_accel.meters import EvalHistory, improves, numbers
 from ddp_accel.plots import plot_history
 from ddp_accel.profiling import ProfilerWindow
 from ddp_accel.run_folder import RunFolder
@@ -320,17 +320,10 @@ class TrainingRun:
         every rank decides the same at the same step; the count is in the training state (checkpoints)."""
         state, name, delta = self.state, self.best_metric, self.config.early_stopping_min_delta
         value = metrics.get(name) if name else None
-        if not isinstance(value, int | float) or not math.isfinite(value):
-            improved = False
-        elif state.early_stopping_best is None:
-            improved = True
-        else:
-            lower_is_better = bool(name and name.endswith("loss"))
-            change = state.early_stopping_best - value if lower_is_better else value - state.early_stopping_best
-            improved = change > delta
-        if improved and isinstance(value, int | float):
-            state.early_stopping_best, state.evaluations_without_improvement = float(value), 0
-            return
+        if name and isinstance(value, int | float) and math.isfinite(value):
+            if improves(name, value, state.early_stopping_best, delta):
+                state.early_stopping_best, state.evaluations_without_improvement = float(value), 0
+                return
         state.evaluations_without_improvement += 1
         if state.evaluations_without_improvement >= (self.config.early_stopping_patience or 0):
             state.stopped_early = True
