@@ -28,6 +28,7 @@ import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
 import multiprocessing.reduction
+import multiprocessing.resource_tracker
 import multiprocessing.spawn
 import os
 import signal
@@ -106,6 +107,9 @@ def worker_context(loader: Any) -> multiprocessing.context.BaseContext:
                 "of an importable file to avoid it"
             )
             method = "fork"
+    if method != "fork":
+        with _preemption_signals_blocked():  # the tracker keeps the mask it starts with (it unblocks only SIGINT/TERM)
+            multiprocessing.resource_tracker.ensure_running()
     if method == "forkserver" and not _forkserver_running():
         multiprocessing.forkserver.set_forkserver_preload(_modules_for(loader))
         main = multiprocessing.spawn.get_preparation_data("ignore")
@@ -116,11 +120,25 @@ def worker_context(loader: Any) -> multiprocessing.context.BaseContext:
         }
         os.environ.update(start_with)
         try:
-            multiprocessing.forkserver.ensure_running()
+            with _preemption_signals_blocked():
+                multiprocessing.forkserver.ensure_running()
         finally:
             for name in start_with:
                 os.environ.pop(name, None)
     return multiprocessing.get_context(method)
+
+
+@contextlib.contextmanager
+def _preemption_signals_blocked() -> Generator[None, None, None]:
+    """Blocks the preemption signals in this thread while the helper processes of the workers' start method are
+    started: they inherit the mask through exec. A job-wide SIGUSR1 (SLURM's time-limit warning) would otherwise kill
+    the resource tracker, whose successor then prints a `KeyError` traceback for each queue the loader releases, and
+    the forkserver before it has blocked them itself. A signal sent meanwhile is delivered when this ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _forkserver_refusal(loader: Any) -> str | None:

@@ -3,6 +3,7 @@ locks at the moment of a fork), shielded from preemption signals, always shut do
 
 import gc
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import signal
 import threading
@@ -73,6 +74,9 @@ def test_workers_start_while_another_thread_holds_a_lock_they_need():
     assert values[:, 3].all(), "the forkserver's workers collect garbage again once started"
     blocked = signal_masks(server)["SigBlk"]  # a job-wide SIGTERM does not end the forkserver
     assert has(blocked, signal.SIGTERM) and has(blocked, signal.SIGUSR1)
+    # nor SLURM's SIGUSR1 the resource tracker (its successor would print a KeyError for each queue released)
+    tracker = multiprocessing.resource_tracker._resource_tracker._pid
+    assert tracker is not None and has(signal_masks(tracker)["SigBlk"], signal.SIGUSR1)
 
 
 def test_a_loader_with_its_own_start_method_keeps_it():
