@@ -123,7 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--timeout-s", type=positive, default=30.0, help="how long to wait for the others")
     doctor.add_argument("--megabytes", type=positive_int, default=64, help="the all-reduce that measures bandwidth")
     doctor.add_argument("--data", help="a data file or folder: is it the same on every machine")
+    ray = commands.add_parser("ray", help="run a training script on a Ray cluster (Ray Train): ddp-accel ray --help")
+    from ddp_accel.ray_launch import add_arguments
+
+    add_arguments(ray)
     args = parser.parse_args(argv)
+    if args.command == "ray":
+        from ddp_accel.ray_launch import RayJob, run_job
+
+        return run_job(RayJob(**{key: value for key, value in vars(args).items() if key != "command"}))
     if args.command == "doctor":
         from ddp_accel.doctor import run  # imports torch: not for check-config
 

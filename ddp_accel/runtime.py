@@ -118,6 +118,8 @@ def make_accelerator(
     names = tracker_names(config.report_to, config.with_tracking)
     if process_rank() == 0:  # the main process logs
         check_trackers(names, config.output_dir)
+    if os.environ.get(CHECK_ONLY_VARIABLE):  # a launcher's driver checks the command before any worker starts
+        raise OptionsChecked(config)
     # a tracker run continues only with the checkpoint it logged: `latest` without one starts a new run
     trackers = make_trackers(names, config.output_dir, resuming=folder.resumes(config.resume_from_checkpoint))
     return build_accelerator(
@@ -129,6 +131,20 @@ def make_accelerator(
         timeout_s=config.timeout_s,
         **kwargs,
     )
+
+
+CHECK_ONLY_VARIABLE = "DDP_ACCEL_CHECK_ONLY"
+ENGINE_VARIABLE = "DDP_ACCEL_ENGINE"  # set by a launcher that is not torch's, for the banner
+
+
+class OptionsChecked(BaseException):
+    """Raised by make_accelerator under DDP_ACCEL_CHECK_ONLY, once the options, --output-dir and the trackers are
+    checked: the launcher's driver ran the script this far, in its own process (ddp_accel.ray_launch). A
+    BaseException: no `except Exception` of a script takes it for a failure."""
+
+    def __init__(self, config: TrainConfig):
+        super().__init__("the command's options are checked")
+        self.config = config
 
 
 def init_elastic_process_group(cpu: bool, timeout_s: int) -> None:
@@ -276,6 +292,8 @@ def check_processes_per_machine(accelerator: Accelerator) -> None:
     """Every machine runs the same number of processes: accelerate launch with another --num_processes on one
     machine formed a group of 3 from 1 + 2 and trained without a word. Said by every process; under torchrun
     (which allows it) a warning."""
+    if os.environ.get(ENGINE_VARIABLE, "").startswith("ray"):  # Ray places workers on nodes as resources allow
+        return
     mine = (int(os.environ.get("GROUP_RANK", "0") or 0), int(os.environ["LOCAL_WORLD_SIZE"]))
     gathered: list[Any] = [None] * accelerator.num_processes
     dist.all_gather_object(gathered, mine)
@@ -304,6 +322,8 @@ def topology(accelerator: Accelerator, batch_size: int | None = None, accumulati
         "device": str(accelerator.device),
         "mixed_precision": accelerator.mixed_precision,
     }
+    if os.environ.get(ENGINE_VARIABLE):  # a launcher that is not torch's (ddp_accel.ray_launch)
+        info = {"engine": os.environ[ENGINE_VARIABLE], **info}
     if batch_size is not None:
         info["batch_size_per_process"] = batch_size
         info["gradient_accumulation_steps"] = accumulation

@@ -119,6 +119,7 @@ def main(signals: StopSignals | None = None) -> None:
     parser.add_argument("--hang-at-sample", type=int, help="reading this training sample blocks forever, once")
     parser.add_argument("--linger-s", type=float, default=0, help="stay this long after training (a signal may come)")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    parser.add_argument("--pid-dir", help="each process writes rank<R>.<pid> here at start (the fault tests' target)")
     parser.add_argument("--crash-at-step", type=int, help="rank 1 (or the only one) raises after this step: a bug")
     args = parser.parse_args()
     config = TrainConfig.from_args(args)
@@ -187,6 +188,9 @@ def main(signals: StopSignals | None = None) -> None:
         test_loader=test,
         make_scheduler=warmup_then_decay,
     )
+    if args.pid_dir:
+        Path(args.pid_dir).mkdir(parents=True, exist_ok=True)
+        Path(args.pid_dir, f"rank{accelerator.process_index}.{os.getpid()}").touch()
     identity = make_identity({key: getattr(args, key) for key in ("hidden", "complex", "sparse_embedding")})
     crash = [CrashAt(args.crash_at_step, min(1, accelerator.num_processes - 1))] if args.crash_at_step else []
     fit(accelerator, config, task, RunRecord(identity=identity), signals=signals, callbacks=crash)

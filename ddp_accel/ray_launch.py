@@ -1,0 +1,303 @@
+"""`ddp-accel ray SCRIPT [ARGS...]`: run one of the training scripts, unchanged, on a Ray cluster with Ray Train.
+
+    ddp-accel ray --workers 2 scripts/template.py --output-dir runs/ray --epochs 3
+    ray job submit --working-dir . -- ddp-accel ray --workers 4 --gpus-per-worker 1 scripts/imagenet.py ...
+
+The driver (this process) first runs the script itself up to its Accelerator (DDP_ACCEL_CHECK_ONLY): a bad option,
+path or --output-dir is one `error:` line there, exit 2, before any worker starts. Then Ray Train starts the
+workers; each runs the script as `__main__` with the same arguments, and the script makes its process group itself
+(Ray's backend only gives each worker the torch launcher variables), so `--timeout-s` applies as under torchrun.
+
+- Restarts resume: `--resume-from-checkpoint latest` is added unless the command names a checkpoint; a group
+  restarted after a failure (a killed worker, a lost node) continues from the newest complete checkpoint.
+- A user error (exit 2 of the script: an identity mismatch, bad data found late) ends the run with its line; it is
+  never retried (`UserErrorsAreFinal`). Other failures are retried up to `--max-failures` times.
+- Our checkpoints stay in place: Ray's storage is OUTPUT_DIR's parent, the run's name OUTPUT_DIR's, and the newest
+  checkpoint is reported to Ray once, at the end, without a copy (`result.checkpoint`, `result.metrics` are ours).
+  Ray keeps every checkpoint it is given (no `num_to_keep`): it deletes nothing of ours.
+
+Ray Train runs the training function in a thread of each worker process, where signal handlers cannot be
+installed: a SIGTERM to a worker ends it (Ray's own handler) and the group restarts from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddp_accel.cli import ArgumentParser
+from ddp_accel.errors import UserError
+
+USER_ERROR_EXIT_CODE = 2
+
+
+@dataclass
+class RayJob:
+    """What `ddp-accel ray` runs: the script, its arguments, and the workers Ray gives it."""
+
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    workers: int = 2
+    min_workers: int | None = None  # an elastic group: between min_workers and workers
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    address: str | None = None  # None: RAY_ADDRESS, else a new local Ray instance
+    max_failures: int = 3
+    cwd: str = field(default_factory=os.getcwd)
+
+    def check(self) -> None:
+        """What Ray would reject later, or never: one line each, before anything starts."""
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise UserError("Ray is not installed here: pip install -e '.[ray]'") from None
+        if self.workers < 1:
+            raise UserError(f"--workers must be at least 1, not {self.workers}")
+        if self.min_workers is not None and not 1 <= self.min_workers <= self.workers:
+            raise UserError(f"--min-workers must be between 1 and --workers ({self.workers}), not {self.min_workers}")
+        if self.cpus_per_worker <= 0 or self.gpus_per_worker < 0:
+            raise UserError("--cpus-per-worker must be above 0 and --gpus-per-worker at least 0")
+        if self.max_failures < 0:
+            raise UserError(f"--max-failures must be at least 0, not {self.max_failures}: endless retries hide a fault")
+        if not Path(self.script).is_file():
+            raise UserError(f"{self.script}: no such script")
+
+    def command(self) -> list[str]:
+        """The script's arguments as each worker runs them: restarts resume from the newest checkpoint."""
+        named = any(
+            arg.split("=")[0] in ("--resume-from-checkpoint", "--resume_from_checkpoint") for arg in self.script_args
+        )
+        return list(self.script_args) + ([] if named else ["--resume-from-checkpoint", "latest"])
+
+
+class ScriptUserError(RuntimeError):
+    """The script ended with a user error (exit 2) in a worker: final, not retried."""
+
+
+def check_in_driver(job: RayJob) -> Path | int:
+    """Run the script in this process up to its Accelerator: options, --output-dir and trackers are checked as the
+    workers will check them. Returns the output dir, or the script's exit status once it printed its error line."""
+    from ddp_accel.runtime import CHECK_ONLY_VARIABLE, OptionsChecked
+    from ddp_accel.stopping import StopSignals
+
+    script = Path(job.script)
+    argv, path = sys.argv, list(sys.path)
+    sys.argv = [str(script), *job.command()]
+    sys.path.insert(0, str(script.resolve().parent))
+    os.environ[CHECK_ONLY_VARIABLE] = "1"
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except OptionsChecked as checked:
+        return Path(checked.config.output_dir).resolve()
+    except SystemExit as exit:  # an argparse error, or run_main's one line for a user error
+        return exit.code if isinstance(exit.code, int) and exit.code != 0 else 1
+    finally:
+        sys.argv, sys.path[:] = argv, path
+        os.environ.pop(CHECK_ONLY_VARIABLE, None)
+        if StopSignals.current is not None:  # run_main's, left installed by the early return
+            StopSignals.current.uninstall()
+    raise UserError(f"{job.script} does not make its Accelerator with ddp_accel.make_accelerator: it cannot be checked")
+
+
+def train_worker(spec: dict[str, Any]) -> None:
+    """Ray Train's function in each worker: the script as `__main__`, its exit status turned into Ray's terms."""
+    import builtins
+
+    import ray.train
+    from ray.train.v2._internal.logging import patch_print
+
+    from ddp_accel.runtime import ENGINE_VARIABLE
+
+    builtins.print = patch_print._original_print  # Ray Train logs each print, and tees it: every line came twice
+
+    context = ray.train.get_context()
+    rank, size = context.get_world_rank(), context.get_world_size()
+    if Path(spec["cwd"]).is_dir():  # a cluster whose nodes share the driver's folder; otherwise Ray's working_dir
+        os.chdir(spec["cwd"])
+    nodes = _nodes_of_the_group()
+    os.environ[ENGINE_VARIABLE] = f"ray ({size} workers on {nodes} node{'' if nodes == 1 else 's'})"
+    error_file = Path(tempfile.mkdtemp(prefix="ddp_accel_ray_")) / "error.json"
+    os.environ["TORCHELASTIC_ERROR_FILE"] = str(error_file)  # where run_main writes the one line of a user error
+    sys.argv = [spec["script"], *spec["command"]]
+    sys.path.insert(0, str(Path(spec["script"]).resolve().parent))
+    try:
+        runpy.run_path(spec["script"], run_name="__main__")
+        code: Any = 0
+    except SystemExit as exit:
+        code = exit.code
+    message = json.loads(error_file.read_text())["message"] if error_file.is_file() else None
+    if code == USER_ERROR_EXIT_CODE:
+        raise ScriptUserError(message or f"rank {rank}: the script ended with a user error (exit 2)")
+    if code not in (0, None):
+        raise RuntimeError(f"rank {rank}: the script exited with status {code}" + (f": {message}" if message else ""))
+    output_dir = Path(spec["output_dir"])
+    metrics_file = output_dir / "metrics.json"
+    if not metrics_file.is_file():  # a stop before the end (a peer's preemption): the group restarts and resumes
+        raise RuntimeError(f"rank {rank}: the script stopped before the end of training ({output_dir} has no metrics)")
+    _report_to_ray(output_dir, json.loads(metrics_file.read_text()))
+
+
+def _nodes_of_the_group() -> int | str:
+    """How many nodes the workers' placement group spans (Ray places them as resources allow)."""
+    import ray.util
+
+    try:
+        group = ray.util.get_current_placement_group()
+        return len(set(ray.util.placement_group_table(group)["bundles_to_node_id"].values()))
+    except Exception:  # not in a placement group: unknown
+        return "?"
+
+
+def _report_to_ray(output_dir: Path, metrics: dict[str, Any]) -> None:
+    """Every rank reports once (a barrier in Ray): our metrics, and our newest checkpoint in place."""
+    import ray.train
+    from ray.train.v2.api.report_config import CheckpointUploadMode
+
+    from ddp_accel.checkpoint import complete_checkpoints
+
+    checkpoints = complete_checkpoints(output_dir / "checkpoints")
+    checkpoint = ray.train.Checkpoint(str(checkpoints[-1])) if checkpoints else None
+    flat = {key: value for key, value in metrics.items() if isinstance(value, int | float | str)}
+    ray.train.report(flat, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+
+
+def _user_error_of(error: BaseException) -> str | None:
+    """The one line of a worker's user error inside Ray's WorkerGroupError, else None."""
+    for failure in getattr(error, "worker_failures", {}).values():
+        cause = getattr(failure, "cause", failure)
+        if isinstance(cause, ScriptUserError) or "ScriptUserError" in str(failure):
+            text = str(cause) if isinstance(cause, ScriptUserError) else str(failure)
+            lines = [line for line in text.splitlines() if line.startswith("error:")] or [text.splitlines()[-1]]
+            return lines[0]
+    return None
+
+
+def _final_failures_policy() -> None:
+    """Ray retries every worker error; a user error fails the same way at every retry: raise it at once."""
+    from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+    from ray.train.v2.api import data_parallel_trainer
+
+    class UserErrorsAreFinal(DefaultFailurePolicy):
+        def make_decision(self, training_failed_error: Any) -> FailureDecision:
+            if _user_error_of(training_failed_error) is not None:
+                return FailureDecision.RAISE
+            return super().make_decision(training_failed_error)
+
+    data_parallel_trainer.create_failure_policy = UserErrorsAreFinal  # type: ignore[assignment]
+
+
+def _backend_config(cpu: bool) -> Any:
+    """Ray's torch backend, less its process group: each worker gets MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK
+    ... and the script makes the group itself (with its --timeout-s, and our checks of an inherited group)."""
+    from ray.train._internal.utils import get_address_and_port
+    from ray.train.torch.config import TorchConfig, _set_torch_distributed_env_vars, _TorchBackend
+
+    class VariablesOnlyBackend(_TorchBackend):
+        def on_start(self, worker_group: Any, backend_config: Any) -> None:
+            address, port = worker_group.execute_single(0, get_address_and_port)
+
+            def set_variables(address: str, port: int) -> None:
+                os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
+                _set_torch_distributed_env_vars()
+
+            worker_group.execute(set_variables, address=address, port=port)
+
+    class ScriptTorchConfig(TorchConfig):
+        @property
+        def backend_cls(self) -> type:
+            return VariablesOnlyBackend
+
+    return ScriptTorchConfig(backend="gloo" if cpu else "nccl")
+
+
+def run(job: RayJob) -> int:
+    """Check in the driver, run on Ray, report: 0 when the training completed, 2 for a user error, 1 otherwise."""
+    output_dir = check_in_driver(job)
+    if isinstance(output_dir, int):
+        return output_dir
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    _final_failures_policy()
+    os.environ["RAY_CHDIR_TO_TRIAL_DIR"] = "0"  # relative paths of the command stay the driver's
+    new_cluster = job.address is None and not os.environ.get("RAY_ADDRESS")
+    ray.init(address=job.address, **({"include_dashboard": False} if new_cluster else {}))
+    workers: Any = job.workers if job.min_workers is None else (job.min_workers, job.workers)  # Ray 2.60: either
+    resources = {"CPU": job.cpus_per_worker} | ({"GPU": job.gpus_per_worker} if job.gpus_per_worker else {})
+    spec = asdict(job) | {"command": job.command(), "output_dir": str(output_dir)}
+    trainer = TorchTrainer(
+        train_worker,
+        train_loop_config=spec,
+        torch_config=_backend_config(cpu=job.gpus_per_worker == 0),
+        scaling_config=ScalingConfig(
+            num_workers=workers, use_gpu=job.gpus_per_worker > 0, resources_per_worker=resources
+        ),
+        run_config=RunConfig(
+            name=output_dir.name,
+            storage_path=str(output_dir.parent),
+            failure_config=FailureConfig(max_failures=job.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=None),
+        ),
+    )
+    started = time.monotonic()
+    try:
+        result = trainer.fit()
+    except Exception as error:
+        line = _user_error_of(error)
+        if line is not None:
+            print(line if line.startswith("error:") else f"error: {line}", file=sys.stderr, flush=True)
+            return USER_ERROR_EXIT_CODE
+        print(f"error: the run failed on Ray after {job.max_failures} restarts: {_first_line(error)}", file=sys.stderr)
+        return 1
+    checkpoint = result.checkpoint.path if result.checkpoint else "none (no --checkpointing-steps)"
+    print(f"ray: training completed in {time.monotonic() - started:.0f} s; newest checkpoint {checkpoint}", flush=True)
+    return 0
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=2, help="training workers (processes), the group's size")
+    parser.add_argument("--min-workers", type=int, default=None, help="an elastic group: at least this many")
+    parser.add_argument("--cpus-per-worker", type=float, default=1.0)
+    parser.add_argument(
+        "--gpus-per-worker", type=float, default=0.0, help="0: train on CPUs (gloo); 1: one GPU each (NCCL)"
+    )
+    parser.add_argument("--address", default=None, help="the Ray cluster (default: RAY_ADDRESS, else a local Ray)")
+    parser.add_argument(
+        "--max-failures", type=int, default=3, help="group restarts after a failure (a user error: none)"
+    )
+    parser.add_argument("script", help="the training script, e.g. scripts/imagenet.py")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its options, as for accelerate launch")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="ddp-accel ray", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run_job(RayJob(**vars(parser.parse_args(argv))))
+
+
+def run_job(job: RayJob) -> int:
+    """`run`, with a user error as its one line (exit 2)."""
+    try:
+        job.check()
+        return run(job)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT_CODE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

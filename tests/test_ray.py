@@ -1,0 +1,134 @@
+"""`ddp-accel ray`: the scripts on a Ray cluster (Ray Train), with the guarantees they have under torchrun.
+
+One real Ray head node per module, started and stopped by its process group (never `ray stop`, which would stop
+every Ray on the machine), with its own temp dir and HOME (Ray writes its auth token there); token authentication
+is off: the node listens on loopback only."""
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import BIN, ROOT, check_ok, free_port, launch, metrics_of, wait_for, wait_for_checkpoint, weights
+
+from ddp_accel import ray_launch
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]'; .ci/run installs it)")
+
+PROBE = str(ROOT / "tests" / "probe.py")
+PROBE_ARGS = ["--batch-size", "4", "--epochs", "3", "--train-size", "256", "--dropout", "0.3"]
+PROBE_ARGS += ["--checkpointing-steps", "5", "--step-ms", "30"]
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """`ray start --head --block` on free ports; yields the environment a driver needs to reach it."""
+    home = Path(tempfile.mkdtemp(prefix="ray_home_"))
+    temp_dir = Path(tempfile.mkdtemp(prefix="ray_"))  # short: Ray's socket paths must fit in 107 bytes
+    port = free_port()
+    env = {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    log = temp_dir / "head.log"
+    command = [str(BIN / "ray"), "start", "--head", "--block", "--port", str(port), "--node-ip-address", "127.0.0.1"]
+    command += ["--temp-dir", str(temp_dir), "--num-cpus", "2", "--include-dashboard", "false"]
+    command += ["--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port())]
+    command += ["--disable-usage-stats"]
+    head = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: "--block" in log.read_text(), timeout=120, alive=head, what="the Ray head node")
+        yield {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            head.wait(timeout=5)
+        with contextlib.suppress(ProcessLookupError):  # whatever of the node is left: one session, started here
+            os.killpg(head.pid, signal.SIGKILL)
+        head.wait()
+        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _session_of(int(pid)) == head.pid]
+        shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        assert not left, f"Ray processes left running: {left}"
+
+
+def _session_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[4])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def ray_driver(env: dict, output_dir: Path, *args: str, max_failures: int = 1, log: Path) -> subprocess.Popen:
+    command = [str(BIN / "ddp-accel"), "ray", "--workers", "2", "--max-failures", str(max_failures), PROBE]
+    command += [*PROBE_ARGS, *args, "--output-dir", str(output_dir)]
+    return subprocess.Popen(command, env=env, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+
+
+def finish(driver: subprocess.Popen, timeout: float = 300) -> int | None:
+    try:
+        return driver.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(driver.pid, signal.SIGKILL)
+        return None
+
+
+@pytest.mark.multiprocess
+def test_a_killed_ray_worker_restarts_the_group_which_resumes_bitwise_and_a_user_error_is_not_retried(
+    ray_head, tmp_path
+):
+    output_dir, pids = tmp_path / "run", tmp_path / "pids"
+    log = tmp_path / "driver.log"
+    driver = ray_driver(ray_head, output_dir, "--pid-dir", str(pids), log=log)
+    try:
+        wait_for_checkpoint(output_dir, 5, timeout=180, alive=driver)
+        rank_1 = next(pids.glob("rank1.*"))
+        os.kill(int(rank_1.suffix[1:]), signal.SIGKILL)  # a worker process dies (out of memory, a bug in a library)
+        code = finish(driver)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == 0, text[-4000:]
+    assert len(list(pids.glob("rank*"))) == 4, sorted(p.name for p in pids.iterdir())  # one restart of both ranks
+    metrics = metrics_of(output_dir)
+    assert metrics["end_reason"] == "completed" and metrics["resumed_from"], metrics
+    assert metrics["engine"] == "ray (2 workers on 1 node)", metrics["engine"]
+    assert "ray: training completed" in text and "checkpoints/step_95" in text, text[-2000:]
+    assert (output_dir / "checkpoints" / "step_5").is_dir(), "Ray deleted none of our checkpoints"
+
+    reference = tmp_path / "reference"  # the same options under torchrun, uninterrupted
+    check_ok(launch("tests/probe.py", *PROBE_ARGS, "--output-dir", reference, launcher="torchrun"))
+    a, b = weights(reference), weights(output_dir)
+    assert all(torch.equal(a[key], b[key]) for key in a), "weights differ from the uninterrupted torchrun run"
+
+    # the same run folder with a model of another size: a user error the workers find (the checkpoint's identity),
+    # ended with its one line, without a retry (each start writes a pid file)
+    again, log = tmp_path / "pids_again", tmp_path / "mismatch.log"
+    code = finish(ray_driver(ray_head, output_dir, "--hidden", "32", "--pid-dir", str(again), max_failures=3, log=log))
+    text = log.read_text()
+    assert code == 2, text[-4000:]
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--hidden" in errors[0], text[-4000:]
+    assert len(list(again.glob("rank*"))) == 2, "a user error was retried"
+
+
+@pytest.mark.inprocess
+def test_the_driver_finds_bad_options_before_any_worker_starts(tmp_path, capsys):
+    started = time.monotonic()
+    assert ray_launch.main(["--workers", "2", PROBE, "--epochs", "1", "--bogus"]) == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert ray_launch.main(["--workers", "2", PROBE, "--output-dir", str(a_file)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: --output-dir {a_file} is a file")
+    assert ray_launch.main(["--workers", "0", PROBE]) == 2
+    assert "--workers must be at least 1" in capsys.readouterr().err
+    assert ray_launch.main(["--max-failures", "-1", PROBE]) == 2
+    assert "endless retries" in capsys.readouterr().err
+    assert time.monotonic() - started < 30  # nothing was started: no Ray, no worker
