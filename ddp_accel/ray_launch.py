@@ -230,7 +230,10 @@ def run(job: RayJob) -> int:
     _final_failures_policy()
     os.environ["RAY_CHDIR_TO_TRIAL_DIR"] = "0"  # relative paths of the command stay the driver's
     new_cluster = job.address is None and not os.environ.get("RAY_ADDRESS")
-    ray.init(address=job.address, **({"include_dashboard": False} if new_cluster else {}))
+    if new_cluster:
+        ray.init(include_dashboard=False)
+    else:
+        ray.init(address=job.address)
     workers: Any = job.workers if job.min_workers is None else (job.min_workers, job.workers)  # Ray 2.60: either
     resources = {"CPU": job.cpus_per_worker} | ({"GPU": job.gpus_per_worker} if job.gpus_per_worker else {})
     spec = asdict(job) | {"command": job.command(), "output_dir": str(output_dir)}
