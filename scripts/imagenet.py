@@ -50,8 +50,10 @@ from ddp_accel import (
     write_json,
 )
 from ddp_accel.vision import (
+    AUTO_AUGMENTS,
     IMAGENET_MEAN,
     IMAGENET_STD,
+    BatchMixing,
     DeviceNormalize,
     SyntheticImages,
     build_model,
@@ -61,6 +63,8 @@ from ddp_accel.vision import (
 
 # what shapes the model and the data: a resume must use the same (ddp_accel.identity)
 IDENTITY_OPTIONS = ("arch", "image_size", "augment", "mean", "std", "dummy", "dummy_classes", "sync_bn")
+RECIPE_OPTIONS = {"auto_augment": "none", "random_erasing": 0.0, "mixup_alpha": 0.0, "cutmix_alpha": 0.0}
+RECIPE_OPTIONS |= {"mix_prob": 1.0, "mix_switch_prob": 0.5}
 # what the validation images and so the predictions depend on: -e refuses weights trained with other values
 EVALUATION_OPTIONS = ("arch", "image_size", "augment", "mean", "std")
 # what the input means to weights fine-tuned (--pretrained FILE, --resume FILE.safetensors): another image size or
@@ -120,6 +124,20 @@ def parse_args(argv=None):
         default="imagenet",
         help="imagenet: RandomResizedCrop; cifar: pad-4 random crop (small images)",
     )
+    recipes = parser.add_argument_group("augmentation recipes (each draw seeded: exact across a resume)")
+    recipes.add_argument(
+        "--auto-augment",
+        choices=AUTO_AUGMENTS,
+        default="none",
+        help="RandAugment (2 ops, magnitude 9) or TrivialAugmentWide",
+    )
+    recipes.add_argument("--random-erasing", type=cli.probability, default=0.0, help="RandomErasing's probability")
+    recipes.add_argument("--mixup-alpha", type=cli.nonnegative, default=0.0, help="MixUp's Beta(a, a); 0: off")
+    recipes.add_argument("--cutmix-alpha", type=cli.nonnegative, default=0.0, help="CutMix's Beta(a, a); 0: off")
+    recipes.add_argument("--mix-prob", type=cli.probability, default=1.0, help="share of batches mixed")
+    recipes.add_argument(
+        "--mix-switch-prob", type=cli.probability, default=0.5, help="with both alphas: CutMix's share of mixed batches"
+    )
     parser.add_argument(
         "--mean", type=cli.number(float), nargs=3, default=list(IMAGENET_MEAN), help="per-channel normalisation"
     )
@@ -142,6 +160,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.resume and not args.resume.endswith(".safetensors"):
         args.resume_from_checkpoint = args.resume
+    if args.dummy and (args.auto_augment != "none" or args.random_erasing > 0):
+        parser.error("--auto-augment and --random-erasing change DATA_DIR's images; --dummy images have none to change")
     if not (args.list_archs or args.dummy or args.data):
         parser.error("give DATA_DIR (with train/ and val/), or --dummy for synthetic images")
     args.uint8 = args.normalize_on == "device" or args.normalize_on == "auto" and torch.cuda.is_available()
@@ -155,7 +175,17 @@ def datasets_for(args):
             SyntheticImages(10 * args.batch_size, args.image_size, args.dummy_classes, args.uint8),
             [str(i) for i in range(args.dummy_classes)],
         )
-    return image_folders(args.data, args.image_size, args.mean, args.std, args.augment, args.uint8, args.seed)
+    return image_folders(
+        args.data,
+        args.image_size,
+        args.mean,
+        args.std,
+        args.augment,
+        args.uint8,
+        args.seed,
+        args.auto_augment,
+        args.random_erasing,
+    )
 
 
 def loader(dataset, args, shuffle: bool) -> DataLoader:
@@ -196,6 +226,8 @@ def identity_of(args, accelerator, evaluation: bool = False) -> dict:
     if evaluation:
         return make_identity({key: getattr(args, key) for key in EVALUATION_OPTIONS})
     options = {key: getattr(args, key) for key in IDENTITY_OPTIONS}
+    # the recipes only when used: a run from before they existed resumes
+    options |= {key: getattr(args, key) for key, off in RECIPE_OPTIONS.items() if getattr(args, key) != off}
     sources = {"data": None if args.dummy else args.data}  # by content; an --output-dir inside it is not data
     return make_identity(options, sources, exclude=[args.output_dir], accelerator=accelerator)
 
@@ -276,11 +308,13 @@ def main(signals: StopSignals) -> None:
         model.parameters(), lr=config.lr, momentum=args.momentum, weight_decay=args.weight_decay
     )
 
+    mixing = BatchMixing(
+        len(classes), args.seed, args.mixup_alpha, args.cutmix_alpha, args.mix_prob, args.mix_switch_prob
+    )
+
     def loss_fn(model, batch):
-        images, targets = batch
-        return torch.nn.functional.cross_entropy(
-            model(model_input(images)), targets, label_smoothing=args.label_smoothing
-        )
+        images, targets = mixing(model_input(batch[0]), batch[1])  # soft targets when mixing
+        return torch.nn.functional.cross_entropy(model(images), targets, label_smoothing=args.label_smoothing)
 
     def schedule(optimizer, total_steps, steps_per_epoch):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, steps_per_epoch, total_steps))
@@ -305,10 +339,14 @@ def main(signals: StopSignals) -> None:
         "channels_last": args.channels_last,
         "batches": "uint8, normalised on the device" if args.uint8 else "float",
         "sync_bn_layers": sync_bn_layers,
+        "recipes": ", ".join(
+            f"{key} {getattr(args, key)}" for key, off in RECIPE_OPTIONS.items() if getattr(args, key) != off
+        )
+        or "none",
         "parameters": sum(p.numel() for p in model.parameters()),
     }
     record = RunRecord(title="imagenet", banner=banner, identity=identity_of(args, accelerator))
-    metrics = fit(accelerator, config, task, record, signals=signals)
+    metrics = fit(accelerator, config, task, record, signals=signals, callbacks=[mixing] if mixing.active else [])
     best = (config.best_metric or "eval_top1").removeprefix("eval_")
     accelerator.print(f"best {best} {metrics['best_' + best]:.4f}; model_best.safetensors in {config.output_dir}")
 

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from ddp_accel.metrics import classification_metrics, classification_values
 from ddp_accel.runtime import cpu_has_fast_bf16
+from ddp_accel.vision import BatchMixing
 from ddp_accel.vision.models import build_model
 
 SMALL = ["-a", "cifar_resnet20", "--image-size", "16", "--augment", "cifar", "-j", "0", "-b", "4", "--lr", "0.05"]
@@ -259,12 +260,19 @@ def test_two_processes_learn_real_cifar10_mini(tmp_path):
     assert metrics["best_top1"] > 0.4, metrics  # chance is 0.1; 48.8% measured (2 epochs: 38% after the first)
 
 
+RECIPES = {
+    "workers-1-then-2": ["--auto-augment", "trivialaugment", "--random-erasing", "0.5", "--mixup-alpha", "0.4"],
+    "main-process": ["--auto-augment", "randaugment", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0"],
+}
+
+
 @pytest.mark.parametrize("workers", [("1", "2"), ("0", "0")], ids=["workers-1-then-2", "main-process"])
 @pytest.mark.inprocess
-def test_resume_mid_epoch_with_augmentation_is_exact_with_another_worker_count(tmp_path, workers):
-    # random crops and flips: each sample's augmentation has a seed of its own (in workers the epoch's loader seed
-    # and its index; with -j 0 the run's seed, the epoch and the index), so neither the worker that gets it, nor a
-    # restart, nor the batches a resume skips without loading them change it
+def test_resume_mid_epoch_with_augmentation_is_exact_with_another_worker_count(tmp_path, workers, request):
+    # random crops and flips, RandAugment / TrivialAugment and random erasing: each sample's augmentation has a seed
+    # of its own (in workers the epoch's loader seed and its index; with -j 0 the run's seed, the epoch and the
+    # index), so neither the worker that gets it, nor a restart, nor the batches a resume skips without loading
+    # them change it; mixup / cutmix: each batch's draws from the run's seed and its position in training
     data = make_image_folder(tmp_path / "images", classes=3, train=8, val=2)  # 24 images: 6 steps an epoch
     args = [
         data,
@@ -282,6 +290,7 @@ def test_resume_mid_epoch_with_augmentation_is_exact_with_another_worker_count(t
         "3",
         "--checkpointing-steps",
         "4",
+        *RECIPES[request.node.callspec.id],
     ]
     check_ok(run_script("scripts/imagenet.py", *args, "-j", workers[0], "--output-dir", tmp_path / "full"))
     import shutil
@@ -381,3 +390,25 @@ def test_compiled_with_inductor_the_weights_load_into_the_bare_model_and_evaluat
     for name in ("model.safetensors", "model_best.safetensors"):
         check_ok(run_script("scripts/imagenet.py", *dummy, "-e", "--resume", out / name, "--output-dir", out))
     assert json.loads((out / "evaluate.json").read_text())["eval_samples"] > 0
+
+
+@pytest.mark.inprocess
+def test_each_batch_is_mixed_from_its_position_in_training_not_from_the_global_generator():
+    mixing = BatchMixing(num_classes=5, seed=3, mixup_alpha=0.4, cutmix_alpha=1.0)
+    images, targets = torch.rand(6, 3, 8, 8), torch.tensor([0, 1, 2, 3, 4, 0])
+
+    def mixed_at(step: int, micro_batch: int, global_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(global_seed)  # whatever the process drew before (dropout, another rank's history)
+        mixing.step, mixing.micro_batch = step, micro_batch
+        before = torch.random.get_rng_state()
+        result = mixing(images, targets)
+        assert torch.equal(torch.random.get_rng_state(), before), "the global generator is put back"
+        return result
+
+    first, again = mixed_at(7, 1, global_seed=0), mixed_at(7, 1, global_seed=123)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    assert torch.allclose(first[1].sum(1), torch.ones(6)) and not torch.equal(first[0], images)
+    others = [mixed_at(step, micro, 0)[1] for step, micro in ((7, 0), (8, 1), (9, 0))]
+    assert not all(torch.equal(first[1], other) for other in others), "each position draws anew"
+    unmixed = BatchMixing(num_classes=5, seed=3, mixup_alpha=0.4, probability=0.0)(images, targets)
+    assert torch.equal(unmixed[0], images) and torch.equal(unmixed[1].argmax(1), targets)

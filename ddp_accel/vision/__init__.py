@@ -1,6 +1,7 @@
 """Image classification: ImageFolder data, torchvision and CIFAR models, top-k metrics."""
 
 from ddp_accel.vision.data import (
+    AUTO_AUGMENTS,
     IMAGENET_MEAN,
     IMAGENET_STD,
     DeviceNormalize,
@@ -9,9 +10,12 @@ from ddp_accel.vision.data import (
     image_transforms,
     load_image,
 )
+from ddp_accel.vision.mixing import BatchMixing
 from ddp_accel.vision.models import build_model, list_archs
 
 __all__ = [
+    "AUTO_AUGMENTS",
+    "BatchMixing",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "DeviceNormalize",

@@ -163,13 +163,27 @@ def augmentation_seed(seed: int, epoch: int, index: int) -> Iterator[None]:
         torch.default_generator.set_state(state)
 
 
+AUTO_AUGMENTS = ("none", "randaugment", "trivialaugment")
+
+
 def image_transforms(
-    image_size: int, mean: Sequence[float], std: Sequence[float], augment: str, uint8: bool = False
+    image_size: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    augment: str,
+    uint8: bool = False,
+    auto_augment: str = "none",
+    random_erasing: float = 0.0,
 ) -> tuple[transforms.Compose, transforms.Compose]:
     """imagenet: RandomResizedCrop + flip / Resize(size/0.875) + CenterCrop (pytorch/examples).
     cifar: pad-4 RandomCrop + flip / the image as is (for 32x32 images, where a 0.08-scale crop destroys them).
+    auto_augment: RandAugment (2 ops, magnitude 9) or TrivialAugmentWide after the crop and flip; random_erasing:
+    the probability of RandomErasing on the tensor (timm's recipe). Every draw comes from the sample's own seed
+    (`augmentation_seed`), so these stay exact across a resume like the crop.
     uint8: the images stay bytes (4x less to collate, pin and copy); `DeviceNormalize` finishes the job."""
     normalize = [transforms.PILToTensor()] if uint8 else [transforms.ToTensor(), transforms.Normalize(mean, std)]
+    policy = {"randaugment": [transforms.RandAugment()], "trivialaugment": [transforms.TrivialAugmentWide()]}
+    erasing = [transforms.RandomErasing(p=random_erasing)] if random_erasing > 0 else []
     if augment == "cifar":
         train = [
             transforms.Resize(image_size),
@@ -180,7 +194,8 @@ def image_transforms(
     else:
         train = [transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip()]
         val = [transforms.Resize(round(image_size / 0.875)), transforms.CenterCrop(image_size)]
-    return transforms.Compose(train + normalize), transforms.Compose(val + normalize)
+    train += policy.get(auto_augment, [])
+    return transforms.Compose(train + normalize + erasing), transforms.Compose(val + normalize)
 
 
 def image_folders(
@@ -191,9 +206,13 @@ def image_folders(
     augment: str,
     uint8: bool = False,
     seed: int = 0,
+    auto_augment: str = "none",
+    random_erasing: float = 0.0,
 ) -> tuple[Dataset, Dataset, list[str]]:
     train_dir, val_dir = check_image_folder(data_dir)
-    train_transform, val_transform = image_transforms(image_size, mean, std, augment, uint8)
+    train_transform, val_transform = image_transforms(
+        image_size, mean, std, augment, uint8, auto_augment, random_erasing
+    )
     train = CheckedImageFolder(train_dir, train_transform, seed=seed)
     val = CheckedImageFolder(val_dir, val_transform, class_to_idx=train.class_to_idx)
     return train, val, train.classes

@@ -123,6 +123,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         '        if key in saved.get("options", {}) and saved["options"][key] != value',
         '        if key in saved.get("options", {}) and saved["options"][key] != value and False',
     ),
+    "mixing_draws_from_the_global_generator": (
+        "ddp_accel/vision/mixing.py",
+        "        torch.default_generator.manual_seed(((self.seed * 100_003 + step) * 1_009 + micro_batch) % 2**63)\n",
+        "",
+    ),
+    "ray_user_error_retried": (
+        "ddp_accel/ray_launch.py",
+        "            if _user_error_of(training_failed_error) is not None:",
+        "            if False:",
+    ),
 }
 
 
