@@ -51,6 +51,7 @@ class RayJob:
     gpus_per_worker: float = 0.0
     address: str | None = None  # None: RAY_ADDRESS, else a new local Ray instance
     max_failures: int = 3
+    start_timeout_s: float = 120.0  # a group that finds no room for its workers this long is one failed start
     cwd: str = field(default_factory=os.getcwd)
 
     def check(self) -> None:
@@ -65,6 +66,8 @@ class RayJob:
             raise UserError(f"--min-workers must be between 1 and --workers ({self.workers}), not {self.min_workers}")
         if self.cpus_per_worker <= 0 or self.gpus_per_worker < 0:
             raise UserError("--cpus-per-worker must be above 0 and --gpus-per-worker at least 0")
+        if self.start_timeout_s <= 0:
+            raise UserError(f"--start-timeout-s must be above 0, not {self.start_timeout_s}")
         if self.max_failures < 0:
             raise UserError(f"--max-failures must be at least 0, not {self.max_failures}: endless retries hide a fault")
         if not Path(self.script).is_file():
@@ -224,16 +227,18 @@ def run(job: RayJob) -> int:
     if isinstance(output_dir, int):
         return output_dir
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.v2.torch.torch_trainer import TorchTrainer
 
     _final_failures_policy()
     os.environ["RAY_CHDIR_TO_TRIAL_DIR"] = "0"  # relative paths of the command stay the driver's
     new_cluster = job.address is None and not os.environ.get("RAY_ADDRESS")
+    # read by Ray Train's controller, which runs on the cluster: the job's environment reaches it
+    runtime_env = {"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(job.start_timeout_s)}}
     if new_cluster:
-        ray.init(include_dashboard=False)
+        ray.init(include_dashboard=False, runtime_env=runtime_env)
     else:
-        ray.init(address=job.address)
+        ray.init(address=job.address, runtime_env=runtime_env)
     workers: Any = job.workers if job.min_workers is None else (job.min_workers, job.workers)  # Ray 2.60: either
     resources = {"CPU": job.cpus_per_worker} | ({"GPU": job.gpus_per_worker} if job.gpus_per_worker else {})
     spec = asdict(job) | {"command": job.command(), "output_dir": str(output_dir)}
@@ -247,7 +252,8 @@ def run(job: RayJob) -> int:
         run_config=RunConfig(
             name=output_dir.name,
             storage_path=str(output_dir.parent),
-            failure_config=FailureConfig(max_failures=job.max_failures),
+            # a start that finds no room (a node gone for good) is retried as often as a failure, not forever
+            failure_config=FailureConfig(max_failures=job.max_failures, controller_failure_limit=job.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=None),
         ),
     )
@@ -259,11 +265,35 @@ def run(job: RayJob) -> int:
         if line is not None:
             print(line if line.startswith("error:") else f"error: {line}", file=sys.stderr, flush=True)
             return USER_ERROR_EXIT_CODE
-        print(f"error: the run failed on Ray after {job.max_failures} restarts: {_first_line(error)}", file=sys.stderr)
+        print(_failure_line(job, output_dir, error), file=sys.stderr, flush=True)
         return 1
     checkpoint = result.checkpoint.path if result.checkpoint else "none (no --checkpointing-steps)"
     print(f"ray: training completed in {time.monotonic() - started:.0f} s; newest checkpoint {checkpoint}", flush=True)
     return 0
+
+
+def _failure_line(job: RayJob, output_dir: Path, error: BaseException) -> str:
+    """What failed, and what is kept: the newest checkpoint, which the same command resumes from."""
+    from ddp_accel.checkpoint import complete_checkpoints
+
+    checkpoints = complete_checkpoints(output_dir / "checkpoints")
+    kept = (
+        f"{checkpoints[-1]} is kept: the same command resumes from it"
+        if checkpoints
+        else "no checkpoint was saved (--checkpointing-steps)"
+    )
+    failure = getattr(error, "controller_failure", None)
+    if failure is not None and type(failure).__name__ == "WorkerGroupStartupTimeoutError":
+        resources = {"CPU": job.cpus_per_worker} | ({"GPU": job.gpus_per_worker} if job.gpus_per_worker else {})
+        return (
+            f"error: Ray found no room for {job.min_workers or job.workers} workers x {resources} within "
+            f"--start-timeout-s {job.start_timeout_s:g}, {job.max_failures + 1} times (a node gone for good, or a "
+            f"cluster too small); the steps since the newest checkpoint are lost; {kept}"
+        )
+    return (
+        f"error: the run failed on Ray after {job.max_failures} restarts ({_first_line(error)}); the steps since the "
+        f"newest checkpoint are lost; {kept}"
+    )
 
 
 def _first_line(error: BaseException) -> str:
@@ -281,6 +311,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None, help="the Ray cluster (default: RAY_ADDRESS, else a local Ray)")
     parser.add_argument(
         "--max-failures", type=int, default=3, help="group restarts after a failure (a user error: none)"
+    )
+    parser.add_argument(
+        "--start-timeout-s",
+        type=float,
+        default=120.0,
+        help="a group start that finds no room for its workers this long fails (and counts as a failure)",
     )
     parser.add_argument("script", help="the training script, e.g. scripts/imagenet.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its options, as for accelerate launch")

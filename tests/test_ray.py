@@ -132,3 +132,19 @@ def test_the_driver_finds_bad_options_before_any_worker_starts(tmp_path, capsys)
     assert ray_launch.main(["--max-failures", "-1", PROBE]) == 2
     assert "endless retries" in capsys.readouterr().err
     assert time.monotonic() - started < 30  # nothing was started: no Ray, no worker
+
+
+@pytest.mark.multiprocess
+def test_a_group_that_never_finds_room_ends_in_bounded_time_with_one_line(ray_head, tmp_path):
+    # 3 workers of 1 CPU on a 2-CPU cluster: what a node that never returns leaves; Ray would otherwise retry
+    # the start forever (its controller's failure limit is endless by default)
+    command = [str(BIN / "ddp-accel"), "ray", "--workers", "3", "--max-failures", "1", "--start-timeout-s", "5", PROBE]
+    started = time.monotonic()
+    result = subprocess.run([*command, *PROBE_ARGS, "--output-dir", str(tmp_path / "run")], env=ray_head, cwd=ROOT,
+                            capture_output=True, text=True, timeout=240)  # fmt: skip
+    took = time.monotonic() - started
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 1 and len(errors) == 1, (result.returncode, result.stderr[-3000:])
+    assert "Ray found no room for 3 workers x {'CPU': 1.0} within --start-timeout-s 5, 2 times" in errors[0], errors
+    assert "no checkpoint was saved" in errors[0], errors
+    assert took < 120, took
