@@ -126,7 +126,10 @@ def train_worker(spec: dict[str, Any]) -> None:
     if Path(spec["cwd"]).is_dir():  # a cluster whose nodes share the driver's folder; otherwise Ray's working_dir
         os.chdir(spec["cwd"])
     nodes = _nodes_of_the_group()
-    os.environ[ENGINE_VARIABLE] = f"ray ({size} workers on {nodes} node{'' if nodes == 1 else 's'})"
+    os.environ[ENGINE_VARIABLE] = (
+        f"ray ({size} workers on {nodes} node{'' if nodes == 1 else 's'}; SIGTERM/SIGUSR1 forwarded from each "
+        "worker's main thread to the training thread)"
+    )
     error_file = Path(tempfile.mkdtemp(prefix="ddp_accel_ray_")) / "error.json"
     os.environ["TORCHELASTIC_ERROR_FILE"] = str(error_file)  # where run_main writes the one line of a user error
     sys.argv = [spec["script"], *spec["command"]]
@@ -142,8 +145,14 @@ def train_worker(spec: dict[str, Any]) -> None:
     if code not in (0, None):
         raise RuntimeError(f"rank {rank}: the script exited with status {code}" + (f": {message}" if message else ""))
     output_dir = Path(spec["output_dir"])
-    metrics_file = output_dir / "metrics.json"
-    if not metrics_file.is_file():  # a stop before the end (a peer's preemption): the group restarts and resumes
+    metrics_file, marker = output_dir / "metrics.json", output_dir / "preempted.json"
+    if not metrics_file.is_file() and marker.is_file():  # saved at an agreed step: restart, resume from it
+        facts = json.loads(marker.read_text())
+        raise RuntimeError(
+            f"rank {rank}: stopped by {facts.get('signal')} in phase {facts.get('phase')} and saved; the group "
+            "restarts and resumes from the saved step"
+        )
+    if not metrics_file.is_file():
         raise RuntimeError(f"rank {rank}: the script stopped before the end of training ({output_dir} has no metrics)")
     _report_to_ray(output_dir, json.loads(metrics_file.read_text()))
 
@@ -208,8 +217,11 @@ def _backend_config(cpu: bool) -> Any:
             address, port = worker_group.execute_single(0, get_address_and_port)
 
             def set_variables(address: str, port: int) -> None:
+                from ddp_accel.stopping import forward_stop_signals
+
                 os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
                 _set_torch_distributed_env_vars()
+                forward_stop_signals()  # an actor's task runs on the main thread: the script's thread cannot
 
             worker_group.execute(set_variables, address=address, port=port)
 

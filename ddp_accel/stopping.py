@@ -158,7 +158,10 @@ class StopSignals:
                 continue  # nohup: the user asked to outlive the terminal
             try:
                 self._previous[signum] = signal.signal(signum, self._handle)
-            except ValueError:  # not the main thread (e.g. a debug launcher): no handler, no preemption stop
+            except ValueError:  # not the main thread: an engine's forwarder (Ray Train), else no preemption stop
+                if _forwarded_from_main_thread.installed:
+                    StopSignals.current = self
+                    self.received = self.received or _forwarded_from_main_thread.received
                 return self
         StopSignals.current = self
         # the scripts block these signals before their imports: one that came meanwhile is handled now
@@ -179,7 +182,10 @@ class StopSignals:
         self.uninstall()
 
     def enter(self, phase: Phase) -> None:
-        self.phase = Phase(phase)
+        phase = Phase(phase)
+        if self.phase is Phase.STARTUP and phase is Phase.TRAIN and self.received and self.output_dir is not None:
+            self.stop_before_training()  # a signal forwarded during startup (the handler could not raise here)
+        self.phase = phase
 
     @property
     def name(self) -> str | None:
@@ -208,6 +214,36 @@ class StopSignals:
         if self.output_dir is not None:
             facts.write(self.output_dir)
         raise Preempted(facts)
+
+
+class _Forwarder:
+    """Preemption signals caught on a process's main thread for a script that runs in another thread (Ray Train
+    runs the training function in a thread of each worker, where `signal.signal` cannot be used): the handler only
+    records the signal in the script's StopSignals, which acts on it at its next check (the next step's agreement;
+    during startup, when training would begin), as a handler of its own does."""
+
+    def __init__(self) -> None:
+        self.installed = False
+        self.received: int | None = None
+
+    def install(self) -> None:
+        for signum in PREEMPTION_SIGNALS:
+            signal.signal(signum, self._record)
+        self.installed = True
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        self.received = self.received or signum
+        current = StopSignals.current
+        if current is not None:
+            current.received = current.received or signum
+
+
+_forwarded_from_main_thread = _Forwarder()
+
+
+def forward_stop_signals() -> None:
+    """Call on the main thread of a process whose script will run in another thread (see `_Forwarder`)."""
+    _forwarded_from_main_thread.install()
 
 
 def shutdown_grace_s() -> float | None:

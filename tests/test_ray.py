@@ -5,6 +5,7 @@ every Ray on the machine), with its own temp dir and HOME (Ray writes its auth t
 is off: the node listens on loopback only."""
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -70,6 +71,12 @@ def ray_driver(env: dict, output_dir: Path, *args: str, max_failures: int = 1, l
                             start_new_session=True)  # fmt: skip
 
 
+def pid_of(pids: Path, rank: int, start: int) -> int:
+    """The process of `rank` in the group's `start`-th start (0: the first), from the probe's pid files."""
+    files = sorted(pids.glob(f"rank{rank}.*"), key=lambda path: path.stat().st_mtime_ns)
+    return int(files[start].suffix[1:])
+
+
 def finish(driver: subprocess.Popen, timeout: float = 300) -> int | None:
     try:
         return driver.wait(timeout=timeout)
@@ -79,26 +86,33 @@ def finish(driver: subprocess.Popen, timeout: float = 300) -> int | None:
 
 
 @pytest.mark.multiprocess
-def test_a_killed_ray_worker_restarts_the_group_which_resumes_bitwise_and_a_user_error_is_not_retried(
+def test_a_signalled_then_a_killed_ray_worker_restart_the_group_which_resumes_bitwise_and_a_user_error_is_final(
     ray_head, tmp_path
 ):
     output_dir, pids = tmp_path / "run", tmp_path / "pids"
     log = tmp_path / "driver.log"
-    driver = ray_driver(ray_head, output_dir, "--pid-dir", str(pids), log=log)
+    driver = ray_driver(ray_head, output_dir, "--pid-dir", str(pids), max_failures=2, log=log)
     try:
+        # SIGTERM to rank 0's process (a pod eviction): the ranks agree on a step, save it and the group restarts
         wait_for_checkpoint(output_dir, 5, timeout=180, alive=driver)
-        rank_1 = next(pids.glob("rank1.*"))
-        os.kill(int(rank_1.suffix[1:]), signal.SIGKILL)  # a worker process dies (out of memory, a bug in a library)
+        os.kill(pid_of(pids, rank=0, start=0), signal.SIGTERM)
+        wait_for(lambda: (output_dir / "preempted.json").is_file(), timeout=60, alive=driver, what="preempted.json")
+        stopped = json.loads((output_dir / "preempted.json").read_text())
+        # then SIGKILL of rank 1's process in the restarted group (out of memory, a crash in a library)
+        wait_for(lambda: len(list(pids.glob("rank*"))) == 4, timeout=120, alive=driver, what="the restarted group")
+        wait_for_checkpoint(output_dir, 60, timeout=180, alive=driver)
+        os.kill(pid_of(pids, rank=1, start=1), signal.SIGKILL)
         code = finish(driver)
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
     text = log.read_text()
     assert code == 0, text[-4000:]
-    assert len(list(pids.glob("rank*"))) == 4, sorted(p.name for p in pids.iterdir())  # one restart of both ranks
+    assert stopped["signal"] == "SIGTERM" and stopped["phase"] == "train", stopped
+    assert len(list(pids.glob("rank*"))) == 6, sorted(p.name for p in pids.iterdir())  # two restarts of both ranks
     metrics = metrics_of(output_dir)
     assert metrics["end_reason"] == "completed" and metrics["resumed_from"], metrics
-    assert metrics["engine"] == "ray (2 workers on 1 node)", metrics["engine"]
+    assert metrics["engine"].startswith("ray (2 workers on 1 node; SIGTERM/SIGUSR1 forwarded"), metrics["engine"]
     assert "ray: training completed" in text and "checkpoints/step_95" in text, text[-2000:]
     assert (output_dir / "checkpoints" / "step_5").is_dir(), "Ray deleted none of our checkpoints"
 
