@@ -123,10 +123,18 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--timeout-s", type=positive, default=30.0, help="how long to wait for the others")
     doctor.add_argument("--megabytes", type=positive_int, default=64, help="the all-reduce that measures bandwidth")
     doctor.add_argument("--data", help="a data file or folder: is it the same on every machine")
+    commands.add_parser(
+        "launch", help="accelerate launch whose wait for the other machines speaks and ends: ddp-accel launch --help"
+    )
     ray = commands.add_parser("ray", help="run a training script on a Ray cluster (Ray Train): ddp-accel ray --help")
     from ddp_accel.ray_launch import add_arguments
 
     add_arguments(ray)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"]:  # accelerate launch's arguments pass through as they are
+        from ddp_accel.launch import main as launch_main
+
+        return launch_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "ray":
         from ddp_accel.ray_launch import RayJob, run_job

@@ -1,7 +1,10 @@
-"""accelerate_configs/multi_node.yaml as 2 machines on one host: two `accelerate launch --machine_rank 0|1`."""
+"""accelerate_configs/multi_node.yaml as 2 machines on one host: two `accelerate launch --machine_rank 0|1` (or
+`ddp-accel launch`, which watches the wait for the other machines)."""
 
 import re
+import signal
 import socket
+import subprocess
 import time
 
 import pytest
@@ -26,9 +29,12 @@ def test_two_machines_on_one_host(tmp_path, rdzv_backend, per_machine):
     port = free_port()
     machines = []
     for machine_rank in (0, 1):
+        # static: through `ddp-accel launch` (the same accelerate launch, its wait watched)
+        launcher = (
+            [str(BIN / "ddp-accel"), "launch"] if rdzv_backend == "static" else [str(BIN / "accelerate"), "launch"]
+        )
         command = [
-            str(BIN / "accelerate"),
-            "launch",
+            *launcher,
             "--config_file",
             str(MULTI_NODE_YAML),
             "--machine_rank",
@@ -76,3 +82,53 @@ def test_machines_that_disagree_on_the_number_of_processes_are_refused_on_every_
         errors = [line for line in out.splitlines() if line.startswith("error: the machines run different numbers")]
         assert errors and "machine 0: 1, machine 1: 2; world size 3" in errors[0], out[-3000:]
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def launch_alone(machine_rank: int, port: int, tmp_path, *extra: str):
+    command = [str(BIN / "ddp-accel"), "launch", "--join-timeout-s", "12", "--wait-report-s", "4", *extra]
+    command += ["--config_file", str(MULTI_NODE_YAML), "--machine_rank", str(machine_rank), "--main_process_ip"]
+    command += ["127.0.0.1", "--main_process_port", str(port), "scripts/minimal.py", "--output-dir", str(tmp_path)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            start_new_session=True)  # fmt: skip
+
+
+@pytest.mark.multiprocess
+def test_a_machine_alone_says_what_it_waits_for_ends_at_the_bound_and_stops_on_ctrl_c(tmp_path):
+    # accelerate launch alone waited in silence for 15 minutes (torch's rendezvous) and ignored Ctrl-C
+    first, second = free_port(), free_port()
+    started = time.monotonic()
+    machine_0 = launch_alone(0, first, tmp_path / "a")  # the other machine never comes
+    machine_1 = launch_alone(1, second, tmp_path / "b")  # machine 0 never comes: nothing listens at its port
+    lines_1 = []
+    for line in machine_1.stdout:  # the first report comes within seconds
+        lines_1.append(line)
+        if line.startswith("ddp-accel launch: machine 1 of 2 waiting"):
+            break
+    said_s = time.monotonic() - started
+    machine_1.send_signal(signal.SIGINT)  # Ctrl-C
+    out_1, _ = machine_1.communicate(timeout=30)
+    stopped_s = time.monotonic() - started
+    out_0, _ = machine_0.communicate(timeout=60)
+    ended_s = time.monotonic() - started
+    assert f"nothing answers at 127.0.0.1:{second}: machine 0 is not started yet" in lines_1[-1], lines_1
+    assert machine_1.returncode == 130 and "stopped while machine 1 of 2 waited" in out_1, out_1[-2000:]
+    assert machine_0.returncode == 1, out_0[-3000:]
+    reports = [line for line in out_0.splitlines() if line.startswith("ddp-accel launch: machine 0 of 2 waiting")]
+    errors = [line for line in out_0.splitlines() if line.startswith("error:")]
+    assert len(reports) >= 2 and f"listening on port {first}" in reports[0], out_0[-3000:]
+    assert len(errors) == 1 and f"the group did not form at 127.0.0.1:{first} within --join-timeout-s 12" in errors[0]
+    assert said_s < 30 and stopped_s < said_s + 15 and ended_s < 60, (said_s, stopped_s, ended_s)
+    for port in (first, second):  # the launchers and their agents are gone: nothing holds the ports
+        with socket.socket() as sock:
+            assert sock.connect_ex(("127.0.0.1", port)) != 0, port
+
+
+@pytest.mark.inprocess
+def test_a_machine_rank_or_process_count_the_config_cannot_form_is_one_line(capsys):
+    from ddp_accel import launch
+
+    base = ["--config_file", str(MULTI_NODE_YAML), "scripts/minimal.py"]
+    assert launch.main(["--machine_rank", "2", *base]) == 2
+    assert "--machine_rank 2 cannot join a group of 2 machines" in capsys.readouterr().err
+    assert launch.main(["--num_processes", "3", *base]) == 2
+    assert "num_processes 3 is not a multiple of num_machines 2" in capsys.readouterr().err
