@@ -34,6 +34,11 @@ class TrainConfig:
     lr: float = option(1e-3, "peak learning rate", type=positive)
     seed: int = option(0, "model initialisation and data order", type=seed_value)
     gradient_accumulation_steps: int = option(1, type=positive_int)
+    auto_batch_size: bool = option(
+        False,
+        "per process, the largest divisor of --batch-size that fits in memory (tried before training); the global "
+        "batch is kept by accumulating more",
+    )
     max_grad_norm: float | None = option(None, "clip gradients to this norm", type=positive)
     checkpointing_steps: int | str | None = option(None, "N or 'epoch'", type=checkpointing_steps)
     checkpoint_limit: int | None = option(None, "keep only the newest K", type=positive_int)

@@ -15,6 +15,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from ddp_accel import loaders
+from ddp_accel.batch_size import find_micro_batch, with_batch_size
 from ddp_accel.callbacks import BestModel, Callback, Callbacks, ProgressBar, Trackers
 from ddp_accel.checkpoint import Checkpoints, model_fingerprint, optimizer_fingerprint
 from ddp_accel.config import TrainConfig, every
@@ -86,8 +87,17 @@ class TrainingRun:
         self.identity = RunIdentity(
             model_fingerprint(task.model), record.identity, optimizer_fingerprint(task.optimizer)
         )
+        self.micro_batch, self.accumulation = config.batch_size, config.gradient_accumulation_steps
+        if config.auto_batch_size:  # before prepare: the loader is rebuilt with the size that fits
+            self.micro_batch = find_micro_batch(
+                accelerator, task.model, task.loss_fn, task.train_loader, config.batch_size
+            )
+            if self.micro_batch != config.batch_size:
+                task.train_loader = with_batch_size(task.train_loader, self.micro_batch)
+                self.accumulation *= config.batch_size // self.micro_batch
+                accelerator.gradient_accumulation_steps = self.accumulation
         self.state = TrainState(
-            global_batch=config.batch_size * accelerator.num_processes,
+            global_batch=self.micro_batch * accelerator.num_processes,
             world_size=accelerator.num_processes,
             epoch_samples=epoch_samples(task.train_loader),
         )
@@ -102,7 +112,6 @@ class TrainingRun:
         )
         self.eval_loader: Any = accelerator.prepare(task.eval_loader) if task.eval_loader is not None else None
         self.test_loader: Any = accelerator.prepare(task.test_loader) if task.test_loader is not None else None
-        self.accumulation = config.gradient_accumulation_steps
         self.steps_per_epoch = math.ceil(len(self.train_loader) / self.accumulation)
         self.total_steps = int(min(config.epochs * self.steps_per_epoch, config.max_steps or math.inf))
         self.scheduler: Any = (
@@ -151,7 +160,7 @@ class TrainingRun:
         print_banner(
             self.accelerator,
             self.record.title,
-            batch_size=self.config.batch_size,
+            batch_size=self.micro_batch,
             accumulation=self.accumulation,
             steps_per_epoch=self.steps_per_epoch,
             total_steps=self.total_steps,
@@ -190,7 +199,7 @@ class TrainingRun:
         """On several processes an epoch's last round is filled up with samples from its start (Accelerate's
         even_batches), so that every process steps together: said in the banner, as it makes 1 x 2B and 2 x B
         differ in each epoch's last step."""
-        per_round = self.config.batch_size * self.accelerator.num_processes
+        per_round = self.micro_batch * self.accelerator.num_processes
         padding = padded_samples(self.state.epoch_samples, per_round, self.accelerator.num_processes)
         if not padding:
             return {}
@@ -441,7 +450,12 @@ class TrainingRun:
             ),
             **self.step.meter.summary(),
             "wall_time_s": time.perf_counter() - self.wall_start,
-            **topology(self.accelerator, self.config.batch_size, self.accumulation),
+            **topology(self.accelerator, self.micro_batch, self.accumulation),
+            **(
+                {"auto_batch_size": f"{self.config.batch_size} asked, {self.micro_batch} fits"}
+                if self.config.auto_batch_size
+                else {}
+            ),
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             **({"best_" + best.removeprefix("eval_"): state.best_metric} if best else {}),
             **self.record.extra_metrics,

@@ -119,6 +119,7 @@ def main(signals: StopSignals | None = None) -> None:
     parser.add_argument("--hang-at-sample", type=int, help="reading this training sample blocks forever, once")
     parser.add_argument("--linger-s", type=float, default=0, help="stay this long after training (a signal may come)")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    parser.add_argument("--oom-above", type=int, help="a batch of more samples fails as out of memory does")
     parser.add_argument("--pid-dir", help="each process writes rank<R>.<pid> here at start (the fault tests' target)")
     parser.add_argument("--crash-at-step", type=int, help="rank 1 (or the only one) raises after this step: a bug")
     args = parser.parse_args()
@@ -159,6 +160,8 @@ def main(signals: StopSignals | None = None) -> None:
 
     def loss_fn(model, batch):
         ids, x, y = batch
+        if args.oom_above and len(ids) > args.oom_above:  # what a GPU says when the batch does not fit
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (probe --oom-above)")
         seen.append(ids.tolist())
         time.sleep(args.step_ms / 1000)
         return torch.nn.functional.cross_entropy(model(x), y)

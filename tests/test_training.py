@@ -1,6 +1,7 @@
 """The ddp_accel loop, run for real on 1 and 2 CPU processes (gloo) through tests/probe.py."""
 
 import json
+import re
 import shutil
 import subprocess
 
@@ -476,3 +477,21 @@ def test_ema_early_stopping_and_a_profiler_window_resume_bitwise_and_say_what_th
     assert_clean_error(result, "--early-stopping-patience needs an evaluation to watch", "--best-metric")
     result = run_script(PROBE, "--output-dir", tmp_path / "past", "--profile-steps", "3:600")
     assert_clean_error(result, "--profile-steps 3:600 ends past this run's 2 steps")
+
+
+@pytest.mark.inprocess
+def test_auto_batch_size_keeps_the_global_batch_and_trains_as_the_explicit_accumulation(tmp_path, monkeypatch):
+    # --batch-size 12 where only 4 samples fit (an injected out-of-memory error above 4): the trial goes 12, 6, 4,
+    # then trains micro-batches of 4 accumulated 3 times, as --batch-size 4 --gradient-accumulation-steps 3 does
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    common = ["--epochs", "2", "--train-size", "48", "--dropout", "0.3"]
+    output = probe(tmp_path / "auto", *common, "--batch-size", 12, "--auto-batch-size", "--oom-above", 4, nproc=1)
+    probe(tmp_path / "explicit", *common, "--batch-size", 4, "--gradient-accumulation-steps", 3, nproc=1)
+    assert re.search(
+        r"batch_size_per_process\s+4\n\s+gradient_accumulation_steps\s+3\n\s+global_batch_size\s+12", output
+    )
+    auto, explicit = metrics_of(tmp_path / "auto"), metrics_of(tmp_path / "explicit")
+    assert auto["auto_batch_size"] == "12 asked, 4 fits" and auto["steps"] == explicit["steps"] == 8, auto
+    assert_same_weights(tmp_path / "auto", tmp_path / "explicit")  # bitwise: the trial changed nothing
+    fitting = probe(tmp_path / "fits", *common, "--batch-size", 4, "--auto-batch-size", "--oom-above", 4, nproc=1)
+    assert re.search(r"batch_size_per_process\s+4\n\s+gradient_accumulation_steps\s+1", fitting)

@@ -52,7 +52,7 @@ class BatchMixing(Callback):
         return self.mix is not None
 
     def on_start(self, run: TrainingRun) -> None:
-        self._run = run
+        self._run, self.step, self.micro_batch = run, run.state.step, 0  # a trial batch (--auto-batch-size) before
 
     def position(self) -> tuple[int, int]:
         """(optimizer step, micro-batch within it) of the batch about to be mixed."""
