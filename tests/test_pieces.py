@@ -385,20 +385,30 @@ def test_a_child_forked_from_a_training_process_leaves_ctrl_c_to_its_parent():
         os.waitpid(pid, 0)
         return os.read(read, 16).decode()
 
-    with StopSignals():
-        assert forked_child_sigint() == "ignored"
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the parent still takes Ctrl-C
-    assert forked_child_sigint() == "handled"  # outside a training process nothing changes
+    # from a terminal's state: a background job of a shell (`cmd &`) starts with Ctrl-C ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with StopSignals():
+            assert forked_child_sigint() == "ignored"
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the parent still takes Ctrl-C
+        assert forked_child_sigint() == "handled"  # outside a training process nothing changes
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_a_closed_terminal_sighup_stops_like_a_preemption_unless_started_under_nohup():
     from ddp_accel import StopSignals
 
-    # to this thread: a signal to the process may go to another thread of pytest's, and its handler run later
-    with StopSignals() as signals:
-        signals.enter(Phase.TRAIN)
-        signal.pthread_kill(threading.get_ident(), signal.SIGHUP)
-        assert signals.received == signal.SIGHUP  # the loop's agreement saves and stops at the next step
+    # from a terminal's state (the suite itself may run under nohup); to this thread: a signal to the process may
+    # go to another thread of pytest's, and its handler run later
+    inherited = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        with StopSignals() as signals:
+            signals.enter(Phase.TRAIN)
+            signal.pthread_kill(threading.get_ident(), signal.SIGHUP)
+            assert signals.received == signal.SIGHUP  # the loop's agreement saves and stops at the next step
+    finally:
+        signal.signal(signal.SIGHUP, inherited)
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does
     try:
         with StopSignals() as signals:
