@@ -220,7 +220,8 @@ def main(argv: list[str]) -> int:
     """Its own two options (anywhere before the script); everything else is accelerate launch's, in order."""
     parser = ArgumentParser(
         prog="ddp-accel launch",
-        description=__doc__.splitlines()[0],
+        description="accelerate launch with the same arguments, whose wait for the other machines is said, bounded "
+        "and stopped by Ctrl-C",
         epilog="Every other argument is accelerate launch's (accelerate launch --help), then the script and its own.",
         allow_abbrev=False,
     )
