@@ -34,6 +34,20 @@ class TrainConfig:
     lr: float = option(1e-3, "peak learning rate", type=positive)
     seed: int = option(0, "model initialisation and data order", type=seed_value)
     gradient_accumulation_steps: int = option(1, type=positive_int)
+    lr_schedule: str | None = option(
+        None,
+        "the learning-rate schedule, after a linear warm-up of --warmup-epochs: constant; step (x --lr-gamma every "
+        "--lr-step-epochs); multistep (x --lr-gamma at each of --lr-milestones); cosine (down to --min-lr); "
+        "onecycle (up from --lr/25, then cosine down); plateau (x --lr-gamma after --plateau-patience evaluations "
+        "without improvement of --best-metric). Default: the script's own",
+        choices=["constant", "step", "multistep", "cosine", "onecycle", "plateau"],
+    )
+    warmup_epochs: float = option(0.0, "--lr-schedule: linear warm-up from 0 over this many epochs", type=nonnegative)
+    min_lr: float = option(0.0, "cosine, onecycle: the learning rate at the end", type=nonnegative)
+    lr_gamma: float = option(0.1, "step, multistep, plateau: the factor of each decay", type=positive)
+    lr_step_epochs: int = option(30, "step: a decay every this many epochs", type=positive_int)
+    lr_milestones: list[int] | None = option(None, "multistep: the epochs of the decays", type=positive_int, nargs="+")
+    plateau_patience: int = option(2, "plateau: evaluations without improvement before a decay", type=positive_int)
     auto_batch_size: bool = option(
         False,
         "per process, the largest divisor of --batch-size that fits in memory (tried before training); the global "

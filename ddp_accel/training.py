@@ -28,6 +28,7 @@ from ddp_accel.plots import plot_history
 from ddp_accel.profiling import ProfilerWindow
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.runtime import lost_peers, print_banner, topology
+from ddp_accel.schedules import PlateauFeed, check_schedule, make_schedule
 from ddp_accel.state import RunIdentity, TrainState
 from ddp_accel.stopping import Phase, Preempted, SaveGrace, StepAgreement, StopFacts, StopSignals, Verdict
 from ddp_accel.task import RunRecord, Task
@@ -114,12 +115,16 @@ class TrainingRun:
         self.test_loader: Any = accelerator.prepare(task.test_loader) if task.test_loader is not None else None
         self.steps_per_epoch = math.ceil(len(self.train_loader) / self.accumulation)
         self.total_steps = int(min(config.epochs * self.steps_per_epoch, config.max_steps or math.inf))
-        self.scheduler: Any = (
-            accelerator.prepare(task.make_scheduler(self.optimizer, self.total_steps, self.steps_per_epoch))
-            if task.make_scheduler
-            else None
-        )
         self.best_metric = config.best_metric or task.best_metric  # --best-metric, else the script's
+        schedule_feed: list[Callback] = []
+        if config.lr_schedule:  # the shared schedule replaces the script's own
+            check_schedule(config, self.best_metric, task.eval_loader is not None)
+            scheduler, schedule = make_schedule(config, self.optimizer, self.total_steps, self.steps_per_epoch)
+            if config.lr_schedule == "plateau" and self.best_metric:
+                schedule_feed.append(PlateauFeed(schedule, self.best_metric))
+        elif task.make_scheduler:
+            scheduler = task.make_scheduler(self.optimizer, self.total_steps, self.steps_per_epoch)
+        self.scheduler: Any = accelerator.prepare(scheduler) if config.lr_schedule or task.make_scheduler else None
         if config.early_stopping_patience and (task.eval_loader is None or not self.best_metric):
             raise UserError(
                 "--early-stopping-patience needs an evaluation to watch: an eval loader and a metric (--best-metric, "
@@ -131,6 +136,7 @@ class TrainingRun:
         profiler = [ProfilerWindow(*config.profile_steps)] if config.profile_steps else []  # off: no callback
         self.callbacks = Callbacks(
             [ProgressBar(), Trackers(), *([self.ema] if self.ema else []), BestModel(self.best_metric), *profiler]
+            + schedule_feed
             + list(callbacks)
         )
         self.agreement = StepAgreement(accelerator)

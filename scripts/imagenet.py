@@ -19,7 +19,6 @@ if __name__ == "__main__":
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
 
 import argparse
-import math
 import os
 from pathlib import Path
 
@@ -104,16 +103,6 @@ def parse_args(argv=None):
         "--sync-bn", action="store_true", help="SyncBatchNorm across processes (GPUs, and CPU processes over gloo)"
     )
     parser.add_argument(
-        "--lr-schedule",
-        choices=["step", "cosine"],
-        default="step",
-        help="step: x0.1 every --lr-step-epochs (main.py); cosine: to 0 at the end",
-    )
-    parser.add_argument(
-        "--lr-step-epochs", type=cli.positive_int, default=30, help="step schedule: x0.1 every this many epochs"
-    )
-    parser.add_argument("--warmup-epochs", type=cli.nonnegative, default=0.0, help="linear warmup from 0")
-    parser.add_argument(
         "--label-smoothing", type=cli.probability, default=0.0, help="share of the target spread over all classes"
     )
     parser.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster convs on GPUs)")
@@ -156,7 +145,10 @@ def parse_args(argv=None):
         action="store_true",
         help="deterministic cuDNN/cuBLAS kernels (bitwise-repeatable GPU runs, somewhat slower)",
     )
-    parser.set_defaults(output_dir="outputs/imagenet", epochs=90, batch_size=32, lr=0.1, log_steps=10)
+    # --lr-schedule (shared): main.py's x0.1 every 30 epochs
+    parser.set_defaults(
+        output_dir="outputs/imagenet", epochs=90, batch_size=32, lr=0.1, log_steps=10, lr_schedule="step"
+    )
     args = parser.parse_args(argv)
     if args.resume and not args.resume.endswith(".safetensors"):
         args.resume_from_checkpoint = args.resume
@@ -206,19 +198,6 @@ def make_eval_fn(model_input: DeviceNormalize):
         return classification_values(model(model_input(images)), targets, topk=(1, 5), per_class=True)
 
     return eval_fn
-
-
-def lr_lambda(args, steps_per_epoch: int, total_steps: int):
-    warmup = args.warmup_epochs * steps_per_epoch
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if args.lr_schedule == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
-        return 0.1 ** (step // (args.lr_step_epochs * steps_per_epoch))
-
-    return factor
 
 
 def identity_of(args, accelerator, evaluation: bool = False) -> dict:
@@ -316,9 +295,6 @@ def main(signals: StopSignals) -> None:
         images, targets = mixing(model_input(batch[0]), batch[1])  # soft targets when mixing
         return torch.nn.functional.cross_entropy(model(images), targets, label_smoothing=args.label_smoothing)
 
-    def schedule(optimizer, total_steps, steps_per_epoch):
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, steps_per_epoch, total_steps))
-
     task = Task(
         model,
         optimizer,
@@ -327,7 +303,6 @@ def main(signals: StopSignals) -> None:
         eval_loader=loader(val_set, args, False),
         eval_fn=eval_fn,
         metrics_fn=metrics_fn,
-        make_scheduler=schedule,
         best_metric="eval_top1",  # model_best.safetensors, and best_top1 in metrics.json
     )
     banner = {

@@ -439,3 +439,49 @@ def test_mixed_precision_auto_takes_bf16_only_where_it_is_fast(monkeypatch):
     assert runtime.resolve_mixed_precision("auto", cpu=True)[0] == "bf16"
     assert runtime.resolve_mixed_precision("bf16", cpu=True) == ("bf16", "")  # asked for: kept (the banner warns)
     assert runtime.resolve_mixed_precision(None, cpu=True) == (None, "")  # the accelerate config decides
+
+
+def test_each_lr_schedule_has_its_shape_and_the_image_scripts_schedules_are_unchanged():
+    import math
+
+    from ddp_accel import TrainConfig
+    from ddp_accel.schedules import LearningRateSchedule
+
+    def factors(steps=range(0, 101), **options):
+        schedule = LearningRateSchedule(TrainConfig(lr=0.1, **options), total_steps=100, steps_per_epoch=10)
+        return [schedule(step) for step in steps]
+
+    step = factors(lr_schedule="step", lr_step_epochs=3)
+    assert step[29] == 1 and step[30] == pytest.approx(0.1) and step[60] == pytest.approx(0.01)
+    multistep = factors(lr_schedule="multistep", lr_milestones=[5, 2], lr_gamma=0.5)
+    assert multistep[19] == 1 and multistep[20] == 0.5 and multistep[49] == 0.5 and multistep[50] == 0.25
+    cosine = factors(lr_schedule="cosine", min_lr=0.01)
+    assert cosine[0] == 1 and cosine[100] == pytest.approx(0.1) and cosine[50] == pytest.approx(0.55)
+    onecycle = factors(lr_schedule="onecycle", min_lr=0.001)
+    assert onecycle[0] == pytest.approx(1 / 25) and onecycle[30] == 1 and onecycle[100] == pytest.approx(0.01)
+    assert max(onecycle) == 1 and onecycle.index(1) == 30  # 30% of the steps up, then down
+    warm = factors(lr_schedule="constant", warmup_epochs=0.5)
+    assert warm[0] == pytest.approx(1 / 5) and warm[4] == 1 and warm[50] == 1
+
+    # imagenet.py's own schedules before they became the shared ones, bit for bit
+    for name, warmup_epochs in (("step", 0.0), ("step", 1.5), ("cosine", 0.0), ("cosine", 1.0)):
+        warmup = warmup_epochs * 10
+
+        def before(step, name=name, warmup=warmup):
+            if step < warmup:
+                return (step + 1) / warmup
+            if name == "cosine":
+                return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, 100 - warmup)))
+            return 0.1 ** (step // (3 * 10))
+
+        now = factors(lr_schedule=name, warmup_epochs=warmup_epochs, lr_step_epochs=3)
+        assert now == [before(step) for step in range(0, 101)], (name, warmup_epochs)
+
+    plateau = LearningRateSchedule(TrainConfig(lr_schedule="plateau", plateau_patience=2), 100, 10)
+    for loss in (1.0, 0.9, 0.95, 0.92, 0.91, 0.99):  # lower is better for a loss
+        plateau.observe("eval_loss", loss)
+    assert (
+        plateau.plateau_best == 0.9
+        and plateau.plateau_factor == pytest.approx(0.01)
+        and plateau(50) == plateau.plateau_factor
+    )

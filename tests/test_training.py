@@ -495,3 +495,23 @@ def test_auto_batch_size_keeps_the_global_batch_and_trains_as_the_explicit_accum
     assert_same_weights(tmp_path / "auto", tmp_path / "explicit")  # bitwise: the trial changed nothing
     fitting = probe(tmp_path / "fits", *common, "--batch-size", 4, "--auto-batch-size", "--oom-above", 4, nproc=1)
     assert re.search(r"batch_size_per_process\s+4\n\s+gradient_accumulation_steps\s+1", fitting)
+
+
+@pytest.mark.inprocess
+def test_reduce_on_plateau_decays_on_the_agreed_metric_and_resumes_bitwise(tmp_path):
+    # the probe's accuracy stops improving at once: with patience 1 the learning rate halves at the evaluations
+    # of steps 8, 12, ...; the count and the factor are in the checkpoint, so a resume from step 8 ends the same
+    from safetensors.torch import load_file
+
+    common = ["--batch-size", 4, "--epochs", 2, "--eval-steps", 4, "--checkpointing-steps", 4, "--dropout", "0.3"]
+    common += ["--best-metric", "eval_accuracy", "--plateau-patience", 1, "--lr-gamma", "0.5"]
+    probe(tmp_path / "full", *common, "--lr-schedule", "plateau", nproc=1)
+    probe(tmp_path / "constant", *common, "--lr-schedule", "constant", nproc=1)
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_8", tmp_path / "cut" / "checkpoints" / "step_8")
+    output = probe(tmp_path / "cut", *common, "--lr-schedule", "plateau", "--resume-from-checkpoint", "latest", nproc=1)
+    assert "resumed from" in output, output[-2000:]
+    full, cut, constant = (load_file(str(tmp_path / run / "model.safetensors")) for run in ("full", "cut", "constant"))
+    assert all(torch.equal(full[key], cut[key]) for key in full)
+    assert not all(torch.equal(full[key], constant[key]) for key in full), "the plateau decayed nothing"
+    result = run_script(PROBE, "--output-dir", tmp_path / "bad", "--lr-schedule", "multistep", "--max-steps", 2)
+    assert_clean_error(result, "--lr-schedule multistep needs --lr-milestones")

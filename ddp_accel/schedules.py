@@ -1,0 +1,120 @@
+"""`--lr-schedule`: the learning-rate schedules every script shares, each with a linear warm-up.
+
+A schedule is a `LearningRateSchedule`, the factor of the peak `--lr` at each optimizer step, driven by torch's
+LambdaLR (stepped once per optimizer step) through a plain function, so that LambdaLR's state dict keeps nothing
+of it: the shape comes from this command (a longer run continues its cosine to its own end), and the only state,
+reduce-on-plateau's factor and count, is saved in checkpoints by `PlateauFeed` and resumes exactly.
+
+- constant: 1 after the warm-up.
+- step: x `--lr-gamma` every `--lr-step-epochs` (pytorch/examples imagenet: 0.1 every 30).
+- multistep: x `--lr-gamma` at each epoch of `--lr-milestones`.
+- cosine: from 1 down to `--min-lr` / `--lr` at the end.
+- onecycle: up from 1/25 over the warm-up (30% of the steps when `--warmup-epochs` is 0), then cosine down to
+  `--min-lr` / `--lr` (Smith's one-cycle, as torch's OneCycleLR with its defaults).
+- plateau: x `--lr-gamma` once the watched metric (`--best-metric`, else the script's) has not improved for
+  `--plateau-patience` evaluations. Every rank sees the same gathered metrics, so every rank decides alike.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ddp_accel.callbacks import Callback
+from ddp_accel.errors import UserError
+from ddp_accel.meters import improves
+
+if TYPE_CHECKING:
+    from ddp_accel.config import TrainConfig
+    from ddp_accel.training import TrainingRun
+
+SCHEDULES = ("constant", "step", "multistep", "cosine", "onecycle", "plateau")
+ONECYCLE_START = 1 / 25  # torch's OneCycleLR div_factor
+ONECYCLE_WARMUP_SHARE = 0.3  # torch's OneCycleLR pct_start
+
+
+class LearningRateSchedule:
+    def __init__(self, config: TrainConfig, total_steps: int, steps_per_epoch: int) -> None:
+        self.name = config.lr_schedule
+        self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
+        warmup = config.warmup_epochs * steps_per_epoch
+        if self.name == "onecycle" and warmup == 0:
+            warmup = ONECYCLE_WARMUP_SHARE * total_steps
+        self.warmup = warmup  # in steps, not rounded (as pytorch/examples' warm-up)
+        self.floor = config.min_lr / config.lr
+        self.gamma, self.step_epochs = config.lr_gamma, config.lr_step_epochs
+        self.milestones = sorted(config.lr_milestones or [])
+        self.patience = config.plateau_patience
+        # reduce-on-plateau's state: saved in LambdaLR's state dict (this object's __dict__)
+        self.plateau_factor, self.evaluations_without_improvement = 1.0, 0
+        self.plateau_best: float | None = None
+
+    def __call__(self, step: int) -> float:
+        if self.name != "onecycle" and step < self.warmup:
+            return (step + 1) / self.warmup
+        epoch = step // max(1, self.steps_per_epoch)
+        if self.name == "step":
+            return self.gamma ** (step // (self.step_epochs * self.steps_per_epoch))
+        if self.name == "multistep":
+            return self.gamma ** sum(epoch >= milestone for milestone in self.milestones)
+        if self.name == "onecycle" and step < self.warmup:
+            return ONECYCLE_START + (1 - ONECYCLE_START) * step / max(1, self.warmup)
+        if self.name in ("cosine", "onecycle"):  # written as imagenet.py's was: the same floats
+            cosine = 0.5 * (1 + math.cos(math.pi * (step - self.warmup) / max(1, self.total_steps - self.warmup)))
+            return self.floor + (1 - self.floor) * cosine
+        if self.name == "plateau":
+            return self.plateau_factor
+        return 1.0
+
+    def observe(self, metric: str, value: float) -> None:
+        """reduce-on-plateau: one evaluation's value of the watched metric."""
+        if improves(metric, value, self.plateau_best):
+            self.plateau_best, self.evaluations_without_improvement = value, 0
+            return
+        self.evaluations_without_improvement += 1
+        if self.evaluations_without_improvement >= self.patience:
+            self.plateau_factor *= self.gamma
+            self.evaluations_without_improvement = 0
+
+
+def make_schedule(
+    config: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int, steps_per_epoch: int
+) -> tuple[Any, LearningRateSchedule]:
+    """The LambdaLR of `config`'s schedule, and the schedule (reduce-on-plateau observes it)."""
+    schedule = LearningRateSchedule(config, total_steps, steps_per_epoch)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule(step)), schedule
+
+
+def check_schedule(config: TrainConfig, watched_metric: str | None, has_evaluation: bool) -> None:
+    if config.lr_schedule == "multistep" and not config.lr_milestones:
+        raise UserError("--lr-schedule multistep needs --lr-milestones (epochs, e.g. 30 60 80)")
+    if config.lr_schedule == "plateau" and not (watched_metric and has_evaluation):
+        raise UserError("--lr-schedule plateau watches an evaluation metric: an eval loader and --best-metric")
+    if config.min_lr >= config.lr and config.lr_schedule in ("cosine", "onecycle"):
+        raise UserError(f"--min-lr {config.min_lr:g} must be below --lr {config.lr:g}")
+
+
+class PlateauFeed(Callback):
+    """Gives each evaluation's watched metric to the reduce-on-plateau schedule."""
+
+    def __init__(self, schedule: LearningRateSchedule, metric: str) -> None:
+        self.schedule, self.metric = schedule, metric
+
+    def on_evaluate(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
+        if self.metric in metrics and math.isfinite(metrics[self.metric]):
+            self.schedule.observe(self.metric, metrics[self.metric])
+
+    def state_dict(self) -> dict[str, Any]:
+        schedule = self.schedule
+        return {
+            "plateau_factor": schedule.plateau_factor,
+            "plateau_best": schedule.plateau_best,
+            "evaluations_without_improvement": schedule.evaluations_without_improvement,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.schedule.plateau_factor = state["plateau_factor"]
+        self.schedule.plateau_best = state["plateau_best"]
+        self.schedule.evaluations_without_improvement = state["evaluations_without_improvement"]
