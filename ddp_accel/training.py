@@ -372,7 +372,7 @@ class TrainingRun:
     # --- checkpoints and stops ---
     def save(self) -> Path:
         started = time.perf_counter()
-        with self.watchdog.activity(f"the checkpoint of step {self.state.step}"):
+        with self.watchdog.activity(f"the checkpoint of step {self.state.step}", kind="checkpoint"):
             path = self.checkpoints.save(self.state, self.identity)
         self.signals.resume_hint = resume_hint(path)
         self.grace.check(time.perf_counter() - started)

@@ -9,10 +9,12 @@ names the rank, the phase and where the main thread waits, kills the workers and
 which resumes from its newest checkpoint.
 
 The bound comes from the run's own pace, so that a slow but progressing run is never stopped: before the first
-steps and during long work done once in a while (a checkpoint save, the best model, the trackers), `first_s`
-(compilation, worker start-up, cuDNN autotuning, slow disks and servers take time); after it, `factor` times the
-longest interval between two beats so far, at least `floor_s`. `--hang-timeout-s S` sets that second bound to S
-seconds; 0 turns the watchdog off.
+steps and during long work done once in a while (the best model, the trackers, the first checkpoint save),
+`first_s` (compilation, worker start-up, cuDNN autotuning, slow disks and servers take time); after it, `factor`
+times the longest interval between two beats so far, at least `floor_s`, and for a later checkpoint save `factor`
+times the longest save so far, at least that same bound (a rank stopped while its peer waits in a save's barrier
+is found as fast as one stopped between steps). `--hang-timeout-s S` sets the
+step bound to S seconds; 0 turns the watchdog off.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class ProgressWatchdog:
         self.slowest = 0.0  # the longest interval between two beats so far
         self.beats = 0
         self.long_activity: str | None = None  # a checkpoint save, the trackers, the best model: the generous bound
+        self.activity_kind: str | None = None
+        self.longest_activity: dict[str, float] = {}  # per kind: its longest duration so far
         self.fired = threading.Event()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
@@ -84,24 +88,33 @@ class ProgressWatchdog:
         self.last_beat, self.last_what = now, what
 
     @contextlib.contextmanager
-    def activity(self, what: str) -> Iterator[None]:
+    def activity(self, what: str, kind: str | None = None) -> Iterator[None]:
         """Work that may take long once in a while (a checkpoint save, the trackers): watched with the generous
-        bound."""
-        previous, self.long_activity = self.long_activity, what
+        bound; with a `kind` (a checkpoint save), only the first time, then with a bound from its longest duration
+        (the trackers' servers and a best model's upload keep the generous bound: their pace is someone else's)."""
+        previous = self.long_activity, self.activity_kind
+        self.long_activity, self.activity_kind = what, kind
+        started = time.monotonic()
         try:
             yield
         finally:  # the beat before the short bound returns: the watching thread reads the bound first (_watch)
             self.last_beat, self.last_what = time.monotonic(), what
-            self.long_activity = previous
+            if kind is not None:
+                self.longest_activity[kind] = max(self.longest_activity.get(kind, 0.0), self.last_beat - started)
+            self.long_activity, self.activity_kind = previous
 
     def rearm(self) -> None:
         """The next steps are again first steps (after an evaluation that a resume ran before any step)."""
         self.beats, self.last_beat = 0, time.monotonic()
 
     def bound_s(self) -> float:
-        if self.beats < 2 or self.long_activity is not None:
+        longest = self.longest_activity.get(self.activity_kind) if self.activity_kind is not None else None
+        if self.beats < 2 or (self.long_activity is not None and longest is None):
             return self.first_s
-        return self.timeout_s or max(self.floor_s, self.factor * self.slowest)
+        step_bound = self.timeout_s or max(self.floor_s, self.factor * self.slowest)
+        if self.long_activity is not None and longest is not None:  # a kind of work seen before
+            return max(step_bound, self.factor * longest)
+        return step_bound
 
     def _watch(self) -> None:
         while not self._stopped.wait(min(5.0, max(0.05, self.bound_s() / 10))):

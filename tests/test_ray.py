@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import BIN, ROOT, check_ok, free_port, launch, metrics_of, wait_for, wait_for_checkpoint, weights
+from test_two_machines import namespaces_available, two_machines  # noqa: F401 (the fixture)
 
 from ddp_accel import ray_launch
 
@@ -162,3 +164,63 @@ def test_a_group_that_never_finds_room_ends_in_bounded_time_with_one_line(ray_he
     assert "Ray found no room for 3 workers x {'CPU': 1.0} within --start-timeout-s 5, 2 times" in errors[0], errors
     assert "no checkpoint was saved" in errors[0], errors
     assert took < 120, took
+
+
+def start_ray_node(space: str, veth: str, address: str, home: Path, log: Path, head: str | None = None, port=0):
+    """A Ray node of 1 CPU in network namespace `space` at `address`: the head (on `port`), or joining `head`."""
+    temp_dir = Path(tempfile.mkdtemp(prefix="ray_"))
+    command = ["ip", "netns", "exec", space, str(BIN / "ray"), "start", "--block", "--num-cpus", "1"]
+    command += ["--temp-dir", str(temp_dir), "--disable-usage-stats", "--node-ip-address", address]
+    if head is None:
+        command += ["--head", "--port", str(port), "--include-dashboard", "false"]
+        command += ["--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port())]
+    else:
+        command += ["--address", head]
+    env = {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": veth}
+    node = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    wait_for(lambda: "--block" in log.read_text(), timeout=120, alive=node, what=f"the Ray node in {space}")
+    return node, temp_dir
+
+
+def stop_ray_node(node: subprocess.Popen, temp_dir: Path) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(node.pid, signal.SIGKILL)
+    node.wait()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.system
+@pytest.mark.skipif(namespaces_available() is not None, reason=str(namespaces_available()))
+def test_two_ray_nodes_a_drained_node_leaves_and_the_group_goes_on_at_world_size_1(two_machines, tmp_path):  # noqa: F811
+    # node B is drained for preemption (SIGTERM to its `ray start`, what a cloud's preemption notice does): its
+    # worker stops, the group restarts with the one node left (--min-workers 1) from the newest checkpoint, and
+    # the run completes at world size 1 with every sample of its epochs trained
+    (a, b), (veth_a, veth_b) = two_machines["namespaces"], two_machines["veths"]
+    head_address, node_address = two_machines["address"], two_machines["address"].rsplit(".", 1)[0] + ".2"
+    home, port = tmp_path / "home", free_port()
+    head, head_dir = start_ray_node(a, veth_a, head_address, home, tmp_path / "head.log", port=port)
+    nodes = [(head, head_dir)]
+    output_dir, pids, log = tmp_path / "run", tmp_path / "pids", tmp_path / "driver.log"
+    try:
+        nodes.append(start_ray_node(b, veth_b, node_address, home, tmp_path / "b.log", head=f"{head_address}:{port}"))
+        env = {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": f"{head_address}:{port}"}
+        command = ["ip", "netns", "exec", a, str(BIN / "ddp-accel"), "ray", "--workers", "2", "--min-workers", "1"]
+        command += ["--max-failures", "2", "--start-timeout-s", "20", PROBE, *PROBE_ARGS, "--pid-dir", str(pids)]
+        driver = subprocess.Popen([*command, "--output-dir", str(output_dir)], env=env, cwd=ROOT,
+                                  stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            wait_for_checkpoint(output_dir, 10, timeout=240, alive=driver)
+            os.kill(nodes[1][0].pid, signal.SIGTERM)  # `ray start --block` drains its node, then stops it
+            code = finish(driver, timeout=400)
+        finally:
+            if driver.poll() is None:
+                os.killpg(driver.pid, signal.SIGKILL)
+    finally:
+        for node, temp_dir in nodes:
+            stop_ray_node(node, temp_dir)
+    text = log.read_text()
+    assert code == 0, text[-5000:]
+    metrics = metrics_of(output_dir)
+    assert metrics["world_size"] == 1 and metrics["end_reason"] == "completed" and metrics["resumed_from"], metrics
+    assert metrics["progress"]["samples"] == 3 * 256, metrics["progress"]  # every sample of the 3 epochs
+    print(f"\nresumed from {metrics['resumed_from']} at world size 1", file=sys.stderr)
