@@ -26,8 +26,10 @@ import argparse
 import json
 import os
 import runpy
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -126,6 +128,8 @@ def train_worker(spec: dict[str, Any]) -> None:
     if Path(spec["cwd"]).is_dir():  # a cluster whose nodes share the driver's folder; otherwise Ray's working_dir
         os.chdir(spec["cwd"])
     nodes = _nodes_of_the_group()
+    if isinstance(nodes, int):  # the banner's num_nodes (torchrun's NNODES)
+        os.environ["NNODES"] = str(nodes)
     os.environ[ENGINE_VARIABLE] = (
         f"ray ({size} workers on {nodes} node{'' if nodes == 1 else 's'}; SIGTERM/SIGUSR1 forwarded from each "
         "worker's main thread to the training thread)"
@@ -134,11 +138,15 @@ def train_worker(spec: dict[str, Any]) -> None:
     os.environ["TORCHELASTIC_ERROR_FILE"] = str(error_file)  # where run_main writes the one line of a user error
     sys.argv = [spec["script"], *spec["command"]]
     sys.path.insert(0, str(Path(spec["script"]).resolve().parent))
+    watching = threading.Event()
+    threading.Thread(target=_watch_preemption_notice, args=(rank, watching), daemon=True).start()
     try:
         runpy.run_path(spec["script"], run_name="__main__")
         code: Any = 0
     except SystemExit as exit:
         code = exit.code
+    finally:
+        watching.set()
     message = json.loads(error_file.read_text())["message"] if error_file.is_file() else None
     if code == USER_ERROR_EXIT_CODE:
         raise ScriptUserError(message or f"rank {rank}: the script ended with a user error (exit 2)")
@@ -155,6 +163,29 @@ def train_worker(spec: dict[str, Any]) -> None:
     if not metrics_file.is_file():
         raise RuntimeError(f"rank {rank}: the script stopped before the end of training ({output_dir} has no metrics)")
     _report_to_ray(output_dir, json.loads(metrics_file.read_text()))
+
+
+def _watch_preemption_notice(rank: int, done: threading.Event) -> None:
+    """Ray's notice that a node of the group is drained for preemption (its PreemptionWatcher marks each worker,
+    a local read; `ray.train.get_preemption_info` would be a barrier of every rank at every step): the script
+    stops as on SIGTERM, so every rank saves the step they agree on before the node goes."""
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    from ddp_accel.stopping import request_stop
+
+    context = get_train_context()
+    while not done.wait(0.2):
+        info = context.preemption_context.preemption_info
+        if info is not None:
+            left = f"{max(0.0, info.deadline_ms / 1000 - time.time()):.0f} s" if info.deadline_ms else "no deadline"
+            print(
+                f"ray: rank {rank}: node preemption notice for ranks {sorted(info.preempted_ranks)} ({left} before "
+                "the node goes): saving at an agreed step",
+                file=sys.stderr,
+                flush=True,
+            )
+            request_stop(signal.SIGTERM)
+            return
 
 
 def _nodes_of_the_group() -> int | str:

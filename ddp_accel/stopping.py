@@ -241,6 +241,12 @@ class _Forwarder:
 _forwarded_from_main_thread = _Forwarder()
 
 
+def request_stop(signum: int) -> None:
+    """A stop asked by an engine's own notice (Ray's node preemption), from any thread: handled as that signal
+    forwarded from the main thread (the ranks agree on a step, save it and stop)."""
+    _forwarded_from_main_thread._record(signum, None)
+
+
 def forward_stop_signals() -> None:
     """Call on the main thread of a process whose script will run in another thread (see `_Forwarder`)."""
     _forwarded_from_main_thread.install()

@@ -177,6 +177,7 @@ def start_ray_node(space: str, veth: str, address: str, home: Path, log: Path, h
     else:
         command += ["--address", head]
     env = {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "disabled", "GLOO_SOCKET_IFNAME": veth}
+    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "5"  # a drained node stops 5 s after the notice (default 30)
     node = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     wait_for(lambda: "--block" in log.read_text(), timeout=120, alive=node, what=f"the Ray node in {space}")
     return node, temp_dir
@@ -200,17 +201,19 @@ def test_two_ray_nodes_a_drained_node_leaves_and_the_group_goes_on_at_world_size
     home, port = tmp_path / "home", free_port()
     head, head_dir = start_ray_node(a, veth_a, head_address, home, tmp_path / "head.log", port=port)
     nodes = [(head, head_dir)]
-    output_dir, pids, log = tmp_path / "run", tmp_path / "pids", tmp_path / "driver.log"
+    output_dir, log = tmp_path / "run", tmp_path / "driver.log"
     try:
         nodes.append(start_ray_node(b, veth_b, node_address, home, tmp_path / "b.log", head=f"{head_address}:{port}"))
         env = {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": f"{head_address}:{port}"}
         command = ["ip", "netns", "exec", a, str(BIN / "ddp-accel"), "ray", "--workers", "2", "--min-workers", "1"]
-        command += ["--max-failures", "2", "--start-timeout-s", "20", PROBE, *PROBE_ARGS, "--pid-dir", str(pids)]
+        command += ["--max-failures", "2", "--start-timeout-s", "20", PROBE, *PROBE_ARGS, "--step-ms", "300"]
         driver = subprocess.Popen([*command, "--output-dir", str(output_dir)], env=env, cwd=ROOT,
                                   stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         try:
             wait_for_checkpoint(output_dir, 10, timeout=240, alive=driver)
             os.kill(nodes[1][0].pid, signal.SIGTERM)  # `ray start --block` drains its node, then stops it
+            wait_for(lambda: (output_dir / "preempted.json").is_file(), timeout=60, alive=driver, what="the save")
+            stopped = json.loads((output_dir / "preempted.json").read_text())
             code = finish(driver, timeout=400)
         finally:
             if driver.poll() is None:
@@ -223,4 +226,9 @@ def test_two_ray_nodes_a_drained_node_leaves_and_the_group_goes_on_at_world_size
     metrics = metrics_of(output_dir)
     assert metrics["world_size"] == 1 and metrics["end_reason"] == "completed" and metrics["resumed_from"], metrics
     assert metrics["progress"]["samples"] == 3 * 256, metrics["progress"]  # every sample of the 3 epochs
+    # the notice made both ranks agree on a step and save it; the group of one resumed from that step
+    assert stopped["phase"] == "train" and metrics["resumed_from"].endswith(f"step_{stopped['step']}"), (
+        stopped,
+        metrics,
+    )
     print(f"\nresumed from {metrics['resumed_from']} at world size 1", file=sys.stderr)
