@@ -102,8 +102,8 @@ def check_in_driver(job: RayJob) -> Path | int:
         runpy.run_path(str(script), run_name="__main__")
     except OptionsChecked as checked:
         return Path(checked.config.output_dir).resolve()
-    except SystemExit as exit:  # an argparse error, or run_main's one line for a user error
-        return exit.code if isinstance(exit.code, int) and exit.code != 0 else 1
+    except SystemExit as exit:  # an argparse error, run_main's one line for a user error, or --help: nothing to run
+        return exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
     finally:
         sys.argv, sys.path[:] = argv, path
         os.environ.pop(CHECK_ONLY_VARIABLE, None)

@@ -143,6 +143,7 @@ def test_the_driver_finds_bad_options_before_any_worker_starts(tmp_path, capsys)
     a_file.write_text("")
     assert ray_launch.main(["--workers", "2", PROBE, "--output-dir", str(a_file)]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: --output-dir {a_file} is a file")
+    assert ray_launch.main([PROBE, "--help"]) == 0 and "--batch-size" in capsys.readouterr().out  # no Ray started
     assert ray_launch.main(["--workers", "0", PROBE]) == 2
     assert "--workers must be at least 1" in capsys.readouterr().err
     assert ray_launch.main(["--max-failures", "-1", PROBE]) == 2
