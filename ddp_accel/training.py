@@ -456,6 +456,7 @@ class TrainingRun:
             ),
             **self.step.meter.summary(),
             "wall_time_s": time.perf_counter() - self.wall_start,
+            "final_lr": self.optimizer.param_groups[0]["lr"],  # where the schedule ended (a plateau's decays)
             **topology(self.accelerator, self.micro_batch, self.accumulation),
             **(
                 {"auto_batch_size": f"{self.config.batch_size} asked, {self.micro_batch} fits"}

@@ -60,19 +60,19 @@ def test_work_of_a_kind_seen_before_is_bounded_by_its_own_pace_not_the_first_bou
     watchdog = ProgressWatchdog(tmp_path, rank=0, floor_s=0.4, factor=4, first_s=30, exit=exits).start()
     try:
         for step in range(4):
-            time.sleep(0.05)
+            time.sleep(0.02)
             watchdog.beat(f"step {step + 1}")
         with watchdog.activity("the checkpoint of step 4", kind="checkpoint"):
-            time.sleep(0.3)  # the first save: under first_s, whatever it takes
+            time.sleep(0.15)  # the first save: under first_s, whatever it takes
         watchdog.beat("step 5")
         assert not watchdog.fired.is_set()
         stalled = time.monotonic()
         with watchdog.activity("the checkpoint of step 5", kind="checkpoint"):
-            assert watchdog.fired.wait(10)  # the bound: max(0.4 s, 4 x 0.05 s, 4 x 0.3 s) = 1.2 s
+            assert watchdog.fired.wait(10)  # the bound: max(0.4 s, 4 x 0.02 s, 4 x 0.15 s) = 0.6 s
         waited = time.monotonic() - stalled
     finally:
         watchdog.stop()
-    assert 1.2 <= waited < 5, waited
+    assert 0.6 <= waited < 5, waited
     assert exits.codes == [HANG_EXIT_CODE]
 
 
