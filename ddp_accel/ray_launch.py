@@ -75,6 +75,10 @@ class RayJob:
         if not Path(self.script).is_file():
             raise UserError(f"{self.script}: no such script")
 
+    def resources(self) -> dict[str, float]:
+        """Each worker's: its CPUs, and GPUs when asked."""
+        return {"CPU": self.cpus_per_worker} | ({"GPU": self.gpus_per_worker} if self.gpus_per_worker else {})
+
     def command(self) -> list[str]:
         """The script's arguments as each worker runs them: restarts resume from the newest checkpoint."""
         named = any(
@@ -283,14 +287,13 @@ def run(job: RayJob) -> int:
     else:
         ray.init(address=job.address, runtime_env=runtime_env)
     workers: Any = job.workers if job.min_workers is None else (job.min_workers, job.workers)  # Ray 2.60: either
-    resources = {"CPU": job.cpus_per_worker} | ({"GPU": job.gpus_per_worker} if job.gpus_per_worker else {})
     spec = asdict(job) | {"command": job.command(), "output_dir": str(output_dir)}
     trainer = TorchTrainer(
         train_worker,
         train_loop_config=spec,
         torch_config=_backend_config(cpu=job.gpus_per_worker == 0),
         scaling_config=ScalingConfig(
-            num_workers=workers, use_gpu=job.gpus_per_worker > 0, resources_per_worker=resources
+            num_workers=workers, use_gpu=job.gpus_per_worker > 0, resources_per_worker=job.resources()
         ),
         run_config=RunConfig(
             name=output_dir.name,
@@ -327,9 +330,8 @@ def _failure_line(job: RayJob, output_dir: Path, error: BaseException) -> str:
     )
     failure = getattr(error, "controller_failure", None)
     if failure is not None and type(failure).__name__ == "WorkerGroupStartupTimeoutError":
-        resources = {"CPU": job.cpus_per_worker} | ({"GPU": job.gpus_per_worker} if job.gpus_per_worker else {})
         return (
-            f"error: Ray found no room for {job.min_workers or job.workers} workers x {resources} within "
+            f"error: Ray found no room for {job.min_workers or job.workers} workers x {job.resources()} within "
             f"--start-timeout-s {job.start_timeout_s:g}, {job.max_failures + 1} times (a node gone for good, or a "
             f"cluster too small); the steps since the newest checkpoint are lost; {kept}"
         )

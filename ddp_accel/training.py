@@ -117,6 +117,7 @@ class TrainingRun:
         self.total_steps = int(min(config.epochs * self.steps_per_epoch, config.max_steps or math.inf))
         self.best_metric = config.best_metric or task.best_metric  # --best-metric, else the script's
         schedule_feed: list[Callback] = []
+        scheduler: Any = None
         if config.lr_schedule:  # the shared schedule replaces the script's own
             check_schedule(config, self.best_metric, task.eval_loader is not None)
             scheduler, schedule = make_schedule(config, self.optimizer, self.total_steps, self.steps_per_epoch)
@@ -124,7 +125,7 @@ class TrainingRun:
                 schedule_feed.append(PlateauFeed(schedule, self.best_metric))
         elif task.make_scheduler:
             scheduler = task.make_scheduler(self.optimizer, self.total_steps, self.steps_per_epoch)
-        self.scheduler: Any = accelerator.prepare(scheduler) if config.lr_schedule or task.make_scheduler else None
+        self.scheduler: Any = accelerator.prepare(scheduler) if scheduler is not None else None
         if config.early_stopping_patience and (task.eval_loader is None or not self.best_metric):
             raise UserError(
                 "--early-stopping-patience needs an evaluation to watch: an eval loader and a metric (--best-metric, "
