@@ -14,6 +14,12 @@ Checks (each a real launch of a project script, as a user would type it, `--num_
   fsdp_imagenet    scripts/imagenet.py under fsdp.yaml: checkpoint, resume, full weights
   pipeline         ResNet-50 --dummy, bf16 + channels_last: float batches from the loader vs uint8 batches
                    normalised on the GPU, alternated: images/s and the share of step time waiting for data
+  ray_gpu          ddp-accel ray --workers 1 --gpus-per-worker 1 (a local Ray, NCCL): SIGKILL of the worker after a
+                   checkpoint, the group restarts and resumes; the end compared with torchrun on the same GPU
+  auto_batch       imagenet.py --auto-batch-size with the GPU's memory capped: the real out-of-memory error, the
+                   micro-batch found, the accumulation raised, the run completes
+  compile_gpu      imagenet.py --compile (inductor) against eager on the GPU: images/s, compile time, and the
+                   exported weights load into the bare torchvision model
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -624,6 +631,145 @@ def check_pipeline(runner: Runner, repeats: int = 2) -> dict:
     return {"runs": runs}
 
 
+def check_ray_gpu(runner: Runner) -> dict:
+    """One Ray worker on the GPU: SIGKILL it after step 10's checkpoint; the restarted group resumes from it."""
+    try:
+        import ray
+    except ImportError as error:
+        return {"skipped": f"Ray is not installed: {error}"}
+    common = ["--batch-size", 4, "--epochs", 3, "--train-size", 256, "--dropout", 0.3]
+    common += ["--checkpointing-steps", 5, "--step-ms", 20]
+    torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", 1]
+    reference = runner.work / "ray_reference"
+    first = runner.run("ray_reference", [*torchrun, "tests/probe.py", *common, "--output-dir", reference], 120)
+    result = {
+        "ray": ray.__version__,
+        "rc_torchrun": first["rc"],
+        "backend_torchrun": banner_value(first["output"], "backend"),
+    }
+    if first["rc"] != 0:
+        return {**result, "tail": first["tail"]}
+    output_dir, pids, log_path = runner.work / "ray_run", runner.work / "ray_pids", runner.logs / "ray_gpu.log"
+    home = runner.work / "ray_home"
+    home.mkdir()
+    env = {**runner.env, "HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    command = [PY, "-m", "ddp_accel", "ray", "--workers", 1, "--gpus-per-worker", 1, "--cpus-per-worker", 2]
+    command += ["--max-failures", 2, "tests/probe.py", *common, "--pid-dir", pids, "--output-dir", output_dir]
+    started = time.monotonic()
+    driver = subprocess.Popen([str(c) for c in command], stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                              cwd=ROOT, env=env, start_new_session=True)  # fmt: skip
+    deadline = started + min(200, runner.left())
+    step10 = output_dir / "checkpoints" / "step_10" / "training_state.json"
+    while time.monotonic() < deadline and driver.poll() is None and not step10.is_file():
+        time.sleep(0.05)
+    result["first_checkpoint_after_s"] = round(time.monotonic() - started, 1)
+    victims = sorted(pids.glob("rank0.*")) if pids.is_dir() else []
+    killed_at = time.monotonic()
+    for victim in victims:
+        os.kill(int(victim.suffix[1:]), signal.SIGKILL)
+    resumed_after = None
+    while time.monotonic() < deadline and driver.poll() is None:
+        if resumed_after is None and "resumed from" in log_path.read_text():
+            resumed_after = round(time.monotonic() - killed_at, 1)
+        time.sleep(0.05)
+    if driver.poll() is None:
+        kill_tree(driver.pid)
+        driver.wait()
+    output = log_path.read_text()
+    result.update(
+        {
+            "rc_ray": driver.returncode,
+            "ray_s": round(time.monotonic() - started, 1),
+            "killed_worker": [victim.name for victim in victims],
+            "worker_starts": len(list(pids.glob("rank*"))) if pids.is_dir() else 0,
+            "kill_to_resumed_s": resumed_after,
+            "banner": [
+                line for line in worker_lines(output) if line.split()[:1] in (["engine"], ["backend"], ["device"])
+            ],
+            "resumed_line": [line for line in output.splitlines() if "resumed from" in line][-1:],
+            "end_line": [line for line in output.splitlines() if line.startswith("ray: ")][-1:],
+            "metrics": {k: metrics(output_dir).get(k) for k in ("end_reason", "engine", "steps", "world_size")},
+        }
+    )
+    if driver.returncode == 0:
+        result.update(max_difference(reference, output_dir))
+    else:
+        result["tail"] = output[-3000:]
+    return result
+
+
+def worker_lines(output: str) -> list:
+    """The lines of Ray's output without the worker's prefix, `(RayTrainWorker pid=N) `."""
+    return [re.sub(r"^\x1b\[36m\([^)]*\)\x1b\[0m ", "", line) for line in output.splitlines()]
+
+
+def capped_memory_run(fraction: float, script: str, *args) -> list:
+    """python SCRIPT ARGS with this process's share of the GPU's memory capped: a real out-of-memory error."""
+    code = (
+        "import runpy, sys, torch; torch.cuda.set_per_process_memory_fraction(float(sys.argv[1])); "
+        "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    return [PY, "-c", code, fraction, script, *args]
+
+
+def check_auto_batch(runner: Runner) -> dict:
+    """ResNet-50 asking for 512 images a step in 10% of the card's memory: the largest micro-batch that fits."""
+    common = ["--dummy", "-a", "resnet50", "-b", 512, "-j", 8, "--channels-last", "--mixed-precision", "bf16"]
+    common += ["--max-steps", 8, "-p", 2, "--dummy-classes", 100]
+    result = {}
+    for name, fraction, extra in (("capped_auto", 0.1, ["--auto-batch-size"]), ("capped_plain", 0.1, [])):
+        out = runner.work / f"auto_batch_{name}"
+        run = runner.run(f"auto_batch_{name}", capped_memory_run(fraction, "scripts/imagenet.py", *common, *extra,
+                                                                 "--output-dir", out), 240)  # fmt: skip
+        m = metrics(out)
+        keys = (["batch_size_per_process"], ["gradient_accumulation_steps"], ["global_batch_size"])
+        lines = [line.strip() for line in run["output"].splitlines() if line.split()[:1] in keys]
+        errors = [line for line in run["output"].splitlines() if line.startswith("error:")]
+        result[name] = {
+            "rc": run["rc"],
+            "seconds": run["seconds"],
+            "memory_fraction": fraction,
+            "auto_batch_size": m.get("auto_batch_size"),
+            "steps": m.get("steps"),
+            "end_reason": m.get("end_reason"),
+            "steady_images_per_s": m.get("steady_samples_per_s"),
+            "lines": lines[:6],
+            "errors": errors[:2],
+            **({"tail": run["tail"][-800:]} if run["rc"] and not errors else {}),
+        }
+    return result
+
+
+def check_compile_gpu(runner: Runner) -> dict:
+    """--compile (inductor, default mode) against eager: throughput after warm-up; the weights' names."""
+    from safetensors.torch import load_file
+
+    common = ["--dummy", "-a", "resnet50", "-b", 256, "-j", 8, "--channels-last", "--mixed-precision", "bf16"]
+    common += ["--max-steps", 100, "-p", 20, "--dummy-classes", 100]
+    result = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile", "default"])):
+        out = runner.work / f"compile_{name}"
+        run = runner.run(f"compile_{name}", [PY, "scripts/imagenet.py", *common, *extra, "--output-dir", out], 240)
+        m = metrics(out)
+        result[name] = {
+            "rc": run["rc"],
+            "process_s": run["seconds"],
+            "loop_s": m.get("wall_time_s"),
+            "steady_images_per_s": m.get("steady_samples_per_s"),
+            **({"tail": run["tail"][-1200:]} if run["rc"] else {}),
+        }
+        weights = out / "model.safetensors"
+        if name == "compiled" and weights.is_file():
+            import torchvision
+
+            keys = list(load_file(str(weights)).keys())
+            model = torchvision.models.resnet50(num_classes=100)
+            missing = model.load_state_dict(load_file(str(weights)), strict=True)
+            result[name]["orig_mod_keys"] = sum("_orig_mod" in key for key in keys)
+            result[name]["loads_into_torchvision_resnet50_strict"] = not missing.missing_keys
+    return result
+
+
 CHECKS = {
     "environment": check_environment,
     "fsdp_template": check_fsdp_template,
@@ -632,6 +778,9 @@ CHECKS = {
     "fsdp_imagenet": check_fsdp_imagenet,
     "pipeline": check_pipeline,
     "scaler_resume": check_scaler_resume,
+    "ray_gpu": check_ray_gpu,
+    "auto_batch": check_auto_batch,
+    "compile_gpu": check_compile_gpu,
 }
 
 

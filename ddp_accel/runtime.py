@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+from accelerate.utils.memory import should_reduce_batch_size
 
 from ddp_accel.config import TrainConfig
 from ddp_accel.elastic import parent_command, stop_restarts
@@ -485,6 +486,17 @@ def _one_line(error: UserError) -> str:
     return message
 
 
+OUT_OF_MEMORY_ADVICE = (
+    "the batch does not fit; --auto-batch-size finds the largest per-process batch that does and keeps the global "
+    "batch by accumulating gradients (or lower --batch-size and raise --gradient-accumulation-steps; "
+    "--mixed-precision bf16 halves the activations)"
+)
+
+
+def _first_sentence(error: BaseException) -> str:
+    return str(error).strip().split(". ")[0].rstrip(".") or type(error).__name__
+
+
 def run_main(main: Callable[..., Any]) -> None:
     """Run a script's main(): user errors as one line (exit 2), a preemption after its checkpoint (exit 0), a clean
     distributed shutdown (exit 0). The process's StopSignals watch SIGTERM/SIGUSR1/SIGHUP from here to the exit; a main
@@ -523,6 +535,11 @@ def run_main(main: Callable[..., Any]) -> None:
                 print(message, file=sys.stderr, flush=True)
             report_to_launcher(message)
             stop_restarts()
+        elif should_reduce_batch_size(error):  # a CUDA/cuDNN/CPU allocator's out of memory: what to change
+            message = f"error: process {process_rank()} ran out of memory ({_first_sentence(error)}): "
+            message += OUT_OF_MEMORY_ADVICE
+            print(message, file=sys.stderr, flush=True)
+            report_to_launcher(message)
         elif lost_peers(error):
             print(
                 f"error: process {process_rank()} lost contact with the others: another process ended (its own message "

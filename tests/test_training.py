@@ -20,6 +20,8 @@ from helpers import (
 )
 from probe import ComplexLinear
 
+from ddp_accel.runtime import OUT_OF_MEMORY_ADVICE
+
 PROBE = "tests/probe.py"
 inprocess, multiprocess = pytest.mark.inprocess, pytest.mark.multiprocess
 # the shared 2-process job: 40 samples, 2 ranks x batch 4 (5 steps an epoch), 2 epochs, 23 validation samples
@@ -497,3 +499,9 @@ def test_auto_batch_size_keeps_the_global_batch_and_trains_as_the_explicit_accum
     auto, explicit = metrics_of(tmp_path / "auto"), metrics_of(tmp_path / "explicit")
     assert auto["auto_batch_size"] == "12 asked, 4 fits" and auto["steps"] == explicit["steps"] == 4, auto
     assert_same_weights(tmp_path / "auto", tmp_path / "explicit")  # bitwise: the trial changed nothing
+
+    # without the option, the same out-of-memory error is one line that says what to change, not a traceback
+    result = run_script(PROBE, "--output-dir", tmp_path / "oom", *common, "--batch-size", 12, "--oom-above", 4)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert errors == [f"error: process 0 ran out of memory (CUDA out of memory): {OUT_OF_MEMORY_ADVICE}"], errors
