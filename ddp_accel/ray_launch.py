@@ -54,6 +54,7 @@ class RayJob:
     address: str | None = None  # None: RAY_ADDRESS, else a new local Ray instance
     max_failures: int = 3
     start_timeout_s: float = 120.0  # a group that finds no room for its workers this long is one failed start
+    resize_check_s: float = 60.0  # an elastic group: how often Ray looks for room to grow (Ray's default)
     cwd: str = field(default_factory=os.getcwd)
 
     def check(self) -> None:
@@ -70,6 +71,8 @@ class RayJob:
             raise UserError("--cpus-per-worker must be above 0 and --gpus-per-worker at least 0")
         if self.start_timeout_s <= 0:
             raise UserError(f"--start-timeout-s must be above 0, not {self.start_timeout_s}")
+        if self.resize_check_s <= 0:
+            raise UserError(f"--resize-check-s must be above 0, not {self.resize_check_s}")
         if self.max_failures < 0:
             raise UserError(f"--max-failures must be at least 0, not {self.max_failures}: endless retries hide a fault")
         if not Path(self.script).is_file():
@@ -144,6 +147,7 @@ def train_worker(spec: dict[str, Any]) -> None:
     sys.path.insert(0, str(Path(spec["script"]).resolve().parent))
     watching = threading.Event()
     threading.Thread(target=_watch_preemption_notice, args=(rank, watching), daemon=True).start()
+    _training_ended.clear()
     try:
         runpy.run_path(spec["script"], run_name="__main__")
         code: Any = 0
@@ -151,6 +155,7 @@ def train_worker(spec: dict[str, Any]) -> None:
         code = exit.code
     finally:
         watching.set()
+        _training_ended.set()
     message = json.loads(error_file.read_text())["message"] if error_file.is_file() else None
     if code == USER_ERROR_EXIT_CODE:
         raise ScriptUserError(message or f"rank {rank}: the script ended with a user error (exit 2)")
@@ -190,6 +195,51 @@ def _watch_preemption_notice(rank: int, done: threading.Event) -> None:
             )
             request_stop(signal.SIGTERM)
             return
+
+
+_training_ended = threading.Event()  # in a worker: its script has returned (saved at a stop, or done)
+RESIZE_SAVE_TIMEOUT_S = 600.0
+
+
+def _stop_and_wait(old_size: int, new_size: int, timeout_s: float) -> bool:
+    """In a worker, on the actor's main thread while the script trains in its own: stop as on SIGTERM (the ranks
+    agree on a step and save it), and wait for the script to end."""
+    from ddp_accel.stopping import request_stop
+
+    if _training_ended.is_set():
+        return True
+    print(f"ray: the group is resized from {old_size} to {new_size} workers: saving at an agreed step", flush=True)
+    request_stop(signal.SIGTERM)
+    return _training_ended.wait(timeout_s)
+
+
+def _save_before_resize() -> Any:
+    """Ray Train resizes a running elastic group (a node joined: room for more workers) by ending its workers and
+    starting the group again: without this, the steps since the newest checkpoint would be trained again. Before
+    the group ends, every rank saves the step they agree on, and the new group resumes from it."""
+    from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+
+    class SaveBeforeResize(ControllerCallback, WorkerGroupCallback):
+        def __init__(self) -> None:
+            self.worker_group: Any = None
+
+        def after_worker_group_start(self, worker_group: Any) -> None:
+            self.worker_group = worker_group
+
+        def before_worker_group_shutdown(self, worker_group: Any) -> None:
+            self.worker_group = None
+
+        def before_controller_execute_resize_decision(self, resize_decision: Any) -> None:
+            group = self.worker_group
+            if group is None:  # the first start, or a restart after a failure: nothing is training
+                return
+            old_size = len(group.get_workers())
+            try:
+                group.execute(_stop_and_wait, old_size, resize_decision.num_workers, RESIZE_SAVE_TIMEOUT_S)
+            except Exception as error:  # a worker gone meanwhile: the new group resumes from the newest checkpoint
+                print(f"ray: the save before the resize failed ({_first_line(error)})", file=sys.stderr, flush=True)
+
+    return SaveBeforeResize()
 
 
 def _nodes_of_the_group() -> int | str:
@@ -293,7 +343,10 @@ def run(job: RayJob) -> int:
         train_loop_config=spec,
         torch_config=_backend_config(cpu=job.gpus_per_worker == 0),
         scaling_config=ScalingConfig(
-            num_workers=workers, use_gpu=job.gpus_per_worker > 0, resources_per_worker=job.resources()
+            num_workers=workers,
+            use_gpu=job.gpus_per_worker > 0,
+            resources_per_worker=job.resources(),
+            elastic_resize_monitor_interval_s=job.resize_check_s,
         ),
         run_config=RunConfig(
             name=output_dir.name,
@@ -301,6 +354,7 @@ def run(job: RayJob) -> int:
             # a start that finds no room (a node gone for good) is retried as often as a failure, not forever
             failure_config=FailureConfig(max_failures=job.max_failures, controller_failure_limit=job.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=None),
+            callbacks=[_save_before_resize()],
         ),
     )
     started = time.monotonic()
@@ -362,6 +416,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=120.0,
         help="a group start that finds no room for its workers this long fails (and counts as a failure)",
+    )
+    parser.add_argument(
+        "--resize-check-s",
+        type=float,
+        default=60.0,
+        help="with --min-workers: how often Ray looks for room for more workers; a group that can grow saves at an "
+        "agreed step and starts again, larger, from it",
     )
     parser.add_argument("script", help="the training script, e.g. scripts/imagenet.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its options, as for accelerate launch")

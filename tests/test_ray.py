@@ -7,6 +7,7 @@ is off: the node listens on loopback only."""
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -38,13 +39,14 @@ def ray_head():
     env = {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     log = temp_dir / "head.log"
     command = [str(BIN / "ray"), "start", "--head", "--block", "--port", str(port), "--node-ip-address", "127.0.0.1"]
-    command += ["--temp-dir", str(temp_dir), "--num-cpus", "2", "--include-dashboard", "false"]
+    command += ["--temp-dir", str(temp_dir), "--num-cpus", "2", "--disable-usage-stats"]
     command += ["--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port())]
-    command += ["--disable-usage-stats"]
+    dashboard = free_port()  # its job server takes `ray job submit`
+    command += ["--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard)]
     head = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for(lambda: "--block" in log.read_text(), timeout=120, alive=head, what="the Ray head node")
-        yield {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+        yield {**env, "RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dashboard}"}
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(head.pid, signal.SIGTERM)
@@ -134,6 +136,25 @@ def test_a_signalled_then_a_killed_ray_worker_restart_the_group_which_resumes_bi
     assert len(list(again.glob("rank*"))) == 2, "a user error was retried"
 
 
+@pytest.mark.multiprocess
+def test_ray_job_submit_runs_the_command_on_the_cluster_and_fails_with_its_error_line(ray_head, tmp_path):
+    # what docs/clusters.md gives: `ray job submit -- ddp-accel ray ...`; the job's driver runs on the head node
+    # (RAY_API_SERVER_ADDRESS: the head's job server), with absolute paths since the job runs in Ray's own folder
+    output_dir = tmp_path / "run"
+    command = [str(BIN / "ray"), "job", "submit", "--", str(BIN / "ddp-accel"), "ray", "--workers", "2", PROBE]
+    command += [*PROBE_ARGS, "--epochs", "1", "--output-dir", str(output_dir)]
+    result = subprocess.run(command, env=ray_head, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+    assert "ray: training completed" in result.stdout and "succeeded" in result.stdout, result.stdout[-3000:]
+    metrics = metrics_of(output_dir)
+    assert metrics["end_reason"] == "completed" and metrics["world_size"] == 2, metrics
+    assert metrics["engine"].startswith("ray (2 workers on 1 node"), metrics["engine"]
+    # a bad option: the job fails with the script's one line, found by the driver before any worker started
+    bad = subprocess.run([*command, "--bogus"], env=ray_head, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "unrecognized arguments: --bogus" in bad.stdout, bad.stdout[-3000:]
+    assert "RayTrainWorker" not in bad.stdout and "RayTrainWorker" in result.stdout, bad.stdout[-3000:]
+
+
 @pytest.mark.inprocess
 def test_the_driver_finds_bad_options_before_any_worker_starts(tmp_path, capsys):
     started = time.monotonic()
@@ -148,6 +169,8 @@ def test_the_driver_finds_bad_options_before_any_worker_starts(tmp_path, capsys)
     assert "--workers must be at least 1" in capsys.readouterr().err
     assert ray_launch.main(["--max-failures", "-1", PROBE]) == 2
     assert "endless retries" in capsys.readouterr().err
+    assert ray_launch.main(["--resize-check-s", "0", PROBE]) == 2
+    assert "--resize-check-s must be above 0, not 0" in capsys.readouterr().err
     assert time.monotonic() - started < 30  # nothing was started: no Ray, no worker
 
 
@@ -233,3 +256,47 @@ def test_two_ray_nodes_a_drained_node_leaves_and_the_group_goes_on_at_world_size
         metrics,
     )
     print(f"\nresumed from {metrics['resumed_from']} at world size 1", file=sys.stderr)
+
+
+@pytest.mark.system
+@pytest.mark.skipif(namespaces_available() is not None, reason=str(namespaces_available()))
+def test_two_ray_nodes_a_node_that_joins_grows_the_group_from_an_agreed_save(two_machines, tmp_path):  # noqa: F811
+    # the group starts at world size 1 on the head node alone (--min-workers 1); node B joins after the first
+    # checkpoint: Ray sees room for 2 workers at its next check (--resize-check-s), our callback has the rank save
+    # the step reached before Ray ends the group, and the group of 2 resumes from that step and completes
+    (a, b), (veth_a, veth_b) = two_machines["namespaces"], two_machines["veths"]
+    head_address, node_address = two_machines["address"], two_machines["address"].rsplit(".", 1)[0] + ".2"
+    home, port = tmp_path / "home", free_port()
+    head, head_dir = start_ray_node(a, veth_a, head_address, home, tmp_path / "head.log", port=port)
+    nodes = [(head, head_dir)]
+    output_dir, log = tmp_path / "run", tmp_path / "driver.log"
+    try:
+        env = {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": f"{head_address}:{port}"}
+        command = ["ip", "netns", "exec", a, str(BIN / "ddp-accel"), "ray", "--workers", "2", "--min-workers", "1"]
+        command += ["--resize-check-s", "3", "--max-failures", "1", PROBE, *PROBE_ARGS, "--step-ms", "150"]
+        driver = subprocess.Popen([*command, "--output-dir", str(output_dir)], env=env, cwd=ROOT,
+                                  stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            wait_for_checkpoint(output_dir, 5, timeout=240, alive=driver)
+            assert "engine                       ray (1 workers on 1 node" in log.read_text(), log.read_text()[-3000:]
+            nodes.append(
+                start_ray_node(b, veth_b, node_address, home, tmp_path / "b.log", head=f"{head_address}:{port}")
+            )
+            code = finish(driver, timeout=400)
+        finally:
+            if driver.poll() is None:
+                os.killpg(driver.pid, signal.SIGKILL)
+    finally:
+        for node, temp_dir in nodes:
+            stop_ray_node(node, temp_dir)
+    text = log.read_text()
+    assert code == 0, text[-5000:]
+    assert "ray: the group is resized from 1 to 2 workers: saving at an agreed step" in text, text[-5000:]
+    metrics = metrics_of(output_dir)
+    assert metrics["world_size"] == 2 and metrics["end_reason"] == "completed", metrics
+    assert metrics["engine"].startswith("ray (2 workers on 2 nodes"), metrics["engine"]
+    assert metrics["progress"]["samples"] == 3 * 256, metrics["progress"]  # every sample of the 3 epochs, once
+    # the rank saved the step it reached on the resize (not a periodic checkpoint), and the group of 2 resumed there
+    saved = re.findall(r"preempted by SIGTERM at step (\d+)", text)
+    assert len(saved) == 1 and metrics["resumed_from"].endswith(f"step_{saved[0]}"), (saved, metrics["resumed_from"])
+    print(f"\nnode B joined: saved step {saved[0]} at world size 1, the group of 2 resumed from it", file=sys.stderr)
