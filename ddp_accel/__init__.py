@@ -12,7 +12,7 @@ from ddp_accel.evaluation import check_trained_with, evaluate, load_saved_weight
 from ddp_accel.files import write_json
 from ddp_accel.identity import make_identity
 from ddp_accel.metrics import classification_metrics, classification_values
-from ddp_accel.optim import Optimizers, SparseAdamW
+from ddp_accel.optim import Optimizers, SparseAdamW, make_optimizer
 from ddp_accel.runtime import (
     build_accelerator,
     check_memory,
@@ -54,6 +54,7 @@ __all__ = [
     "load_weights_file",
     "make_accelerator",
     "make_identity",
+    "make_optimizer",
     "print_banner",
     "process_rank",
     "run_main",

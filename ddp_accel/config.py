@@ -14,6 +14,7 @@ from ddp_accel.cli import (
     number,
     positive,
     positive_int,
+    probability,
     seed_value,
     step_range,
     timeout_seconds,
@@ -34,6 +35,20 @@ class TrainConfig:
     lr: float = option(1e-3, "peak learning rate", type=positive)
     seed: int = option(0, "model initialisation and data order", type=seed_value)
     gradient_accumulation_steps: int = option(1, type=positive_int)
+    optimizer: str | None = option(
+        None,
+        "sgd (with --momentum, --nesterov), adamw (decoupled weight decay, --betas), adam (--betas), rmsprop "
+        "(--momentum). Default: the script's own",
+        choices=["sgd", "adamw", "adam", "rmsprop"],
+    )
+    momentum: float = option(0.9, "sgd, rmsprop: momentum (0: none)", type=probability)
+    nesterov: bool = option(False, "sgd: Nesterov's momentum")
+    weight_decay: float | None = option(
+        None, "weight decay (adamw: decoupled; the others: an L2 term). Default: the script's own", type=nonnegative
+    )
+    betas: tuple[float, float] = option(
+        (0.9, 0.999), "adam, adamw: the moments' decay rates", type=probability, nargs=2, metavar=("B1", "B2")
+    )
     lr_schedule: str | None = option(
         None,
         "the learning-rate schedule, after a linear warm-up of --warmup-epochs: constant; step (x --lr-gamma every "

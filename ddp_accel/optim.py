@@ -1,4 +1,5 @@
-"""Optimizers for models with sparse embedding gradients: a lazy AdamW for the tables, and several optimizers
+"""The optimizer of the shared options (`make_optimizer`: --optimizer and its settings, one definition for every
+script), and for models with sparse embedding gradients: a lazy AdamW for the tables, and several optimizers
 handed to Accelerate (and fit) as one."""
 
 from __future__ import annotations
@@ -9,6 +10,59 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+from ddp_accel.errors import UserError
+
+OPTIMIZERS = ("sgd", "adamw", "adam", "rmsprop")
+
+
+def check_optimizer(config: Any) -> None:
+    """What an optimizer would refuse later, or silently ignore: one line each, before anything starts."""
+    if config.nesterov and (config.optimizer != "sgd" or config.momentum == 0):
+        raise UserError(
+            f"--nesterov is SGD's, with momentum: it needs --optimizer sgd and --momentum above 0 (here "
+            f"--optimizer {config.optimizer}, --momentum {config.momentum:g})"
+        )
+
+
+def describe_optimizer(optimizer: Any) -> str:
+    """The banner's line: `SGD (lr 0.1, momentum 0.9, nesterov, weight decay 0.0001)`; several joined with ' + '."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper
+    parts = []
+    for inner in getattr(optimizer, "optimizers", None) or [optimizer]:
+        group = inner.param_groups[0]
+        settings = [f"lr {group.get('initial_lr', group['lr']):g}"]  # a schedule's warm-up starts lower
+        if group.get("momentum"):
+            settings.append(f"momentum {group['momentum']:g}")
+        if group.get("nesterov"):
+            settings.append("nesterov")
+        if "betas" in group:
+            settings.append(f"betas {group['betas'][0]:g}, {group['betas'][1]:g}")
+        if group.get("weight_decay"):
+            settings.append(f"weight decay {group['weight_decay']:g}")
+        parts.append(f"{type(inner).__name__} ({', '.join(settings)})")
+    return " + ".join(parts)
+
+
+def make_optimizer(
+    parameters: Iterable[Any], config: Any, lr: float | None = None, fused: bool | None = None
+) -> torch.optim.Optimizer:
+    """`config.optimizer` over `parameters` with the shared options (lr, momentum, nesterov, weight_decay, betas)
+    of a TrainConfig or a parsed command line; `fused`: one kernel for every parameter where torch has it."""
+    check_optimizer(config)
+    lr = config.lr if lr is None else lr
+    decay = config.weight_decay or 0.0
+    speed = {} if fused is None else {"fused": fused}
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(
+            parameters, lr=lr, momentum=config.momentum, nesterov=config.nesterov, weight_decay=decay, **speed
+        )
+    if config.optimizer in ("adam", "adamw"):
+        adam = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
+        return adam(parameters, lr=lr, betas=tuple(config.betas), weight_decay=decay, **speed)
+    if config.optimizer == "rmsprop":  # no fused kernel in torch
+        return torch.optim.RMSprop(parameters, lr=lr, momentum=config.momentum, weight_decay=decay)
+    raise UserError(f"--optimizer {config.optimizer!r}: one of {', '.join(OPTIMIZERS)}")
 
 
 class SparseAdamW(torch.optim.Optimizer):

@@ -26,6 +26,7 @@ from ddp_accel.config import TrainConfig
 from ddp_accel.elastic import parent_command, stop_restarts
 from ddp_accel.errors import UserError
 from ddp_accel.loaders import kill_leftover_workers
+from ddp_accel.optim import check_optimizer
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.stopping import PEER_STOPPED_EXIT_CODE, PREEMPTED_EXIT_CODE, Phase, Preempted, StopSignals
 from ddp_accel.tracking import check_trackers, make_trackers, tracker_names
@@ -116,6 +117,8 @@ def make_accelerator(
         folder.check(config.resume_from_checkpoint, config.overwrite_output_dir)
     if signals is not None:
         signals.set_output_dir(folder.path)
+    if config.optimizer is not None:
+        check_optimizer(config)
     names = tracker_names(config.report_to, config.with_tracking)
     if process_rank() == 0:  # the main process logs
         check_trackers(names, config.output_dir)

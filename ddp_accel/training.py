@@ -24,6 +24,7 @@ from ddp_accel.errors import UserError
 from ddp_accel.evaluation import evaluate
 from ddp_accel.files import write_json, writing
 from ddp_accel.meters import EvalHistory, improves, numbers
+from ddp_accel.optim import describe_optimizer
 from ddp_accel.plots import plot_history
 from ddp_accel.profiling import ProfilerWindow
 from ddp_accel.run_folder import RunFolder
@@ -172,6 +173,7 @@ class TrainingRun:
             steps_per_epoch=self.steps_per_epoch,
             total_steps=self.total_steps,
             mixed_precision_asked=self.config.mixed_precision,
+            optimizer=describe_optimizer(self.optimizer),
             **self.epoch_padding(),
             **self.record.banner,
         )

@@ -45,6 +45,7 @@ from ddp_accel import (
     load_weights_file,
     make_accelerator,
     make_identity,
+    make_optimizer,
     run_main,
     write_json,
 )
@@ -85,8 +86,10 @@ def parse_args(argv=None):
     parser.add_argument(
         "-b", dest="batch_size", type=cli.positive_int, default=argparse.SUPPRESS, help="= --batch-size (per process)"
     )
-    parser.add_argument("--momentum", type=cli.probability, default=0.9, help="SGD momentum")
-    parser.add_argument("--wd", "--weight-decay", dest="weight_decay", type=cli.nonnegative, default=1e-4)
+    # pytorch/examples' name for --weight-decay (a shared option, default 1e-4 here)
+    parser.add_argument(
+        "--wd", dest="weight_decay", type=cli.nonnegative, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
     parser.add_argument(
         "-p", "--print-freq", dest="log_steps", type=cli.positive_int, default=argparse.SUPPRESS, help="= --log-steps"
     )
@@ -145,10 +148,11 @@ def parse_args(argv=None):
         action="store_true",
         help="deterministic cuDNN/cuBLAS kernels (bitwise-repeatable GPU runs, somewhat slower)",
     )
-    # --lr-schedule (shared): main.py's x0.1 every 30 epochs
+    # shared options with main.py's recipe: SGD (momentum 0.9, weight decay 1e-4), x0.1 every 30 epochs
     parser.set_defaults(
         output_dir="outputs/imagenet", epochs=90, batch_size=32, lr=0.1, log_steps=10, lr_schedule="step"
     )
+    parser.set_defaults(optimizer="sgd", momentum=0.9, weight_decay=1e-4)
     args = parser.parse_args(argv)
     if args.resume and not args.resume.endswith(".safetensors"):
         args.resume_from_checkpoint = args.resume
@@ -283,9 +287,7 @@ def main(signals: StopSignals) -> None:
         return evaluate_saved(args, accelerator, model, val_set, eval_fn, metrics_fn)
     if args.resume and args.resume.endswith(".safetensors"):  # fine-tune from these weights
         load_weights_file(model, Path(args.resume))
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=config.lr, momentum=args.momentum, weight_decay=args.weight_decay
-    )
+    optimizer = make_optimizer(model.parameters(), config)
 
     mixing = BatchMixing(
         len(classes), args.seed, args.mixup_alpha, args.cutmix_alpha, args.mix_prob, args.mix_switch_prob

@@ -28,6 +28,7 @@ from ddp_accel import (
     cli,
     fit,
     make_accelerator,
+    make_optimizer,
     run_main,
 )
 
@@ -36,6 +37,7 @@ def main(signals: StopSignals) -> None:
     parser = add_training_args(ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--samples", type=cli.positive_int, default=20, help="random (input, target) pairs")
     parser.set_defaults(output_dir="outputs/minimal", epochs=5, batch_size=4, lr=1e-3, log_steps=5)
+    parser.set_defaults(optimizer="sgd", momentum=0.0, weight_decay=0.0)  # plain SGD
     args = parser.parse_args()
     config = TrainConfig.from_args(args)
     accelerator = make_accelerator(config, signals)
@@ -45,7 +47,7 @@ def main(signals: StopSignals) -> None:
         torch.randn(args.samples, 10, generator=data), torch.randn(args.samples, 10, generator=data)
     )
     model = torch.nn.Linear(10, 10)
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
+    optimizer = make_optimizer(model.parameters(), config)
     loader = DataLoader(dataset, batch_size=config.batch_size, shuffle=True)
 
     def mse(model, batch):

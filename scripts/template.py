@@ -35,6 +35,7 @@ from ddp_accel import (
     convert_sync_batchnorm,
     fit,
     make_accelerator,
+    make_optimizer,
     run_main,
 )
 
@@ -80,7 +81,7 @@ class Trainer:
             # BatchNorm statistics over the global batch instead of each process's share (small per-GPU batches)
             model, layers = convert_sync_batchnorm(model, accelerator.device)
             accelerator.print(f"SyncBatchNorm: {layers} layers converted")
-        optimizer = torch.optim.SGD(model.parameters(), lr=self.config.lr, momentum=0.9, weight_decay=1e-4)
+        optimizer = make_optimizer(model.parameters(), self.config)
 
         def cosine(optimizer, total_steps, steps_per_epoch):
             return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
@@ -110,6 +111,7 @@ def main(signals: StopSignals) -> None:
         "--sync-bn", action="store_true", help="SyncBatchNorm across processes (GPUs, and CPU processes over gloo)"
     )
     parser.set_defaults(output_dir="outputs/template", epochs=10, batch_size=256, lr=0.1, log_steps=10)
+    parser.set_defaults(optimizer="sgd", momentum=0.9, weight_decay=1e-4)
     Trainer(parser.parse_args(), signals).run()
 
 

@@ -36,6 +36,7 @@ from ddp_accel import (
     fit,
     make_accelerator,
     make_identity,
+    make_optimizer,
     run_main,
 )
 
@@ -118,7 +119,7 @@ def main(signals: StopSignals | None = None) -> None:
     parser.add_argument("--test-size", type=int, default=0, help="a test set evaluated once at the end")
     parser.add_argument("--hang-at-sample", type=int, help="reading this training sample blocks forever, once")
     parser.add_argument("--linger-s", type=float, default=0, help="stay this long after training (a signal may come)")
-    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    parser.set_defaults(optimizer="adamw", weight_decay=0.01)  # torch's AdamW defaults
     parser.add_argument("--oom-above", type=int, help="a batch of more samples fails as out of memory does")
     parser.add_argument("--pid-dir", help="each process writes rank<R>.<pid> here at start (the fault tests' target)")
     parser.add_argument("--crash-at-step", type=int, help="rank 1 (or the only one) raises after this step: a bug")
@@ -139,10 +140,8 @@ def main(signals: StopSignals | None = None) -> None:
             SparseAdamW([table], lr=config.lr, weight_decay=0.1),
             torch.optim.AdamW([p for p in model.parameters() if p is not table], lr=config.lr),
         )
-    elif args.optimizer == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+        optimizer = make_optimizer(model.parameters(), config)
 
     def loader(size: int, seed: int, shuffle: bool = False) -> DataLoader:
         hang = (args.hang_at_sample, Path(config.output_dir) / "hung_once") if shuffle else (None, None)

@@ -94,6 +94,38 @@ def test_sparse_embedding_gradients_train_the_same_on_one_and_two_processes_and_
 
 
 @inprocess
+def test_the_shared_optimizer_option_builds_each_optimizer_and_a_nesterov_sgd_run_resumes_bitwise(tmp_path):
+    from argparse import Namespace
+
+    from ddp_accel import make_optimizer
+
+    weights_ = [torch.nn.Parameter(torch.ones(2))]
+    shared = dict(lr=0.1, momentum=0.8, nesterov=False, weight_decay=None, betas=(0.8, 0.9))
+    built = {
+        name: make_optimizer(weights_, Namespace(**shared, optimizer=name)) for name in ("sgd", "adamw", "rmsprop")
+    }
+    assert type(built["sgd"]) is torch.optim.SGD and built["sgd"].defaults["momentum"] == 0.8
+    assert type(built["adamw"]) is torch.optim.AdamW and built["adamw"].defaults["betas"] == (0.8, 0.9)
+    assert type(built["rmsprop"]) is torch.optim.RMSprop and built["rmsprop"].defaults["momentum"] == 0.8
+    assert make_optimizer(weights_, Namespace(**shared | {"nesterov": True}, optimizer="sgd")).defaults["nesterov"]
+
+    # SGD with Nesterov's momentum: its momentum buffers are in the checkpoint, the resume is bitwise
+    common = ["--batch-size", 8, "--epochs", 2, "--train-size", 48, "--dropout", "0.3", "--checkpointing-steps", 3]
+    common += ["--optimizer", "sgd", "--nesterov", "--lr", "0.05"]
+    probe(tmp_path / "full", *common, nproc=1)
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_3", tmp_path / "cut" / "checkpoints" / "step_3")
+    probe(tmp_path / "cut", *common, "--resume-from-checkpoint", "latest", nproc=1)
+    assert_same_weights(tmp_path / "full", tmp_path / "cut", atol=None)
+    # a resume under another optimizer is refused by the checkpoint's identity (SGD's state is not AdamW's)
+    continued = [*common[:-5], "--epochs", 3, "--resume-from-checkpoint", "latest"]  # the run goes on, as AdamW
+    result = run_script(PROBE, "--output-dir", tmp_path / "cut", *continued)
+    assert_clean_error(result, "another optimizer (SGD(4 params, momentum on); this run makes AdamW(4 params")
+    # Nesterov without SGD's momentum: one line before anything starts
+    result = run_script(PROBE, "--output-dir", tmp_path / "bad", "--optimizer", "adamw", "--nesterov")
+    assert_clean_error(result, "--nesterov is SGD's, with momentum: it needs --optimizer sgd and --momentum above 0")
+
+
+@inprocess
 def test_sparse_adamw_is_sparse_adam_plus_decay_of_the_touched_rows():
     from ddp_accel.optim import SparseAdamW
 
