@@ -130,5 +130,18 @@ positive = number(float, low=0, low_open=True)
 nonnegative = number(float, low=0)
 fraction = number(float, low=0, high=1, low_open=True, high_open=True)  # strictly between 0 and 1
 probability = number(float, low=0, high=1, high_open=True)  # dropout, label smoothing: 0 allowed, 1 not
+
+
+def fold(text: str) -> str:
+    """`I/K`: the I-th of K parts (1 <= I <= K, K >= 2), e.g. `2/5`; kept as text (a run's identity is JSON)."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not I/K (e.g. 2/5: the second of 5 parts)") from None
+    if count < 2 or not 1 <= index <= count:
+        raise argparse.ArgumentTypeError(f"{text!r}: I/K needs K of at least 2 and I from 1 to K")
+    return f"{index}/{count}"
+
+
 seed_value = number(int, low=0, high=2**32 - 1)  # numpy's seed range (accelerate's set_seed seeds numpy too)
 timeout_seconds = number(int, low=1, high=365 * 24 * 3600)  # torch's timedelta for collectives overflows far above

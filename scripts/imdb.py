@@ -69,7 +69,7 @@ RECIPE = dict(
 
 
 MODEL_OPTIONS = ("dim", "ngrams", "buckets", "pool", "dropout", "kernel_size", "stride", "nb_weights")
-IDENTITY_OPTIONS = ("model", "dataset", "val_fraction", "min_freq", "max_vocab", "max_length", "loss", "recipe")
+IDENTITY_OPTIONS = ("model", "dataset", "val_fraction", "fold", "min_freq", "max_vocab", "max_length", "loss", "recipe")
 
 
 def parse_args(argv=None):
@@ -85,6 +85,13 @@ def parse_args(argv=None):
     data.add_argument("--train-file", help="jsonl/csv/parquet with text and label columns")
     data.add_argument("--test-file", help="jsonl/csv/parquet evaluated at the end")
     data.add_argument("--val-fraction", type=cli.fraction, default=0.1, help="held out from the training data")
+    data.add_argument(
+        "--fold",
+        type=cli.fold,
+        metavar="I/K",
+        help="hold out the I-th of K equal parts of the training data (shuffled by --seed) instead of "
+        "--val-fraction: k-fold cross-validation, e.g. benchmarks/kfold.py",
+    )
     data.add_argument("--min-freq", type=cli.positive_int, default=2, help="vocabulary: minimum token count")
     data.add_argument("--max-vocab", type=cli.positive_int, default=None, help="keep the most frequent words only")
     data.add_argument("--max-length", type=cli.positive_int, default=None, help="truncate reviews to this many tokens")
@@ -235,6 +242,7 @@ def train(args: argparse.Namespace, signals: StopSignals) -> None:
         train_file=args.train_file,
         test_file=args.test_file,
         val_fraction=args.val_fraction,
+        fold=args.fold,
         min_freq=args.min_freq,
         max_vocab=args.max_vocab,
         max_length=args.max_length,

@@ -359,6 +359,36 @@ def test_nb_weights_are_fitted_on_the_training_part_only(tmp_path):
 
 
 @pytest.mark.inprocess
+def test_k_folds_hold_out_every_review_exactly_once(tmp_path):
+    # --fold I/K (benchmarks/kfold.py): the K held-out parts are disjoint, cover the training data, and each
+    # run trains on the rest; a fold that is not I/K with 1 <= I <= K is one line
+    import datasets
+    from accelerate import Accelerator
+
+    from ddp_accel.text.pipeline import _fold_split, prepare_text_data
+
+    reviews = datasets.Dataset.from_dict({"number": list(range(31))})
+    held_out, trained = [], []
+    for fold in ("1/3", "2/3", "3/3"):
+        train, val = _fold_split(reviews, fold, seed=0, source="test")
+        held_out.append(set(val["number"]))
+        trained.append(set(train["number"]))
+    assert sorted(len(part) for part in held_out) == [10, 10, 11]
+    assert set().union(*held_out) == set(range(31)) and sum(map(len, held_out)) == 31  # each review once
+    assert all(train.isdisjoint(val) and len(train | val) == 31 for train, val in zip(trained, held_out, strict=True))
+    assert held_out[0] != set(_fold_split(reviews, "1/3", seed=1, source="test")[1]["number"])  # --seed shuffles
+
+    rows = [{"text": f"{'good' if i % 2 else 'bad'} review number {i}", "label": i % 2} for i in range(31)]
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    text = prepare_text_data(Accelerator(cpu=True), train_file=str(train_file), fold="3/3", min_freq=1,
+                             cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    assert (len(text.train), len(text.val)) == (20, 11)
+    result = run_script("scripts/imdb.py", "--train-file", train_file, "--fold", "4/3", "--output-dir", tmp_path / "x")
+    assert_clean_error(result, "--fold", "I/K needs K of at least 2 and I from 1 to K")
+
+
+@pytest.mark.inprocess
 def test_predict_file_gives_one_prediction_per_line_reads_jsonl_texts_and_refuses_what_it_cannot_read(tmp_path):
     out = tmp_path / "out"
     check_ok(

@@ -64,6 +64,19 @@ def check_cache_dir(cache: Path) -> None:
         raise UserError(f"the encoded-data cache {cache} is not writable; give --cache-dir a writable folder")
 
 
+def _fold_split(
+    reviews: datasets.Dataset, fold: str, seed: int, source: str
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Training part and the held-out I-th of K parts ("I/K") of `reviews` in the order of a shuffle by `seed`."""
+    index, count = (int(part) for part in fold.split("/"))
+    if len(reviews) < count:
+        raise UserError(f"{source}: {len(reviews)} review(s) cannot be split into {count} folds; give more reviews")
+    order = np.random.default_rng(seed).permutation(len(reviews))
+    start, end = (index - 1) * len(reviews) // count, index * len(reviews) // count
+    rest = np.concatenate([order[:start], order[end:]])
+    return reviews.select(np.sort(rest)), reviews.select(np.sort(order[start:end]))
+
+
 def prepare_text_data(
     accelerator: Accelerator,
     *,
@@ -72,6 +85,7 @@ def prepare_text_data(
     train_file: str | None = None,
     test_file: str | None = None,
     val_fraction: float = 0.1,
+    fold: str | None = None,
     min_freq: int = 20,
     max_vocab: int | None = None,
     max_length: int | None = None,
@@ -80,7 +94,9 @@ def prepare_text_data(
 ) -> TextData:
     """Load, split, tokenise, build the vocabulary (main process first) and encode, with an on-disk cache.
 
-    The second run with the same inputs reads the encoded arrow files instead of tokenising again.
+    The second run with the same inputs reads the encoded arrow files instead of tokenising again. `fold` "I/K":
+    the held-out part is the I-th of K equal parts of the training reviews shuffled by `seed` (k-fold
+    cross-validation: K runs, each review held out once), instead of a random `val_fraction`.
     """
     start = time.perf_counter()
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
@@ -88,15 +104,19 @@ def prepare_text_data(
     train, test, source, synthetic = sources.load_sources(dataset, data_dir, train_file, test_file, accelerator)
     data_paths = {"train data": train_file or data_dir or source, "test data": test_file}  # a --data-dir has test/
     fingerprints = fingerprint_sources(data_paths, accelerator=accelerator)
-    try:
-        split = train.train_test_split(test_size=val_fraction, seed=seed, stratify_by_column=None)
-    except ValueError:  # too few reviews for a held-out part
-        raise UserError(
-            f"{source}: {len(train)} review(s) cannot be split into training and validation parts "
-            f"with --val-fraction {val_fraction}; give more reviews"
-        ) from None
-    train, val = split["train"], split["test"]
-    key = cache_key(fingerprints["train data"], len(train), val_fraction, seed, PIPELINE_VERSION)
+    if fold is not None:
+        train, val = _fold_split(train, fold, seed, source)
+        held_out: Any = f"fold {fold}"
+    else:
+        try:
+            split = train.train_test_split(test_size=val_fraction, seed=seed, stratify_by_column=None)
+        except ValueError:  # too few reviews for a held-out part
+            raise UserError(
+                f"{source}: {len(train)} review(s) cannot be split into training and validation parts "
+                f"with --val-fraction {val_fraction}; give more reviews"
+            ) from None
+        train, val, held_out = split["train"], split["test"], val_fraction
+    key = cache_key(fingerprints["train data"], len(train), held_out, seed, PIPELINE_VERSION)
     num_proc = min(4, os.cpu_count() or 1) if len(train) > 5000 else None
 
     def tokenize(batch: dict[str, list[str]]) -> dict[str, list[list[str]]]:
