@@ -106,6 +106,12 @@ def parse_args(argv=None):
         "--sync-bn", action="store_true", help="SyncBatchNorm across processes (GPUs, and CPU processes over gloo)"
     )
     parser.add_argument(
+        "--tta-flip",
+        action="store_true",
+        help="evaluate each image and its mirror image, averaging their logits (test-time augmentation; twice "
+        "the evaluation's compute; also with -e)",
+    )
+    parser.add_argument(
         "--label-smoothing", type=cli.probability, default=0.0, help="share of the target spread over all classes"
     )
     parser.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster convs on GPUs)")
@@ -196,10 +202,14 @@ def loader(dataset, args, shuffle: bool) -> DataLoader:
     )
 
 
-def make_eval_fn(model_input: DeviceNormalize):
+def make_eval_fn(model_input: DeviceNormalize, tta_flip: bool = False):
     def eval_fn(model, batch):
         images, targets = batch
-        return classification_values(model(model_input(images)), targets, topk=(1, 5), per_class=True)
+        images = model_input(images)
+        logits = model(images)
+        if tta_flip:  # test-time augmentation: the mean of the image's and its mirror image's logits
+            logits = (logits + model(torch.flip(images, dims=[3]))) / 2
+        return classification_values(logits, targets, topk=(1, 5), per_class=True)
 
     return eval_fn
 
@@ -278,7 +288,7 @@ def main(signals: StopSignals) -> None:
     train_set, val_set, classes = datasets_for(args)
     model, sync_bn_layers = make_model(args, accelerator, classes)
     model_input = DeviceNormalize(args.mean, args.std, args.channels_last)
-    eval_fn = make_eval_fn(model_input)
+    eval_fn = make_eval_fn(model_input, args.tta_flip)
 
     def metrics_fn(values):
         return classification_metrics(values, classes)

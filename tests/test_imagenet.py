@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_clean_error, check_ok, launch, metrics_of, run_script
+from helpers import assert_clean_error, check_ok, launch, load_script, metrics_of, run_script
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -412,3 +412,23 @@ def test_each_batch_is_mixed_from_its_position_in_training_not_from_the_global_g
     assert not all(torch.equal(first[1], other) for other in others), "each position draws anew"
     unmixed = BatchMixing(num_classes=5, seed=3, mixup_alpha=0.4, probability=0.0)(images, targets)
     assert torch.equal(unmixed[0], images) and torch.equal(unmixed[1].argmax(1), targets)
+
+
+@pytest.mark.inprocess
+def test_tta_flip_scores_the_mean_of_an_image_and_its_mirror_image_and_runs_with_evaluate(tmp_path):
+    from ddp_accel.vision.data import DeviceNormalize
+
+    imagenet = load_script("scripts/imagenet.py")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 7))  # not mirror-symmetric
+    images, targets = torch.rand(5, 3, 4, 4), torch.tensor([0, 1, 2, 3, 4])
+    plain = imagenet.make_eval_fn(DeviceNormalize([0.0] * 3, [1.0] * 3))(model, (images, targets))
+    tta = imagenet.make_eval_fn(DeviceNormalize([0.0] * 3, [1.0] * 3), tta_flip=True)(model, (images, targets))
+    expected = torch.nn.functional.cross_entropy((model(images) + model(images.flip(3))) / 2, targets, reduction="none")
+    assert torch.allclose(tta["loss"], expected) and not torch.allclose(tta["loss"], plain["loss"])
+    out = tmp_path / "out"
+    dummy = ["--dummy", "--dummy-classes", 4, "-a", "cifar_resnet20", "--image-size", 16, "-b", 8, "-j", 0]
+    check_ok(run_script("scripts/imagenet.py", *dummy, "--max-steps", 1, "--output-dir", out))
+    weights = out / "model.safetensors"
+    check_ok(run_script("scripts/imagenet.py", *dummy, "--tta-flip", "-e", "--resume", weights, "--output-dir", out))
+    assert (out / "evaluate.json").is_file()
