@@ -104,8 +104,11 @@ def parse_args(argv=None):
     model = parser.add_argument_group("model")
     model.add_argument("--model", choices=["bag", "gcnn"], default="bag")
     model.add_argument("--dim", type=cli.positive_int, default=64, help="embedding (and GCNN channel) size")
-    model.add_argument("--ngrams", type=cli.positive_int, default=2, help="bag: 2 adds hashed bigrams (fastText)")
-    model.add_argument("--buckets", type=cli.positive_int, default=1_000_000, help="bag: hash buckets for n-grams")
+    # trigrams in 4M buckets: 92.40% held out in 5-fold cross-validation, bigrams in 1M 92.09% (docs/imdb.md)
+    model.add_argument(
+        "--ngrams", type=cli.positive_int, default=3, help="bag: 2 adds hashed bigrams (fastText), 3 trigrams too"
+    )
+    model.add_argument("--buckets", type=cli.positive_int, default=4_000_000, help="bag: hash buckets for n-grams")
     model.add_argument("--pool", choices=["mean", "max"], default="max", help="gcnn: pooling over time")
     model.add_argument("--kernel-size", type=cli.positive_int, default=KERNEL_SIZE, help="gcnn: convolution width")
     model.add_argument("--stride", type=cli.positive_int, default=STRIDE, help="gcnn: convolution stride")

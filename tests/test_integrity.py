@@ -52,7 +52,7 @@ def test_a_resume_under_another_identity_is_one_line_and_changes_nothing(tmp_pat
     check_ok(run_script("scripts/imdb.py", *IMDB, *first))
     before = snapshot(out)
     resume = ["--train-file", train, "--output-dir", out, "--resume-from-checkpoint", "latest"]
-    assert_clean_error(run_script("scripts/imdb.py", *IMDB, *resume, "--ngrams", 3), "--ngrams was 2, now 3")
+    assert_clean_error(run_script("scripts/imdb.py", *IMDB, *resume, "--ngrams", 2), "--ngrams was 3, now 2")
     other = reviews(tmp_path / "other.jsonl", 60, 1000)
     assert_clean_error(
         run_script("scripts/imdb.py", *IMDB, *resume[2:], "--train-file", other), "train data was 'file sha256:"

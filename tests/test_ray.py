@@ -214,37 +214,56 @@ def stop_ray_node(node: subprocess.Popen, temp_dir: Path) -> None:
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def ray_in_namespaces(machines: dict, tmp_path: Path):
+    """A Ray head node of 1 CPU in namespace A; yields the drivers' environment and a function that starts node B
+    (1 CPU, in namespace B, joining A) and returns its `ray start` process. Every node is stopped at the end."""
+    (a, b), (veth_a, veth_b) = machines["namespaces"], machines["veths"]
+    head_address, node_address = machines["address"], machines["address"].rsplit(".", 1)[0] + ".2"
+    home, port = tmp_path / "home", free_port()
+    nodes = [start_ray_node(a, veth_a, head_address, home, tmp_path / "head.log", port=port)]
+
+    def start_node_b() -> subprocess.Popen:
+        nodes.append(start_ray_node(b, veth_b, node_address, home, tmp_path / "b.log", head=f"{head_address}:{port}"))
+        return nodes[-1][0]
+
+    try:
+        yield (
+            {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": f"{head_address}:{port}"},
+            start_node_b,
+        )
+    finally:
+        for node, temp_dir in nodes:
+            stop_ray_node(node, temp_dir)
+
+
+def driver_in(space: str, env: dict, options: list, script_args: list, output_dir: Path, log: Path) -> subprocess.Popen:
+    """`ddp-accel ray OPTIONS tests/probe.py ... SCRIPT_ARGS` started in network namespace `space`."""
+    command = ["ip", "netns", "exec", space, str(BIN / "ddp-accel"), "ray", *options, PROBE, *PROBE_ARGS, *script_args]
+    return subprocess.Popen([*command, "--output-dir", str(output_dir)], env=env, cwd=ROOT, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
 @pytest.mark.system
 @pytest.mark.skipif(namespaces_available() is not None, reason=str(namespaces_available()))
 def test_two_ray_nodes_a_drained_node_leaves_and_the_group_goes_on_at_world_size_1(two_machines, tmp_path):  # noqa: F811
     # node B is drained for preemption (SIGTERM to its `ray start`, what a cloud's preemption notice does): its
     # worker stops, the group restarts with the one node left (--min-workers 1) from the newest checkpoint, and
     # the run completes at world size 1 with every sample of its epochs trained
-    (a, b), (veth_a, veth_b) = two_machines["namespaces"], two_machines["veths"]
-    head_address, node_address = two_machines["address"], two_machines["address"].rsplit(".", 1)[0] + ".2"
-    home, port = tmp_path / "home", free_port()
-    head, head_dir = start_ray_node(a, veth_a, head_address, home, tmp_path / "head.log", port=port)
-    nodes = [(head, head_dir)]
     output_dir, log = tmp_path / "run", tmp_path / "driver.log"
-    try:
-        nodes.append(start_ray_node(b, veth_b, node_address, home, tmp_path / "b.log", head=f"{head_address}:{port}"))
-        env = {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": f"{head_address}:{port}"}
-        command = ["ip", "netns", "exec", a, str(BIN / "ddp-accel"), "ray", "--workers", "2", "--min-workers", "1"]
-        command += ["--max-failures", "2", "--start-timeout-s", "20", PROBE, *PROBE_ARGS, "--step-ms", "300"]
-        driver = subprocess.Popen([*command, "--output-dir", str(output_dir)], env=env, cwd=ROOT,
-                                  stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    with ray_in_namespaces(two_machines, tmp_path) as (env, start_node_b):
+        node_b = start_node_b()
+        options = ["--workers", "2", "--min-workers", "1", "--max-failures", "2", "--start-timeout-s", "20"]
+        driver = driver_in(two_machines["namespaces"][0], env, options, ["--step-ms", "300"], output_dir, log)
         try:
             wait_for_checkpoint(output_dir, 10, timeout=240, alive=driver)
-            os.kill(nodes[1][0].pid, signal.SIGTERM)  # `ray start --block` drains its node, then stops it
+            os.kill(node_b.pid, signal.SIGTERM)  # `ray start --block` drains its node, then stops it
             wait_for(lambda: (output_dir / "preempted.json").is_file(), timeout=60, alive=driver, what="the save")
             stopped = json.loads((output_dir / "preempted.json").read_text())
             code = finish(driver, timeout=400)
         finally:
             if driver.poll() is None:
                 os.killpg(driver.pid, signal.SIGKILL)
-    finally:
-        for node, temp_dir in nodes:
-            stop_ray_node(node, temp_dir)
     text = log.read_text()
     assert code == 0, text[-5000:]
     metrics = metrics_of(output_dir)
@@ -264,31 +283,18 @@ def test_two_ray_nodes_a_node_that_joins_grows_the_group_from_an_agreed_save(two
     # the group starts at world size 1 on the head node alone (--min-workers 1); node B joins after the first
     # checkpoint: Ray sees room for 2 workers at its next check (--resize-check-s), our callback has the rank save
     # the step reached before Ray ends the group, and the group of 2 resumes from that step and completes
-    (a, b), (veth_a, veth_b) = two_machines["namespaces"], two_machines["veths"]
-    head_address, node_address = two_machines["address"], two_machines["address"].rsplit(".", 1)[0] + ".2"
-    home, port = tmp_path / "home", free_port()
-    head, head_dir = start_ray_node(a, veth_a, head_address, home, tmp_path / "head.log", port=port)
-    nodes = [(head, head_dir)]
     output_dir, log = tmp_path / "run", tmp_path / "driver.log"
-    try:
-        env = {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": f"{head_address}:{port}"}
-        command = ["ip", "netns", "exec", a, str(BIN / "ddp-accel"), "ray", "--workers", "2", "--min-workers", "1"]
-        command += ["--resize-check-s", "3", "--max-failures", "1", PROBE, *PROBE_ARGS, "--step-ms", "150"]
-        driver = subprocess.Popen([*command, "--output-dir", str(output_dir)], env=env, cwd=ROOT,
-                                  stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    with ray_in_namespaces(two_machines, tmp_path) as (env, start_node_b):
+        options = ["--workers", "2", "--min-workers", "1", "--resize-check-s", "3", "--max-failures", "1"]
+        driver = driver_in(two_machines["namespaces"][0], env, options, ["--step-ms", "150"], output_dir, log)
         try:
             wait_for_checkpoint(output_dir, 5, timeout=240, alive=driver)
             assert "engine                       ray (1 workers on 1 node" in log.read_text(), log.read_text()[-3000:]
-            nodes.append(
-                start_ray_node(b, veth_b, node_address, home, tmp_path / "b.log", head=f"{head_address}:{port}")
-            )
+            start_node_b()
             code = finish(driver, timeout=400)
         finally:
             if driver.poll() is None:
                 os.killpg(driver.pid, signal.SIGKILL)
-    finally:
-        for node, temp_dir in nodes:
-            stop_ray_node(node, temp_dir)
     text = log.read_text()
     assert code == 0, text[-5000:]
     assert "ray: the group is resized from 1 to 2 workers: saving at an agreed step" in text, text[-5000:]
