@@ -306,3 +306,31 @@ def test_two_ray_nodes_a_node_that_joins_grows_the_group_from_an_agreed_save(two
     saved = re.findall(r"preempted by SIGTERM at step (\d+)", text)
     assert len(saved) == 1 and metrics["resumed_from"].endswith(f"step_{saved[0]}"), (saved, metrics["resumed_from"])
     print(f"\nnode B joined: saved step {saved[0]} at world size 1, the group of 2 resumed from it", file=sys.stderr)
+
+
+@pytest.mark.system
+@pytest.mark.skipif(namespaces_available() is not None, reason=str(namespaces_available()))
+def test_two_ray_nodes_a_node_that_never_returns_ends_the_run_in_bounded_time_with_one_line(two_machines, tmp_path):  # noqa: F811
+    # a fixed group of 2 (no --min-workers) with a rank on each node; node B dies for good (SIGKILL of its whole
+    # `ray start`, no drain): Ray restarts the group, finds no room for 2 workers, and after --max-failures starts
+    # of --start-timeout-s the run ends with one line naming what is lost and what is kept, not an endless retry
+    output_dir, log = tmp_path / "run", tmp_path / "driver.log"
+    with ray_in_namespaces(two_machines, tmp_path) as (env, start_node_b):
+        node_b = start_node_b()
+        options = ["--workers", "2", "--max-failures", "1", "--start-timeout-s", "10"]
+        driver = driver_in(two_machines["namespaces"][0], env, options, ["--step-ms", "100"], output_dir, log)
+        try:
+            wait_for_checkpoint(output_dir, 10, timeout=240, alive=driver)
+            os.killpg(node_b.pid, signal.SIGKILL)  # the machine is gone: its raylet, its worker, all at once
+            lost = time.monotonic()
+            code = finish(driver, timeout=300)
+            took = time.monotonic() - lost
+        finally:
+            if driver.poll() is None:
+                os.killpg(driver.pid, signal.SIGKILL)
+    errors = [line for line in log.read_text().splitlines() if line.startswith("error:")]
+    assert code == 1 and len(errors) == 1, (code, log.read_text()[-4000:])
+    assert "Ray found no room for 2 workers x {'CPU': 1.0} within --start-timeout-s 10, 2 times" in errors[0], errors
+    assert "the steps since the newest checkpoint are lost" in errors[0] and "is kept" in errors[0], errors
+    assert took < 200, took
+    print(f"\nnode B gone: the run ended {took:.0f} s later: {errors[0]}", file=sys.stderr)
