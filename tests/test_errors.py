@@ -244,7 +244,7 @@ def test_bad_data_and_files_give_one_line_naming_them(tmp_path):
     assert_clean_error(imdb("--predict-file", tmp_path), "a directory")
     predicted = check_ok(imdb("--predict", "a wonderful film"))
     assert "trained on the built-in SYNTHETIC corpus" in predicted
-    assert_clean_error(imdb("--predict", "a film", "--ngrams", 3), "--ngrams 3 (the model was trained with 2)")
+    assert_clean_error(imdb("--predict", "a film", "--ngrams", 2), "--ngrams 2 (the model was trained with 3)")
     # a file where a folder should be
     assert_clean_error(run_script("scripts/minimal.py", "--output-dir", null / "out"), "null.jsonl/out")
 

@@ -350,7 +350,7 @@ def test_nb_weights_are_fitted_on_the_training_part_only(tmp_path):
     ]
     train_file = tmp_path / "train.jsonl"
     train_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    options = ["--min-freq", 1, "--buckets", 500, "--val-fraction", 0.25, "--max-steps", 1]
+    options = ["--min-freq", 1, "--ngrams", 2, "--buckets", 500, "--val-fraction", 0.25, "--max-steps", 1]
     check_ok(run_script("scripts/imdb.py", "--train-file", train_file, *options, "--output-dir", tmp_path / "out"))
     trained = load_file(str(tmp_path / "out" / "model.safetensors"))["nb_weights"]
     text = prepare_text_data(Accelerator(cpu=True), train_file=str(train_file), val_fraction=0.25, min_freq=1)
