@@ -20,6 +20,8 @@ from ddp_accel.cli import (
     timeout_seconds,
 )
 
+OPTIMIZERS = ("sgd", "adamw", "adam", "rmsprop")  # --optimizer; ddp_accel.optim.make_optimizer builds each
+
 
 def option(default: Any, help: str | None = None, **argparse_options: Any) -> Any:
     """A TrainConfig field that is also a command-line option (`--field-name`, also `--field_name`)."""
@@ -39,7 +41,7 @@ class TrainConfig:
         None,
         "sgd (with --momentum, --nesterov), adamw (decoupled weight decay, --betas), adam (--betas), rmsprop "
         "(--momentum). Default: the script's own",
-        choices=["sgd", "adamw", "adam", "rmsprop"],
+        choices=list(OPTIMIZERS),
     )
     momentum: float = option(0.9, "sgd, rmsprop: momentum (0: none)", type=probability)
     nesterov: bool = option(False, "sgd: Nesterov's momentum")

@@ -11,9 +11,8 @@ from typing import Any
 
 import torch
 
+from ddp_accel.config import OPTIMIZERS
 from ddp_accel.errors import UserError
-
-OPTIMIZERS = ("sgd", "adamw", "adam", "rmsprop")
 
 
 def check_optimizer(config: Any) -> None:

@@ -77,6 +77,17 @@ def pod_command(container: dict, env: dict[str, str], output_dir: Path) -> list[
     return [*command, *PROBE_ARGS, "--output-dir", str(output_dir), "--resume-from-checkpoint", "latest"]
 
 
+def start_pod(machines: dict, index: int, container: dict, env: dict, command: list, log: Path, **emulation: str):
+    """One pod: `command` in network namespace `index` with the container's environment, the operator's (`env`)
+    over it, and what the emulation adds: the link gloo must use (a pod's host name resolves to its address;
+    here to loopback), and `emulation`'s variables."""
+    container_env = {item["name"]: item["value"] for item in container.get("env", [])}
+    full_env = {**os.environ, **container_env, **env, "OMP_NUM_THREADS": "1"}
+    full_env |= {"GLOO_SOCKET_IFNAME": machines["veths"][index], **emulation}
+    return subprocess.Popen(["ip", "netns", "exec", machines["namespaces"][index], *command], stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, cwd=ROOT, env=full_env, start_new_session=True)  # fmt: skip
+
+
 def start_pods(job: dict, machines: dict, output_dir: Path, logs: list[Path]) -> list[subprocess.Popen]:
     port = free_port()
     pods = []
@@ -85,12 +96,7 @@ def start_pods(job: dict, machines: dict, output_dir: Path, logs: list[Path]) ->
         container = spec["containers"][0]
         env = operator_environment(job, replica_type, index, machines["address"])
         env["MASTER_PORT"] = str(port)  # a free port on this shared host
-        container_env = {item["name"]: item["value"] for item in container.get("env", [])}
-        full_env = {**os.environ, **container_env, **env, "OMP_NUM_THREADS": "1"}
-        full_env["GLOO_SOCKET_IFNAME"] = machines["veths"][rank]
-        command = ["ip", "netns", "exec", machines["namespaces"][rank], *pod_command(container, env, output_dir)]
-        pods.append(subprocess.Popen(command, stdout=open(logs[rank], "w"), stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env=full_env, start_new_session=True))  # fmt: skip
+        pods.append(start_pod(machines, rank, container, env, pod_command(container, env, output_dir), logs[rank]))
         if rank == 0:
             time.sleep(2)  # the master's pod first, as the operator's worker pods wait for its service
     return pods
@@ -192,17 +198,12 @@ def start_elastic_pod(job: dict, machines: dict, index: int, output_dir: Path, l
     spec = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     container = spec["containers"][0]
     env = elastic_environment(job, machines["address"])
-    container_env = {item["name"]: item["value"] for item in container.get("env", [])}
-    full_env = {**os.environ, **container_env, **env, "OMP_NUM_THREADS": "1"}
-    # in a pod the host name resolves to the pod's address; here both namespaces share one host name: say it
-    full_env["PET_LOCAL_ADDR"] = machines["address"].rsplit(".", 1)[0] + f".{index + 1}"
-    full_env["GLOO_SOCKET_IFNAME"] = machines["veths"][index]
     command = pod_command(container, env, output_dir)
     command[command.index("--step-ms") + 1] = "50"  # long enough for a pod to leave and come back
     command[command.index("--train-size") + 1] = "512"
-    command = ["ip", "netns", "exec", machines["namespaces"][index], *command]
-    return subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT, env=full_env,
-                            start_new_session=True)  # fmt: skip
+    # in a pod the host name resolves to the pod's address; here both namespaces share one host name: say it
+    address = machines["address"].rsplit(".", 1)[0] + f".{index + 1}"
+    return start_pod(machines, index, container, env, command, log, PET_LOCAL_ADDR=address)
 
 
 @pytest.mark.system

@@ -18,7 +18,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BIN, ROOT, check_ok, free_port, launch, metrics_of, wait_for, wait_for_checkpoint, weights
+from helpers import (
+    BIN,
+    ROOT,
+    check_ok,
+    free_port,
+    kill_tree,
+    launch,
+    metrics_of,
+    wait_for,
+    wait_for_checkpoint,
+    weights,
+)
 from test_two_machines import namespaces_available, two_machines  # noqa: F401 (the fixture)
 
 from ddp_accel import ray_launch
@@ -108,8 +119,7 @@ def test_a_signalled_then_a_killed_ray_worker_restart_the_group_which_resumes_bi
         os.kill(pid_of(pids, rank=1, start=1), signal.SIGKILL)
         code = finish(driver)
     finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
+        kill_tree(driver)
     text = log.read_text()
     assert code == 0, text[-4000:]
     assert stopped["signal"] == "SIGTERM" and stopped["phase"] == "train", stopped
@@ -237,11 +247,17 @@ def ray_in_namespaces(machines: dict, tmp_path: Path):
             stop_ray_node(node, temp_dir)
 
 
-def driver_in(space: str, env: dict, options: list, script_args: list, output_dir: Path, log: Path) -> subprocess.Popen:
-    """`ddp-accel ray OPTIONS tests/probe.py ... SCRIPT_ARGS` started in network namespace `space`."""
+@contextlib.contextmanager
+def driver_in(space: str, env: dict, options: list, script_args: list, output_dir: Path, log: Path):
+    """`ddp-accel ray OPTIONS tests/probe.py ... SCRIPT_ARGS` started in network namespace `space`; killed with
+    its session at exit if still running."""
     command = ["ip", "netns", "exec", space, str(BIN / "ddp-accel"), "ray", *options, PROBE, *PROBE_ARGS, *script_args]
-    return subprocess.Popen([*command, "--output-dir", str(output_dir)], env=env, cwd=ROOT, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    driver = subprocess.Popen([*command, "--output-dir", str(output_dir)], env=env, cwd=ROOT, stdout=open(log, "w"),
+                              stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        yield driver
+    finally:
+        kill_tree(driver)
 
 
 @pytest.mark.system
@@ -254,16 +270,12 @@ def test_two_ray_nodes_a_drained_node_leaves_and_the_group_goes_on_at_world_size
     with ray_in_namespaces(two_machines, tmp_path) as (env, start_node_b):
         node_b = start_node_b()
         options = ["--workers", "2", "--min-workers", "1", "--max-failures", "2", "--start-timeout-s", "20"]
-        driver = driver_in(two_machines["namespaces"][0], env, options, ["--step-ms", "300"], output_dir, log)
-        try:
+        with driver_in(two_machines["namespaces"][0], env, options, ["--step-ms", "300"], output_dir, log) as driver:
             wait_for_checkpoint(output_dir, 10, timeout=240, alive=driver)
             os.kill(node_b.pid, signal.SIGTERM)  # `ray start --block` drains its node, then stops it
             wait_for(lambda: (output_dir / "preempted.json").is_file(), timeout=60, alive=driver, what="the save")
             stopped = json.loads((output_dir / "preempted.json").read_text())
             code = finish(driver, timeout=400)
-        finally:
-            if driver.poll() is None:
-                os.killpg(driver.pid, signal.SIGKILL)
     text = log.read_text()
     assert code == 0, text[-5000:]
     metrics = metrics_of(output_dir)
@@ -286,15 +298,11 @@ def test_two_ray_nodes_a_node_that_joins_grows_the_group_from_an_agreed_save(two
     output_dir, log = tmp_path / "run", tmp_path / "driver.log"
     with ray_in_namespaces(two_machines, tmp_path) as (env, start_node_b):
         options = ["--workers", "2", "--min-workers", "1", "--resize-check-s", "3", "--max-failures", "1"]
-        driver = driver_in(two_machines["namespaces"][0], env, options, ["--step-ms", "150"], output_dir, log)
-        try:
+        with driver_in(two_machines["namespaces"][0], env, options, ["--step-ms", "150"], output_dir, log) as driver:
             wait_for_checkpoint(output_dir, 5, timeout=240, alive=driver)
             assert "engine                       ray (1 workers on 1 node" in log.read_text(), log.read_text()[-3000:]
             start_node_b()
             code = finish(driver, timeout=400)
-        finally:
-            if driver.poll() is None:
-                os.killpg(driver.pid, signal.SIGKILL)
     text = log.read_text()
     assert code == 0, text[-5000:]
     assert "ray: the group is resized from 1 to 2 workers: saving at an agreed step" in text, text[-5000:]
@@ -318,16 +326,12 @@ def test_two_ray_nodes_a_node_that_never_returns_ends_the_run_in_bounded_time_wi
     with ray_in_namespaces(two_machines, tmp_path) as (env, start_node_b):
         node_b = start_node_b()
         options = ["--workers", "2", "--max-failures", "1", "--start-timeout-s", "10"]
-        driver = driver_in(two_machines["namespaces"][0], env, options, ["--step-ms", "100"], output_dir, log)
-        try:
+        with driver_in(two_machines["namespaces"][0], env, options, ["--step-ms", "100"], output_dir, log) as driver:
             wait_for_checkpoint(output_dir, 10, timeout=240, alive=driver)
             os.killpg(node_b.pid, signal.SIGKILL)  # the machine is gone: its raylet, its worker, all at once
             lost = time.monotonic()
             code = finish(driver, timeout=300)
             took = time.monotonic() - lost
-        finally:
-            if driver.poll() is None:
-                os.killpg(driver.pid, signal.SIGKILL)
     errors = [line for line in log.read_text().splitlines() if line.startswith("error:")]
     assert code == 1 and len(errors) == 1, (code, log.read_text()[-4000:])
     assert "Ray found no room for 2 workers x {'CPU': 1.0} within --start-timeout-s 10, 2 times" in errors[0], errors
