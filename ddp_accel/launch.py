@@ -126,16 +126,25 @@ def what_is_seen(setup: dict[str, Any]) -> str:
     )
 
 
-def training_started(launcher: subprocess.Popen) -> bool:
-    """The agent starts the training processes (its children) once the group has formed."""
+def training_started(launcher: subprocess.Popen, script: str) -> bool:
+    """The agent starts the training processes (its children, running `script`) once the group has formed.
+
+    Only a child that runs the script counts: the launcher has short-lived children of its own before that (an
+    import's helper, such as ctypes' `ldconfig` lookup), and taking one for the training ended the join watch,
+    which then waited without a bound or a report (seen once in CI: a lone machine waited 10 minutes in silence).
+    """
+    name = os.path.basename(script)
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent != launcher.pid:
+                continue
+            arguments = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except (OSError, IndexError, ValueError):
             continue
-        if parent == launcher.pid:
+        if any(argument and os.path.basename(argument) == name for argument in arguments):
             return True
     return False
 
@@ -179,7 +188,7 @@ def _watch(
     started = time.monotonic()
     who = f"machine {setup['machine_rank']} of {setup['machines']}"
     next_report = started + min(3.0, wait_report_s)
-    while setup["machines"] > 1 and not training_started(launcher):
+    while setup["machines"] > 1 and not training_started(launcher, setup["script"]):
         if launcher.poll() is not None:
             return launcher.returncode
         if received:

@@ -1,11 +1,13 @@
 """accelerate_configs/multi_node.yaml as 2 machines on one host: two `accelerate launch --machine_rank 0|1` (or
 `ddp-accel launch`, which watches the wait for the other machines)."""
 
+import os
 import re
 import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from helpers import BIN, ROOT, free_port, start_node, wait_nodes
@@ -121,6 +123,56 @@ def test_a_machine_alone_says_what_it_waits_for_ends_at_the_bound_and_stops_on_c
     for port in (first, second):  # the launchers and their agents are gone: nothing holds the ports
         with socket.socket() as sock:
             assert sock.connect_ex(("127.0.0.1", port)) != 0, port
+
+
+@pytest.mark.inprocess
+def test_only_a_child_that_runs_the_script_is_taken_for_the_training(tmp_path):
+    # the join watch ended when the launcher had any child: a short-lived helper of its own (before the group formed)
+    # was taken for the training, and a lone machine then waited without its bound or reports
+    from ddp_accel.launch import training_started
+
+    def wait_for(condition) -> None:
+        deadline = time.monotonic() + 10
+        while not condition():
+            assert time.monotonic() < deadline, "the test's processes did not start"
+            time.sleep(0.05)
+
+    def runs_sleep(launcher: subprocess.Popen) -> bool:
+        return any(_arguments(pid)[:1] == ["sleep"] for pid in _child_pids(launcher.pid))
+
+    helper_only = subprocess.Popen(["sh", "-c", "sleep 30 & wait"], start_new_session=True)
+    training = subprocess.Popen(
+        ["sh", "-c", "python3 -c 'import time; time.sleep(30)' scripts/minimal.py --output-dir out & wait"],
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: runs_sleep(helper_only))
+        assert not training_started(helper_only, "scripts/minimal.py")
+        wait_for(lambda: training_started(training, "scripts/minimal.py"))
+        assert training_started(training, str(ROOT / "scripts" / "minimal.py"))  # the same script by another path
+        assert not training_started(training, "scripts/imdb.py")
+    finally:
+        for launcher in (helper_only, training):
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+
+
+def _arguments(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _child_pids(parent: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                pids.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return pids
 
 
 @pytest.mark.inprocess
