@@ -131,7 +131,7 @@ def training_started(launcher: subprocess.Popen, script: str) -> bool:
 
     Only a child that runs the script counts: the launcher has short-lived children of its own before that (an
     import's helper, such as ctypes' `ldconfig` lookup), and taking one for the training ended the join watch,
-    which then waited without a bound or a report (seen once in CI: a lone machine waited 10 minutes in silence).
+    which then waited without a bound or a report (seen once in CI: a lone machine waited over 8 minutes in silence).
     """
     name = os.path.basename(script)
     for entry in Path("/proc").iterdir():
