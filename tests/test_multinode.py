@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import BIN, ROOT, free_port, start_node, wait_nodes
+from helpers import BIN, ROOT, free_port, parents, start_node, wait_for, wait_nodes
 
 MULTI_NODE_YAML = ROOT / "accelerate_configs" / "multi_node.yaml"
 
@@ -131,14 +131,9 @@ def test_only_a_child_that_runs_the_script_is_taken_for_the_training(tmp_path):
     # was taken for the training, and a lone machine then waited without its bound or reports
     from ddp_accel.launch import training_started
 
-    def wait_for(condition) -> None:
-        deadline = time.monotonic() + 10
-        while not condition():
-            assert time.monotonic() < deadline, "the test's processes did not start"
-            time.sleep(0.05)
-
     def runs_sleep(launcher: subprocess.Popen) -> bool:
-        return any(_arguments(pid)[:1] == ["sleep"] for pid in _child_pids(launcher.pid))
+        children = [pid for pid, parent in parents().items() if parent == launcher.pid]
+        return any(_arguments(pid)[:1] == ["sleep"] for pid in children)
 
     helper_only = subprocess.Popen(["sh", "-c", "sleep 30 & wait"], start_new_session=True)
     training = subprocess.Popen(
@@ -146,9 +141,9 @@ def test_only_a_child_that_runs_the_script_is_taken_for_the_training(tmp_path):
         start_new_session=True,
     )
     try:
-        wait_for(lambda: runs_sleep(helper_only))
+        wait_for(lambda: runs_sleep(helper_only), timeout=10, what="the helper's sleep")
         assert not training_started(helper_only, "scripts/minimal.py")
-        wait_for(lambda: training_started(training, "scripts/minimal.py"))
+        wait_for(lambda: training_started(training, "scripts/minimal.py"), timeout=10, what="the script's process")
         assert training_started(training, str(ROOT / "scripts" / "minimal.py"))  # the same script by another path
         assert not training_started(training, "scripts/imdb.py")
     finally:
@@ -162,17 +157,6 @@ def _arguments(pid: int) -> list[str]:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return []
-
-
-def _child_pids(parent: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
-                pids.append(int(entry.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return pids
 
 
 @pytest.mark.inprocess
