@@ -422,15 +422,57 @@ def check_no_inherited_process_group() -> None:
         raise UserError(INHERITED_GROUP)
 
 
+def _forked_children(parent: int, command: bytes) -> int:
+    """Live children of `parent` that run `command` (forks of it: a fork keeps its parent's command line)."""
+    count = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, parent_pid = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            count += int(parent_pid) == parent and state != "Z" and Path(entry.path, "cmdline").read_bytes() == command
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+    return count
+
+
+def wait_for_the_other_forks(local_world_size: int, timeout_s: float = 30.0) -> bool:
+    """A worker forked by a launcher that runs in its own process (notebook_launcher: torch elastic's agent in the
+    kernel) waits, before any network work, until the launcher has forked all `local_world_size` workers.
+
+    The agent's store server thread, in the kernel, looks up the name of every worker that connects
+    (`getnameinfo`, which holds glibc's resolver lock). A worker forked at that moment inherits the lock held and
+    hangs at its first name lookup, for good (2 launches in about 230 here, the second worker each time, while the
+    first connected; none in 710 since). No worker connecting before the last fork leaves no lookup to fork into.
+    Returns whether this process waited (False: not a fork of its parent, or a lone worker); gives up after
+    `timeout_s`."""
+    if local_world_size <= 1:
+        return False
+    parent = os.getppid()
+    try:
+        command = Path("/proc/self/cmdline").read_bytes()
+        if Path(f"/proc/{parent}/cmdline").read_bytes() != command:
+            return False  # spawned or exec'd: a fresh process inherits no lock
+    except OSError:
+        return False
+    deadline = time.monotonic() + timeout_s
+    while _forked_children(parent, command) < local_world_size and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return True
+
+
 def launched(function: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a training function for `notebook_launcher`/`debug_launcher`: it runs, its locals are released,
     then the distributed shutdown `run_main` does for scripts (no gloo teardown abort in the workers). A process
-    group inherited from the kernel is named as the cause, not left to abort the worker."""
+    group inherited from the kernel is named as the cause, not left to abort the worker; no worker starts before
+    the launcher has forked them all (`wait_for_the_other_forks`)."""
 
     @functools.wraps(function)
     def run(*args: Any, **kwargs: Any) -> Any:
         if dist.is_available() and dist.is_initialized() and "TORCHELASTIC_RUN_ID" in os.environ:
             raise UserError(INHERITED_GROUP)  # before any process group work: touching the kernel's aborts
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # notebook_launcher's agent runs in the kernel; debug_launcher none
+            wait_for_the_other_forks(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
         try:
             result = function(*args, **kwargs)
         except BaseException:

@@ -2,14 +2,18 @@
 torch.distributed.launch, notebook_launcher and debug_launcher (bitwise equal final weights), and the notebook in a
 real kernel."""
 
+import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from helpers import ROOT, check_ok, free_port, launch, metrics_of, weights
+
+from ddp_accel.runtime import wait_for_the_other_forks
 
 ARGS = ["--batch-size", "4", "--epochs", "2", "--dropout", "0.3", "--train-size", "48"]
 
@@ -157,3 +161,31 @@ def test_notebook_launches_after_an_interrupted_and_a_failed_one_and_a_kernel_pr
         assert "torch.distributed was initialised in the notebook's kernel" in text, text[-3000:]
     finally:
         kernel.close()
+
+
+def _first_worker(returned) -> None:
+    returned.value = time.monotonic() if wait_for_the_other_forks(2, timeout_s=30) else -1.0
+
+
+@pytest.mark.multiprocess
+def test_a_forked_worker_starts_only_once_its_launcher_has_forked_the_other():
+    # notebook_launcher forks the workers from the kernel, whose store server thread looks up the name of every
+    # worker that connects (glibc's resolver lock held): a worker forked meanwhile hung at its first lookup (CI,
+    # 2026-11-28, `gethostbyaddr_r -> __lll_lock_wait_private` in the second worker). So no worker may connect
+    # before the last fork: the first one waits for its sibling.
+    fork = multiprocessing.get_context("fork")
+    returned = fork.Value("d", 0.0)
+    first = fork.Process(target=_first_worker, args=(returned,))
+    first.start()
+    time.sleep(1.0)
+    second_forked_at = time.monotonic()
+    second = fork.Process(target=time.sleep, args=(5,))
+    second.start()
+    first.join(30)
+    second.kill()
+    second.join()
+    assert first.exitcode == 0 and returned.value >= second_forked_at, (returned.value, second_forked_at)
+    assert returned.value - second_forked_at < 3, "it waited on after the second fork"
+    # this pytest process is not a fork of its parent (a shell, CI's runner): nothing to wait for
+    started = time.monotonic()
+    assert not wait_for_the_other_forks(2, timeout_s=30) and time.monotonic() - started < 1
