@@ -429,9 +429,14 @@ def check_no_inherited_process_group() -> None:
 # (logging's lock release), where CPython prints the exception as "ignored" and drops it: the stop button was lost
 # and the training ran to its end (1 stop in 24 here, pressed 0.03-0.3 s into a launch). So while a fork runs that
 # handler only records the signal, which is sent again once the fork is done, outside the hooks.
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 _handlers_during_fork: dict[int, Any] = {}
 _signals_during_fork: list[int] = []
+
+
+def _torch_elastic_signals() -> list[signal.Signals]:
+    """The signals torch elastic's agent handles (its own variable, and its default)."""
+    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(",")
+    return [getattr(signal, name.strip()) for name in names if isinstance(getattr(signal, name.strip(), None), int)]
 
 
 def _raises_for_torch_elastic(handler: Any) -> bool:
@@ -447,65 +452,85 @@ def _record_a_signal_during_fork(signum: int, frame: Any) -> None:
 
 def _hold_stop_signals_while_forking() -> None:
     if threading.current_thread() is not threading.main_thread():
-        return  # only the main thread handles signals
-    for signum in _STOP_SIGNALS:
+        return  # only the main thread handles signals: a fork from another thread drops none
+    for signum in _torch_elastic_signals():
         handler = signal.getsignal(signum)
         if _raises_for_torch_elastic(handler):
             _handlers_during_fork[signum] = handler
             signal.signal(signum, _record_a_signal_during_fork)
 
 
-def _restore_stop_handlers() -> list[int]:
+def _restore_stop_handlers() -> None:
     for signum, handler in _handlers_during_fork.items():
         signal.signal(signum, handler)
     _handlers_during_fork.clear()
-    received = list(dict.fromkeys(_signals_during_fork))
-    _signals_during_fork.clear()
-    return received
 
 
 def _send_again_what_came_while_forking() -> None:
-    received = _restore_stop_handlers()
-    if received:  # from another thread, a moment later: out of the at-fork hooks, where it would be dropped again
-        threading.Timer(0.01, _send, args=(os.getpid(), received)).start()
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if _signals_during_fork:  # from another thread, a moment later: out of the hooks, where it would be dropped again
+        threading.Timer(0.01, _send_recorded_signals, args=(os.getpid(),)).start()
+    _restore_stop_handlers()  # last: the recorder still catches what comes while the thread starts
 
 
-def _send(pid: int, signums: list[int]) -> None:
-    for signum in signums:
-        os.kill(pid, signum)
+def _send_recorded_signals(pid: int) -> None:
+    sent: set[int] = set()
+    while _signals_during_fork:
+        signum = _signals_during_fork.pop(0)
+        if signum not in sent:
+            sent.add(signum)
+            os.kill(pid, signum)
+
+
+def _forget_the_parents_signals() -> None:
+    _restore_stop_handlers()  # the child's own handlers back; a signal the parent got is not the child's
+    _signals_during_fork.clear()
 
 
 os.register_at_fork(
     before=_hold_stop_signals_while_forking,
     after_in_parent=_send_again_what_came_while_forking,
-    after_in_child=_restore_stop_handlers,  # the child's own handlers; a signal the parent got is not the child's
+    after_in_child=_forget_the_parents_signals,
 )
 
 
-def _forked_children(parent: int, command: bytes) -> int:
-    """Live children of `parent` that run `command` (forks of it: a fork keeps its parent's command line)."""
+def _start_time(stat: str) -> int:
+    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22 of /proc/PID/stat: start time, in clock ticks
+
+
+def _forks_since(parent: int, command: bytes, started: int) -> int:
+    """Live children of `parent` that run `command` (forks of it: a fork keeps its parent's command line) and
+    started no earlier than `started` (not a kernel's earlier children)."""
     count = 0
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
-            state, parent_pid = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[:2]
-            count += int(parent_pid) == parent and state != "Z" and Path(entry.path, "cmdline").read_bytes() == command
-        except (OSError, ValueError):  # gone meanwhile
+            stat = Path(entry.path, "stat").read_text()
+            state, parent_pid = stat.rsplit(")", 1)[1].split()[:2]
+            count += (
+                int(parent_pid) == parent
+                and state != "Z"
+                and _start_time(stat) >= started
+                and Path(entry.path, "cmdline").read_bytes() == command
+            )
+        except (OSError, ValueError, IndexError):  # gone meanwhile
             continue
     return count
 
 
-def wait_for_the_other_forks(local_world_size: int, timeout_s: float = 30.0) -> bool:
+def wait_for_the_other_forks(local_rank: int, local_world_size: int, timeout_s: float = 30.0) -> bool:
     """A worker forked by a launcher that runs in its own process (notebook_launcher: torch elastic's agent in the
-    kernel) waits, before any network work, until the launcher has forked all `local_world_size` workers.
+    kernel) waits, before any network work, until the launcher has forked the workers after it (torch forks local
+    ranks in order: rank r waits for `local_world_size - r` forks, itself included, that started no earlier).
 
     The agent's store server thread, in the kernel, looks up the name of every worker that connects
     (`getnameinfo`, which holds glibc's resolver lock). A worker forked at that moment inherits the lock held and
     hangs at its first name lookup, for good (2 launches in about 230 here, the second worker each time, while the
     first connected; none in 710 since). No worker connecting before the last fork leaves no lookup to fork into.
-    Returns whether this process waited (False: not a fork of its parent, or a lone worker); gives up after
-    `timeout_s`."""
+    Returns whether this process waited (False: not a fork of its parent, or a lone worker); after `timeout_s`
+    it says so and goes on."""
     if local_world_size <= 1:
         return False
     parent = os.getppid()
@@ -513,10 +538,19 @@ def wait_for_the_other_forks(local_world_size: int, timeout_s: float = 30.0) -> 
         command = Path("/proc/self/cmdline").read_bytes()
         if Path(f"/proc/{parent}/cmdline").read_bytes() != command:
             return False  # spawned or exec'd: a fresh process inherits no lock
-    except OSError:
+        started = _start_time(Path("/proc/self/stat").read_text())
+    except (OSError, ValueError, IndexError):
         return False
     deadline = time.monotonic() + timeout_s
-    while _forked_children(parent, command) < local_world_size and time.monotonic() < deadline:
+    while _forks_since(parent, command, started) < local_world_size - local_rank:
+        if time.monotonic() > deadline:
+            print(
+                f"warning: local rank {local_rank} waited {timeout_s:.0f} s for the launcher to fork the workers "
+                f"after it (of {local_world_size}); starting without them",
+                file=sys.stderr,
+                flush=True,
+            )
+            break
         time.sleep(0.005)
     return True
 
@@ -532,7 +566,9 @@ def launched(function: Callable[..., Any]) -> Callable[..., Any]:
         if dist.is_available() and dist.is_initialized() and "TORCHELASTIC_RUN_ID" in os.environ:
             raise UserError(INHERITED_GROUP)  # before any process group work: touching the kernel's aborts
         if "TORCHELASTIC_RUN_ID" in os.environ:  # notebook_launcher's agent runs in the kernel; debug_launcher none
-            wait_for_the_other_forks(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+            wait_for_the_other_forks(
+                int(os.environ.get("LOCAL_RANK", "0") or 0), int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+            )
         try:
             result = function(*args, **kwargs)
         except BaseException:

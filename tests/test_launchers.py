@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import ROOT, check_ok, free_port, launch, metrics_of, weights
 
+from ddp_accel import launched
 from ddp_accel.runtime import wait_for_the_other_forks
 
 ARGS = ["--batch-size", "4", "--epochs", "2", "--dropout", "0.3", "--train-size", "48"]
@@ -164,7 +165,9 @@ def test_notebook_launches_after_an_interrupted_and_a_failed_one_and_a_kernel_pr
 
 
 def _first_worker(returned) -> None:
-    returned.value = time.monotonic() if wait_for_the_other_forks(2, timeout_s=30) else -1.0
+    # what notebook_launcher's agent sets for the first of 2 workers it forks
+    os.environ.update(TORCHELASTIC_RUN_ID="none", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2")
+    returned.value = launched(time.monotonic)()
 
 
 @pytest.mark.multiprocess
@@ -172,8 +175,11 @@ def test_a_forked_worker_starts_only_once_its_launcher_has_forked_the_other():
     # notebook_launcher forks the workers from the kernel, whose store server thread looks up the name of every
     # worker that connects (glibc's resolver lock held): a worker forked meanwhile hung at its first lookup (CI,
     # 2026-11-28, `gethostbyaddr_r -> __lll_lock_wait_private` in the second worker). So no worker may connect
-    # before the last fork: the first one waits for its sibling.
+    # before the last fork: the first one waits for its sibling, and an earlier child of the kernel is no sibling.
     fork = multiprocessing.get_context("fork")
+    earlier_child = fork.Process(target=time.sleep, args=(10,))
+    earlier_child.start()
+    time.sleep(0.2)
     returned = fork.Value("d", 0.0)
     first = fork.Process(target=_first_worker, args=(returned,))
     first.start()
@@ -182,13 +188,14 @@ def test_a_forked_worker_starts_only_once_its_launcher_has_forked_the_other():
     second = fork.Process(target=time.sleep, args=(5,))
     second.start()
     first.join(30)
-    second.kill()
-    second.join()
+    for child in (second, earlier_child):
+        child.kill()
+        child.join()
     assert first.exitcode == 0 and returned.value >= second_forked_at, (returned.value, second_forked_at)
     assert returned.value - second_forked_at < 3, "it waited on after the second fork"
     # this pytest process is not a fork of its parent (a shell, CI's runner): nothing to wait for
     started = time.monotonic()
-    assert not wait_for_the_other_forks(2, timeout_s=30) and time.monotonic() - started < 1
+    assert not wait_for_the_other_forks(0, 2, timeout_s=30) and time.monotonic() - started < 1
 
 
 FORK_WITH_A_STOP_SIGNAL = """
