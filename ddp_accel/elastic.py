@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 # the processes that run torch elastic's agent in-process, by their command line
@@ -32,6 +33,30 @@ def parent_command() -> list[str]:
         return Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return []
+
+
+START_TIME = 19  # in stat_fields (field 22 of /proc/PID/stat): when the process started, in clock ticks
+
+
+def stat_fields(pid: int | str) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state first, then the parent): the name may hold
+    spaces and parentheses. OSError when the process is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def child_processes(parent: int) -> Iterator[tuple[list[str], bytes]]:
+    """Each process whose parent is `parent`: its `stat_fields` and its raw command line (NUL-separated)."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = stat_fields(entry.name)
+            if int(fields[1]) != parent:
+                continue
+            command = Path(entry.path, "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        yield fields, command
 
 
 def agent_pid() -> int | None:

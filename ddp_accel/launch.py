@@ -32,6 +32,7 @@ from types import FrameType
 from typing import Any
 
 from ddp_accel.cli import ArgumentParser, positive
+from ddp_accel.elastic import child_processes
 from ddp_accel.errors import UserError
 
 DEFAULT_PORT = 29500
@@ -134,16 +135,8 @@ def training_started(launcher: subprocess.Popen, script: str) -> bool:
     which then waited without a bound or a report (seen once in CI: a lone machine waited over 8 minutes in silence).
     """
     name = os.path.basename(script)
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if parent != launcher.pid:
-                continue
-            arguments = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except (OSError, IndexError, ValueError):
-            continue
+    for _, command in child_processes(launcher.pid):
+        arguments = command.decode(errors="replace").split("\0")
         if any(argument and os.path.basename(argument) == name for argument in arguments):
             return True
     return False

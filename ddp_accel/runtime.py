@@ -25,7 +25,7 @@ from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_
 from accelerate.utils.memory import should_reduce_batch_size
 
 from ddp_accel.config import TrainConfig
-from ddp_accel.elastic import parent_command, stop_restarts
+from ddp_accel.elastic import START_TIME, child_processes, parent_command, stat_fields, stop_restarts
 from ddp_accel.errors import UserError
 from ddp_accel.loaders import kill_leftover_workers
 from ddp_accel.optim import check_optimizer
@@ -495,29 +495,13 @@ os.register_at_fork(
 )
 
 
-def _start_time(stat: str) -> int:
-    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22 of /proc/PID/stat: start time, in clock ticks
-
-
 def _forks_since(parent: int, command: bytes, started: int) -> int:
     """Live children of `parent` that run `command` (forks of it: a fork keeps its parent's command line) and
     started no earlier than `started` (not a kernel's earlier children)."""
-    count = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-            state, parent_pid = stat.rsplit(")", 1)[1].split()[:2]
-            count += (
-                int(parent_pid) == parent
-                and state != "Z"
-                and _start_time(stat) >= started
-                and Path(entry.path, "cmdline").read_bytes() == command
-            )
-        except (OSError, ValueError, IndexError):  # gone meanwhile
-            continue
-    return count
+    return sum(
+        fields[0] != "Z" and int(fields[START_TIME]) >= started and own == command
+        for fields, own in child_processes(parent)
+    )
 
 
 def wait_for_the_other_forks(local_rank: int, local_world_size: int, timeout_s: float = 30.0) -> bool:
@@ -538,7 +522,7 @@ def wait_for_the_other_forks(local_rank: int, local_world_size: int, timeout_s: 
         command = Path("/proc/self/cmdline").read_bytes()
         if Path(f"/proc/{parent}/cmdline").read_bytes() != command:
             return False  # spawned or exec'd: a fresh process inherits no lock
-        started = _start_time(Path("/proc/self/stat").read_text())
+        started = int(stat_fields("self")[START_TIME])
     except (OSError, ValueError, IndexError):
         return False
     deadline = time.monotonic() + timeout_s

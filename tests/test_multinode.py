@@ -7,10 +7,9 @@ import signal
 import socket
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
-from helpers import BIN, ROOT, free_port, parents, start_node, wait_for, wait_nodes
+from helpers import BIN, ROOT, free_port, start_node, wait_for, wait_nodes
 
 MULTI_NODE_YAML = ROOT / "accelerate_configs" / "multi_node.yaml"
 
@@ -129,11 +128,11 @@ def test_a_machine_alone_says_what_it_waits_for_ends_at_the_bound_and_stops_on_c
 def test_only_a_child_that_runs_the_script_is_taken_for_the_training(tmp_path):
     # the join watch ended when the launcher had any child: a short-lived helper of its own (before the group formed)
     # was taken for the training, and a lone machine then waited without its bound or reports
+    from ddp_accel.elastic import child_processes
     from ddp_accel.launch import training_started
 
     def runs_sleep(launcher: subprocess.Popen) -> bool:
-        children = [pid for pid, parent in parents().items() if parent == launcher.pid]
-        return any(_arguments(pid)[:1] == ["sleep"] for pid in children)
+        return any(command.split(b"\0")[:1] == [b"sleep"] for _, command in child_processes(launcher.pid))
 
     helper_only = subprocess.Popen(["sh", "-c", "sleep 30 & wait"], start_new_session=True)
     training = subprocess.Popen(
@@ -150,13 +149,6 @@ def test_only_a_child_that_runs_the_script_is_taken_for_the_training(tmp_path):
         for launcher in (helper_only, training):
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
-
-
-def _arguments(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
 
 
 @pytest.mark.inprocess
