@@ -348,7 +348,9 @@ def test_a_checkpoint_of_729a739_still_resumes_bitwise_with_a_warning(tmp_path):
     assert "resumed from" in output and "step 5, epoch 0, skipping 5 batches" in output, output[-2000:]
     assert "written before run identities were recorded" in output
     check_ok(run_script(PROBE, "--output-dir", tmp_path / "new", *common))
-    assert_same_weights(tmp_path / "new", tmp_path / "old", atol=None)
+    # the fixture's first 5 steps ran on another CPU, whose kernels round the last bit otherwise (1.5e-8 apart on an
+    # AVX-512 Xeon): equal within that; a resume one batch off in the data is 5e-4 or more apart (tried)
+    assert_same_weights(tmp_path / "new", tmp_path / "old", atol=1e-6)
 
 
 def samples_of(output_dir) -> list[int]:
