@@ -130,6 +130,7 @@ positive = number(float, low=0, low_open=True)
 nonnegative = number(float, low=0)
 fraction = number(float, low=0, high=1, low_open=True, high_open=True)  # strictly between 0 and 1
 probability = number(float, low=0, high=1, high_open=True)  # dropout, label smoothing: 0 allowed, 1 not
+chance = number(float, low=0, high=1)  # how often something happens: never (0) to always (1)
 
 
 def fold(text: str) -> str:

@@ -61,7 +61,9 @@ class TrainConfig:
     )
     warmup_epochs: float = option(0.0, "--lr-schedule: linear warm-up from 0 over this many epochs", type=nonnegative)
     min_lr: float = option(0.0, "cosine, onecycle: the learning rate at the end", type=nonnegative)
-    lr_gamma: float = option(0.1, "step, multistep, plateau: the factor of each decay", type=positive)
+    lr_gamma: float = option(
+        0.1, "step, multistep, plateau: the factor of each decay", type=number(float, low=0, high=1, low_open=True)
+    )
     lr_step_epochs: int = option(30, "step: a decay every this many epochs", type=positive_int)
     lr_milestones: list[int] | None = option(None, "multistep: the epochs of the decays", type=positive_int, nargs="+")
     plateau_patience: int = option(2, "plateau: evaluations without improvement before a decay", type=positive_int)

@@ -105,12 +105,19 @@ def make_identity(
     sources: Mapping[str, str | Path | None] | None = None,
     exclude: Iterable[str | Path] = (),
     accelerator: Any = None,
+    unset: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`options`: the values that shape the model and the data pipeline; `sources`: the data, fingerprinted by
-    `fingerprint_sources` (`exclude`: folders inside them that are not data, such as the run's output dir)."""
-    identity: dict[str, Any] = {key: _plain(value) for key, value in sorted(options.items())}
+    `fingerprint_sources` (`exclude`: folders inside them that are not data, such as the run's output dir).
+    `unset`: options recorded only when they differ from the value given here (options added after runs were
+    saved without them, which then resume): a saved identity that lacks one had it at that value, so turning it on
+    at a resume is a change like any other."""
+    unset = {key: _plain(value) for key, value in (unset or {}).items()}
+    identity: dict[str, Any] = {
+        key: _plain(value) for key, value in sorted(options.items()) if key not in unset or _plain(value) != unset[key]
+    }
     identity.update(fingerprint_sources(sources or {}, exclude, accelerator))
-    return {"options": identity, "versions": versions()}
+    return {"options": identity, "versions": versions(), **({"unset": unset} if unset else {})}
 
 
 def fingerprint_sources(
@@ -156,6 +163,12 @@ def compare_identity(
         f"{_option(key)} was {value!r}, now not given"
         for key, value in saved.get("options", {}).items()
         if key not in current["options"]
+    ]
+    unset = current.get("unset", {})
+    differences += [
+        f"{_option(key)} was not given ({unset[key]!r}), now {value!r}"
+        for key, value in current["options"].items()
+        if key in unset and key not in saved.get("options", {})
     ]
     if differences:
         changed_data = any(

@@ -22,14 +22,17 @@ class ProfilerWindow(Callback):
         self.start, self.end, self.top = start, end, top
         self.profiler: torch.profiler.profile | None = None
 
-    def on_start(self, run: TrainingRun) -> None:
-        if self.end > run.total_steps:
+    def check(self, total_steps: int) -> None:
+        """Before the run touches its output dir (--overwrite-output-dir deletes only once every check passed)."""
+        if self.end > total_steps:
             from ddp_accel.errors import UserError
 
             raise UserError(
-                f"--profile-steps {self.start}:{self.end} ends past this run's {run.total_steps} steps; choose a "
+                f"--profile-steps {self.start}:{self.end} ends past this run's {total_steps} steps; choose a "
                 "window inside it"
             )
+
+    def on_start(self, run: TrainingRun) -> None:
         if run.state.step >= self.start:  # a resume past the window's start: nothing to record
             self.start = self.end = -1
         elif self.start == 0:

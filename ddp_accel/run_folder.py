@@ -77,12 +77,13 @@ class RunFolder:
         return bool(complete_checkpoints(self.checkpoints)) if has_checkpoints is None else has_checkpoints
 
     def committed_metrics(
-        self, target: tuple[int, int], total_steps: int, identity: dict[str, Any]
+        self, target: tuple[int, int], total_steps: int, identity: dict[str, Any], early_stopping: bool = True
     ) -> dict[str, Any] | None:
         """The metrics of a run committed here under this identity that trained at least as far as `target`
         (epoch, samples into it: what a command asks for, in a unit that does not change with the world size, the
         batch size or the accumulation), or None. A run committed before it recorded its progress counts by
-        `total_steps`. A committed run under another identity is refused."""
+        `total_steps`. A committed run under another identity is refused. A run that early stopping ended is
+        complete for a command with early stopping; without it, by its progress like any other."""
         try:
             committed = json.loads((self.path / COMMITTED).read_text())
         except (OSError, ValueError):
@@ -91,7 +92,7 @@ class RunFolder:
             return None
         if committed.get("identity") and identity:
             compare_identity(committed["identity"], identity, f"the run in {self.path}")
-        if str(committed.get("end_reason", "")).startswith("early stopping"):
+        if early_stopping and str(committed.get("end_reason", "")).startswith("early stopping"):
             return committed  # it ended where its metric stopped improving: as far as it goes
         progress = committed.get("progress")
         if isinstance(progress, dict):

@@ -29,7 +29,7 @@ from ddp_accel.config import TrainConfig
 from ddp_accel.elastic import START_TIME, child_processes, parent_command, stat_fields, stop_restarts
 from ddp_accel.errors import UserError
 from ddp_accel.loaders import kill_leftover_workers
-from ddp_accel.optim import check_optimizer
+from ddp_accel.optim import check_optimizer, check_options_are_used
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.stopping import PEER_STOPPED_EXIT_CODE, PREEMPTED_EXIT_CODE, Phase, Preempted, StopSignals
 from ddp_accel.tracking import check_trackers, make_trackers, tracker_names
@@ -122,6 +122,7 @@ def make_accelerator(
         signals.set_output_dir(folder.path)
     if config.optimizer is not None:
         check_optimizer(config)
+    check_options_are_used(config)
     names = tracker_names(config.report_to, config.with_tracking)
     if process_rank() == 0:  # the main process logs
         check_trackers(names, config.output_dir)

@@ -112,9 +112,11 @@ class PlateauFeed(Callback):
             "plateau_factor": schedule.plateau_factor,
             "plateau_best": schedule.plateau_best,
             "evaluations_without_improvement": schedule.evaluations_without_improvement,
+            "metric": self.metric,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.schedule.plateau_factor = state["plateau_factor"]
-        self.schedule.plateau_best = state["plateau_best"]
-        self.schedule.evaluations_without_improvement = state["evaluations_without_improvement"]
+        self.schedule.plateau_factor = state["plateau_factor"]  # the decays done stay done
+        if state.get("metric", self.metric) == self.metric:  # another metric's best is no value to improve on
+            self.schedule.plateau_best = state["plateau_best"]
+            self.schedule.evaluations_without_improvement = state["evaluations_without_improvement"]

@@ -66,6 +66,7 @@ class TrainState:
     eval_pending: bool = False  # a stop interrupted the evaluation due at `step`: run it first after resume
     best_metric: float | None = None  # the best value of fit's `best_metric` so far, and its step
     best_step: int | None = None
+    best_metric_name: str | None = None  # the metric best_metric and early_stopping_best are values of
     # early stopping: the value an improvement is measured from, the evaluations since, and whether it ended the run
     early_stopping_best: float | None = None
     evaluations_without_improvement: int = 0

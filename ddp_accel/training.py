@@ -135,7 +135,11 @@ class TrainingRun:
         self.ema = WeightAverage(config.ema_decay, config.ema_warmup) if config.ema_decay else None
         if self.ema is not None and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
             raise UserError("--ema-decay averages whole weights on every rank: not with FSDP or DeepSpeed shards")
+        if self.best_metric and self.best_metric.startswith("ema_") and self.ema is None:
+            raise UserError(f"--best-metric {self.best_metric} is a metric of the weights' average: add --ema-decay")
         profiler = [ProfilerWindow(*config.profile_steps)] if config.profile_steps else []  # off: no callback
+        for window in profiler:
+            window.check(self.total_steps)
         self.callbacks = Callbacks(
             [ProgressBar(), Trackers(), *([self.ema] if self.ema else []), BestModel(self.best_metric), *profiler]
             + schedule_feed
@@ -221,12 +225,23 @@ class TrainingRun:
             return None
         epochs, steps = divmod(self.total_steps, self.steps_per_epoch)
         target = (epochs, steps * self.accumulation * self.state.global_batch)
-        committed = self.folder.committed_metrics(target, self.total_steps, self.identity.identity)
+        early_stopping = bool(self.config.early_stopping_patience)
+        committed = self.folder.committed_metrics(target, self.total_steps, self.identity.identity, early_stopping)
         if committed is None:
             return None
+        if str(committed.get("end_reason", "")).startswith("early stopping"):
+            how_on = "Without --early-stopping-patience, a larger --epochs or --max-steps"
+            ended = f"ended by {committed['end_reason']}"
+        else:
+            how_on, ended = "A larger --epochs or --max-steps", f"{committed['steps']} steps"
         self.accelerator.print(
-            f"the run in {self.folder.path} is complete ({committed['steps']} steps); nothing to do. A larger --epochs "
-            "or --max-steps continues it from its newest checkpoint."
+            f"the run in {self.folder.path} is complete ({ended}); nothing to do. "
+            + (
+                f"{how_on} continues it from its newest checkpoint."
+                if self.checkpoints.complete()
+                else "It kept no checkpoint to continue from (--checkpointing-steps): a longer run starts again, "
+                "with --overwrite-output-dir."
+            )
         )
         self.signals.enter(Phase.DONE)
         return committed
@@ -240,6 +255,26 @@ class TrainingRun:
         if path is not None:
             self.resumed_from = path
             self.signals.resume_hint = resume_hint(path)
+            self.forget_another_metrics_best()
+            if self.state.stopped_early and not self.config.early_stopping_patience:
+                self.accelerator.print(
+                    "the checkpoint was where early stopping ended the run; without it, training goes on"
+                )
+                self.state.stopped_early, self.state.evaluations_without_improvement = False, 0
+        self.state.best_metric_name = self.best_metric
+
+    def forget_another_metrics_best(self) -> None:
+        """A resume under another --best-metric: the best so far was another metric's value (a loss of 2.3 is no
+        top-1 to beat), so the best model and early stopping's count start again from here, said in one line."""
+        state, saved = self.state, self.state.best_metric_name
+        if saved is None or saved == self.best_metric:
+            return
+        self.accelerator.print(
+            f"warning: the checkpoint's best so far was by {saved}, this run's by {self.best_metric}: the best model "
+            "and early stopping start again from here (model_best.safetensors is replaced at the next evaluation)"
+        )
+        state.best_metric = state.best_step = state.early_stopping_best = None
+        state.evaluations_without_improvement = 0
 
     # --- the loop's steps ---
     @contextmanager

@@ -129,12 +129,12 @@ def parse_args(argv=None):
         default="none",
         help="RandAugment (2 ops, magnitude 9) or TrivialAugmentWide",
     )
-    recipes.add_argument("--random-erasing", type=cli.probability, default=0.0, help="RandomErasing's probability")
+    recipes.add_argument("--random-erasing", type=cli.chance, default=0.0, help="RandomErasing's probability")
     recipes.add_argument("--mixup-alpha", type=cli.nonnegative, default=0.0, help="MixUp's Beta(a, a); 0: off")
     recipes.add_argument("--cutmix-alpha", type=cli.nonnegative, default=0.0, help="CutMix's Beta(a, a); 0: off")
-    recipes.add_argument("--mix-prob", type=cli.probability, default=1.0, help="share of batches mixed")
+    recipes.add_argument("--mix-prob", type=cli.chance, default=1.0, help="share of batches mixed")
     recipes.add_argument(
-        "--mix-switch-prob", type=cli.probability, default=0.5, help="with both alphas: CutMix's share of mixed batches"
+        "--mix-switch-prob", type=cli.chance, default=0.5, help="with both alphas: CutMix's share of mixed batches"
     )
     parser.add_argument(
         "--mean", type=cli.number(float), nargs=3, default=list(IMAGENET_MEAN), help="per-channel normalisation"
@@ -162,6 +162,11 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.resume and not args.resume.endswith(".safetensors"):
         args.resume_from_checkpoint = args.resume
+    mixing = args.mixup_alpha > 0 or args.cutmix_alpha > 0
+    if not mixing and (args.mix_prob != RECIPE_OPTIONS["mix_prob"] or args.mix_switch_prob != 0.5):
+        parser.error("--mix-prob and --mix-switch-prob set how batches are mixed: give --mixup-alpha or --cutmix-alpha")
+    if args.mix_switch_prob != RECIPE_OPTIONS["mix_switch_prob"] and not (args.mixup_alpha and args.cutmix_alpha):
+        parser.error("--mix-switch-prob chooses between MixUp and CutMix: give both --mixup-alpha and --cutmix-alpha")
     if args.dummy and (args.auto_augment != "none" or args.random_erasing > 0):
         parser.error("--auto-augment and --random-erasing change DATA_DIR's images; --dummy images have none to change")
     if not (args.list_archs or args.dummy or args.data):
@@ -218,11 +223,10 @@ def identity_of(args, accelerator, evaluation: bool = False) -> dict:
     """What shapes the model and the data: a resume must match it; an evaluation, what its predictions depend on."""
     if evaluation:
         return make_identity({key: getattr(args, key) for key in EVALUATION_OPTIONS})
-    options = {key: getattr(args, key) for key in IDENTITY_OPTIONS}
-    # the recipes only when used: a run from before they existed resumes
-    options |= {key: getattr(args, key) for key, off in RECIPE_OPTIONS.items() if getattr(args, key) != off}
+    options = {key: getattr(args, key) for key in (*IDENTITY_OPTIONS, *RECIPE_OPTIONS)}
     sources = {"data": None if args.dummy else args.data}  # by content; an --output-dir inside it is not data
-    return make_identity(options, sources, exclude=[args.output_dir], accelerator=accelerator)
+    # the recipes recorded only when used: a run from before they existed resumes
+    return make_identity(options, sources, exclude=[args.output_dir], accelerator=accelerator, unset=RECIPE_OPTIONS)
 
 
 def set_backends(args) -> None:

@@ -153,9 +153,17 @@ def parse_args(argv=None):
     # (where 0.5 costs 1 point)
     parser.set_defaults(optimizer="adamw")
     args = parser.parse_args(argv)
-    if args.recipe:
+    if args.lr_schedule and (
+        args.schedule != parser.get_default("schedule") or args.warmup != parser.get_default("warmup")
+    ):
+        parser.error(
+            "--schedule and --warmup are imdb.py's own schedule, which --lr-schedule replaces (its warm-up: "
+            "--warmup-epochs)"
+        )
+    if args.recipe:  # the classic values, except where an option was given (a value other than its default)
         for key, value in RECIPE.items():
-            setattr(args, key, value)
+            if getattr(args, key) == parser.get_default(key):
+                setattr(args, key, value)
     if args.weight_decay is None:
         args.weight_decay = 0.5 if args.model == "bag" else 0.0
     if args.sparse == "on" and not our_bag(args):  # rather than a silently dense table

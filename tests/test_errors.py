@@ -21,6 +21,7 @@ from helpers import (
     check_ok,
     free_port,
     launch,
+    load_script,
     run_script,
     snapshot,
     wait_for_checkpoint,
@@ -115,11 +116,39 @@ def test_world_size_guard(monkeypatch):
         ("scripts/imdb.py", ["--buckets", "0"], "--buckets: must be >= 1"),
         ("scripts/imagenet.py", ["--dummy", "-b", "0"], "-b: must be >= 1"),
         ("scripts/imagenet.py", ["--dummy", "--label-smoothing", "inf"], "--label-smoothing: must be a finite number"),
+        # an option that nothing would read: the run would differ from the command without a word
+        ("scripts/template.py", ["--ema-warmup"], "--ema-warmup shapes the average of --ema-decay: add --ema-decay"),
+        ("scripts/template.py", ["--compile-backend", "eager"], "--compile-backend eager is --compile's"),
+        (
+            "scripts/template.py",
+            ["--compile", "--compile-backend", "foo"],
+            "--compile-backend foo is not one of torch's",
+        ),
+        ("scripts/template.py", ["--warmup-epochs", "1"], "--warmup-epochs warms up the shared --lr-schedule"),
+        ("scripts/template.py", ["--lr-schedule", "step", "--min-lr", "0.01"], "--min-lr is where cosine and onecycle"),
+        ("scripts/template.py", ["--lr-milestones", "3"], "--lr-milestones are multistep's"),
+        ("scripts/template.py", ["--lr-schedule", "multistep", "--lr-milestones", "3", "2"], "in increasing order"),
+        ("scripts/template.py", ["--lr-schedule", "multistep", "--lr-milestones", "50"], "past --epochs 10 never"),
+        ("scripts/template.py", ["--lr-schedule", "cosine", "--warmup-epochs", "10"], "lasts all --epochs 10"),
+        ("scripts/template.py", ["--lr-gamma", "10"], "--lr-gamma: must be <= 1"),
+        ("scripts/template.py", ["--betas", "0.8", "0.9"], "--betas are Adam's and AdamW's: --optimizer sgd"),
+        ("scripts/imagenet.py", ["--dummy", "--mix-prob", "0.5"], "give --mixup-alpha or --cutmix-alpha"),
+        ("scripts/imagenet.py", ["--dummy", "--mixup-alpha", "0.2", "--mix-switch-prob", "0.9"], "give both"),
+        ("scripts/imagenet.py", ["--dummy", "--mixup-alpha", "0.2", "--mix-prob", "1.5"], "--mix-prob: must be <= 1"),
+        ("scripts/imdb.py", ["--lr-schedule", "cosine", "--warmup", "0.1"], "which --lr-schedule replaces"),
     ],
 )
 def test_bad_option_values_are_refused_before_anything_runs(tmp_path, script, args, fragment):
     assert_clean_error(run_script(script, *args, "--output-dir", tmp_path), fragment)
     assert not tmp_path.joinpath("args.json").exists()
+
+
+@inprocess
+def test_a_chance_of_one_is_accepted_where_it_means_always():
+    # --mix-prob's own default, 1, was refused when given (an open upper end, as for dropout)
+    options = ["DATA", "--mixup-alpha", "0.2", "--cutmix-alpha", "1", "--mix-prob", "1", "--mix-switch-prob", "1"]
+    args = load_script("scripts/imagenet.py").parse_args([*options, "--random-erasing", "1"])
+    assert (args.mix_prob, args.mix_switch_prob, args.random_erasing) == (1.0, 1.0, 1.0)
 
 
 @inprocess

@@ -159,6 +159,22 @@ def test_a_committed_run_under_another_identity_is_refused(tmp_path):
         folder.committed_metrics((1, 0), 5, {"options": {"arch": "resnet50"}, "versions": {}})
 
 
+def test_a_recipe_turned_on_or_off_at_a_resume_is_refused_and_an_unused_one_is_not_recorded():
+    # recipes are recorded only when used (older runs resume): one turned on at a resume was let through
+    from ddp_accel.identity import compare_identity, make_identity
+
+    unset = {"mixup_alpha": 0.0, "auto_augment": "none"}
+    plain = make_identity({"arch": "resnet18", "mixup_alpha": 0.0, "auto_augment": "none"}, unset=unset)
+    mixed = make_identity({"arch": "resnet18", "mixup_alpha": 0.2, "auto_augment": "none"}, unset=unset)
+    assert plain["options"] == {"arch": "resnet18"} and mixed["options"] == {"arch": "resnet18", "mixup_alpha": 0.2}
+    older = {"options": {"arch": "resnet18"}, "versions": {}}  # a run from before the recipes existed
+    assert compare_identity(older, plain, "checkpoint x") is None
+    with pytest.raises(UserError, match=r"--mixup-alpha was not given \(0.0\), now 0.2"):
+        compare_identity(older, mixed, "checkpoint x")
+    with pytest.raises(UserError, match="--mixup-alpha was 0.2, now not given"):
+        compare_identity(mixed, plain, "checkpoint x")
+
+
 # --- the meter, the position after a resume, the stop's facts ---
 def test_the_throughput_meter_reports_windows_and_the_steady_rate_after_the_first():
     meter = ThroughputMeter()

@@ -483,7 +483,14 @@ def test_ema_early_stopping_and_a_profiler_window_resume_bitwise_and_say_what_th
     assert "profile of steps 2..3 (rank 0)" in output and "Self CPU" in output, output[-3000:]
     assert json.loads((tmp_path / "full" / "profile" / "trace_rank0.json").read_text())["traceEvents"]
     rerun = probe(tmp_path / "full", *common, "--resume-from-checkpoint", "latest", nproc=1)
-    assert "is complete (12 steps); nothing to do" in rerun, rerun[-2000:]
+    assert "is complete (ended by early stopping: ema_accuracy" in rerun, rerun[-2000:]
+    assert "Without --early-stopping-patience, a larger --epochs or --max-steps continues it" in rerun
+    # without early stopping, a longer run goes on from the newest checkpoint (the stop was a choice, not the end)
+    shutil.copytree(tmp_path / "full", tmp_path / "longer")
+    index = common.index("--early-stopping-patience")
+    without_stopping = [*common[:index], *common[index + 2 :], "--max-steps", 16]
+    output = probe(tmp_path / "longer", *without_stopping, "--resume-from-checkpoint", "latest", nproc=1)
+    assert "resumed from" in output and metrics_of(tmp_path / "longer")["steps"] == 16, output[-2000:]
 
     # stopped after step 8 (one evaluation without improvement counted): the resume counts on and ends at 12 with
     # every weight file of the uninterrupted run
@@ -512,11 +519,32 @@ def test_ema_early_stopping_and_a_profiler_window_resume_bitwise_and_say_what_th
     ]
     assert_clean_error(run_script(PROBE, *without), "other stateful callbacks", "--ema-decay given on one side only")
     result = run_script(PROBE, "--output-dir", tmp_path / "bad", "--best-metric", "ema_top1", "--max-steps", 2)
-    assert_clean_error(result, "--best-metric ema_top1 is not a metric of this run's evaluation: eval_loss")
+    assert_clean_error(result, "--best-metric ema_top1 is a metric of the weights' average: add --ema-decay")
+    result = run_script(PROBE, "--output-dir", tmp_path / "bad", "--best-metric", "eval_top1", "--max-steps", 2)
+    assert_clean_error(result, "--best-metric eval_top1 is not a metric of this run's evaluation: eval_loss")
     result = run_script(PROBE, "--output-dir", tmp_path / "none", "--early-stopping-patience", 2)
     assert_clean_error(result, "--early-stopping-patience needs an evaluation to watch", "--best-metric")
     result = run_script(PROBE, "--output-dir", tmp_path / "past", "--profile-steps", "3:600")
     assert_clean_error(result, "--profile-steps 3:600 ends past this run's 2 steps")
+    # refused before --overwrite-output-dir deleted the run that was there
+    result = run_script(
+        PROBE, *common, "--output-dir", tmp_path / "full", "--overwrite-output-dir", "--profile-steps", "3:600"
+    )
+    assert_clean_error(result, "--profile-steps 3:600 ends past this run's 160 steps")
+    assert (tmp_path / "full" / "checkpoints" / "step_8").is_dir() and (tmp_path / "full" / "history.json").is_file()
+
+    # resumed under another --best-metric: the best so far (an accuracy) is no loss to beat; it starts again
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_8", tmp_path / "other" / "checkpoints" / "step_8")
+    switched = [*common, "--max-steps", 16]
+    switched[switched.index("--best-metric") + 1] = "eval_loss"
+    output = probe(tmp_path / "other", *switched, "--resume-from-checkpoint", "latest", nproc=1)
+    assert "the checkpoint's best so far was by ema_accuracy, this run's by eval_loss" in output, output[-2000:]
+    history = json.loads((tmp_path / "other" / "history.json").read_text())
+    after = [record["eval_loss"] for record in history if record["step"] > 8]
+    assert after and metrics_of(tmp_path / "other")["best_loss"] == min(after), (
+        history,
+        metrics_of(tmp_path / "other"),
+    )
 
 
 @pytest.mark.inprocess
