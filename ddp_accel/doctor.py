@@ -128,6 +128,14 @@ def precheck(env: dict[str, str], host: str, timeout_s: float) -> list[str]:
             f"host {host}, rank {rank}: MASTER_ADDR={address} is a loopback address ({resolved}), but the job spans "
             "machines: give the first machine's network address (--main_process_ip, --master_addr)"
         ]
+    try:
+        host_address = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        host_address = "?"
+    problem = loopback_problem(host, host_address, multi_node, env.get("GLOO_SOCKET_IFNAME"), route_to(address, port))
+    if problem:  # this machine's own: said before, and without, waiting for the first machine (which may have
+        # stopped at its own problem already: a refused connection would only add a second line)
+        return [problem]
     if world > 1 and rank != 0:
         deadline, last_error = time.monotonic() + timeout_s, ""
         while time.monotonic() < deadline:
@@ -144,13 +152,6 @@ def precheck(env: dict[str, str], host: str, timeout_s: float) -> list[str]:
                 f"({last_error}) within {timeout_s:.0f} s: is the first machine started, is it that address, is the "
                 "port open in its firewall?"
             )
-    try:
-        host_address = socket.gethostbyname(socket.gethostname())
-    except OSError:
-        host_address = "?"
-    problem = loopback_problem(host, host_address, multi_node, env.get("GLOO_SOCKET_IFNAME"), route_to(address, port))
-    if problem:
-        problems.append(problem)
     return problems
 
 
