@@ -24,43 +24,6 @@ def check_optimizer(config: Any) -> None:
         )
 
 
-def check_options_are_used(config: Any) -> None:
-    """An option given that nothing reads would leave the run other than asked, without a word: one line each."""
-    if config.optimizer and tuple(config.betas) != (0.9, 0.999) and config.optimizer not in ("adam", "adamw"):
-        raise UserError(f"--betas are Adam's and AdamW's: --optimizer {config.optimizer} has none")
-    if config.ema_warmup and not config.ema_decay:
-        raise UserError("--ema-warmup shapes the average of --ema-decay: add --ema-decay (e.g. 0.999)")
-    if config.compile_backend != "inductor" and not config.compile:
-        raise UserError(f"--compile-backend {config.compile_backend} is --compile's: add --compile")
-    if config.compile:
-        import torch._dynamo
-
-        if config.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
-            names = ", ".join(torch._dynamo.list_backends())
-            raise UserError(
-                f"--compile-backend {config.compile_backend} is not one of torch's: {names}, eager, aot_eager"
-            )
-    schedule = config.lr_schedule
-    if config.warmup_epochs and not schedule:
-        raise UserError("--warmup-epochs warms up the shared --lr-schedule: give one (e.g. cosine)")
-    if config.min_lr and schedule not in ("cosine", "onecycle"):
-        raise UserError(f"--min-lr is where cosine and onecycle end: not used by --lr-schedule {schedule or '(none)'}")
-    if config.lr_milestones and schedule != "multistep":
-        raise UserError(f"--lr-milestones are multistep's: not used by --lr-schedule {schedule or '(none)'}")
-    milestones = config.lr_milestones or []
-    if any(later <= earlier for earlier, later in zip(milestones, milestones[1:], strict=False)):
-        raise UserError(f"--lr-milestones {' '.join(map(str, milestones))}: give them in increasing order")
-    if milestones and milestones[-1] >= config.epochs:  # (a shorter --max-steps is a choice: not checked)
-        raise UserError(
-            f"--lr-milestones {' '.join(map(str, milestones))}: a decay at or past --epochs {config.epochs} never "
-            "happens"
-        )
-    if schedule and config.warmup_epochs >= config.epochs:
-        raise UserError(
-            f"--warmup-epochs {config.warmup_epochs:g} lasts all --epochs {config.epochs}: --lr is never reached"
-        )
-
-
 def describe_optimizer(optimizer: Any) -> str:
     """The banner's line: `SGD (lr 0.1, momentum 0.9, nesterov, weight decay 0.0001)`; several joined with ' + '."""
     optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper

@@ -25,6 +25,11 @@ FINAL_STAGING = ".final"  # under checkpoints/: the final model and the best mod
 COMMITTED = "metrics.json"  # written last by a commit: a run is complete once it exists for its steps
 
 
+def ended_by_early_stopping(metrics: dict[str, Any]) -> bool:
+    """Whether committed metrics say early stopping ended the run (metrics.json's `end_reason`)."""
+    return str(metrics.get("end_reason", "")).startswith("early stopping")
+
+
 class RunFolder:
     """OUTPUT_DIR: `checkpoints/` (the Checkpoints' root), `checkpoints/.final/` (what the commit will move into
     place), and the committed artifacts. Only the main process writes here, except the collective model save."""
@@ -92,7 +97,7 @@ class RunFolder:
             return None
         if committed.get("identity") and identity:
             compare_identity(committed["identity"], identity, f"the run in {self.path}")
-        if early_stopping and str(committed.get("end_reason", "")).startswith("early stopping"):
+        if early_stopping and ended_by_early_stopping(committed):
             return committed  # it ended where its metric stopped improving: as far as it goes
         progress = committed.get("progress")
         if isinstance(progress, dict):

@@ -25,11 +25,11 @@ from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGr
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from accelerate.utils.memory import should_reduce_batch_size
 
-from ddp_accel.config import TrainConfig
+from ddp_accel.config import TrainConfig, check_options_are_used
 from ddp_accel.elastic import START_TIME, child_processes, parent_command, stat_fields, stop_restarts
 from ddp_accel.errors import UserError
 from ddp_accel.loaders import kill_leftover_workers
-from ddp_accel.optim import check_optimizer, check_options_are_used
+from ddp_accel.optim import check_optimizer
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.stopping import PEER_STOPPED_EXIT_CODE, PREEMPTED_EXIT_CODE, Phase, Preempted, StopSignals
 from ddp_accel.tracking import check_trackers, make_trackers, tracker_names

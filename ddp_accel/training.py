@@ -27,7 +27,7 @@ from ddp_accel.meters import EvalHistory, improves, numbers
 from ddp_accel.optim import describe_optimizer
 from ddp_accel.plots import plot_history
 from ddp_accel.profiling import ProfilerWindow
-from ddp_accel.run_folder import RunFolder
+from ddp_accel.run_folder import RunFolder, ended_by_early_stopping
 from ddp_accel.runtime import lost_peers, print_banner, topology
 from ddp_accel.schedules import PlateauFeed, check_schedule, make_schedule
 from ddp_accel.state import RunIdentity, TrainState
@@ -229,7 +229,7 @@ class TrainingRun:
         committed = self.folder.committed_metrics(target, self.total_steps, self.identity.identity, early_stopping)
         if committed is None:
             return None
-        if str(committed.get("end_reason", "")).startswith("early stopping"):
+        if ended_by_early_stopping(committed):
             how_on = "Without --early-stopping-patience, a larger --epochs or --max-steps"
             ended = f"ended by {committed['end_reason']}"
         else:

@@ -163,7 +163,7 @@ def parse_args(argv=None):
     if args.resume and not args.resume.endswith(".safetensors"):
         args.resume_from_checkpoint = args.resume
     mixing = args.mixup_alpha > 0 or args.cutmix_alpha > 0
-    if not mixing and (args.mix_prob != RECIPE_OPTIONS["mix_prob"] or args.mix_switch_prob != 0.5):
+    if not mixing and any(getattr(args, key) != RECIPE_OPTIONS[key] for key in ("mix_prob", "mix_switch_prob")):
         parser.error("--mix-prob and --mix-switch-prob set how batches are mixed: give --mixup-alpha or --cutmix-alpha")
     if args.mix_switch_prob != RECIPE_OPTIONS["mix_switch_prob"] and not (args.mixup_alpha and args.cutmix_alpha):
         parser.error("--mix-switch-prob chooses between MixUp and CutMix: give both --mixup-alpha and --cutmix-alpha")
