@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -146,3 +147,30 @@ def fold(text: str) -> str:
 
 seed_value = number(int, low=0, high=2**32 - 1)  # numpy's seed range (accelerate's set_seed seeds numpy too)
 timeout_seconds = number(int, low=1, high=365 * 24 * 3600)  # torch's timedelta for collectives overflows far above
+
+
+DURATION = re.compile(r"(?:(?P<h>\d+(?:\.\d+)?)h)?(?:(?P<m>\d+(?:\.\d+)?)m(?:in)?)?(?:(?P<s>\d+(?:\.\d+)?)s?)?")
+
+
+def duration(text: str) -> float:
+    """Seconds of a duration: `900`, `900s`, `15m`, `1h30m`, `2.5h` (--time-budget)."""
+    match = DURATION.fullmatch(text.strip().lower())
+    if not text.strip() or match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 15m, 1h30m, 900s)")
+    hours, minutes, seconds = (float(match[unit] or 0) for unit in "hms")
+    total = hours * 3600 + minutes * 60 + seconds
+    if total <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration must be above 0")
+    return total
+
+
+def format_duration(seconds: float) -> str:
+    """`14 min 5 s`, `1 h 2 min`, `45 s`: what a user reads in a banner."""
+    if seconds < 9.95:
+        return f"{seconds:.2f} s" if seconds < 0.995 else f"{seconds:.1f} s"
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    if hours:
+        return f"{hours} h {minutes} min"
+    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"

@@ -10,6 +10,7 @@ from typing import Any
 
 from ddp_accel.cli import (
     checkpointing_steps,
+    duration,
     nonnegative,
     number,
     positive,
@@ -34,6 +35,13 @@ class TrainConfig:
     output_dir: str = option("outputs/run", "where checkpoints, metrics and the model go")
     epochs: int = option(1, "passes over the training data", type=positive_int)
     max_steps: int | None = option(None, "stop after this many optimizer steps", type=positive_int)
+    time_budget: float | None = option(
+        None,
+        "the whole command's wall-clock time (e.g. 15m, 1h30m): as many epochs as fit in it, at most --epochs, "
+        "chosen at the start from a few timed training and evaluation batches; a resume keeps the choice",
+        type=duration,
+        metavar="DURATION",
+    )
     batch_size: int = option(32, "per process; global = this x processes", type=positive_int)
     lr: float = option(1e-3, "peak learning rate", type=positive)
     seed: int = option(0, "model initialisation and data order", type=seed_value)

@@ -25,6 +25,7 @@ from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGr
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from accelerate.utils.memory import should_reduce_batch_size
 
+from ddp_accel.budget import note_command_start
 from ddp_accel.config import TrainConfig, check_options_are_used
 from ddp_accel.elastic import START_TIME, child_processes, parent_command, stat_fields, stop_restarts
 from ddp_accel.errors import UserError
@@ -660,6 +661,7 @@ def run_main(main: Callable[..., Any]) -> None:
     that takes one argument receives them (to pass to fit)."""
     signals = StopSignals()
     exit_code = 0
+    note_command_start(started_as_script=getattr(main, "__module__", None) == "__main__")  # --time-budget's clock
     try:
         signals.install()  # a signal that came during the imports is handled here: Preempted (nothing trained yet)
         main(signals) if inspect.signature(main).parameters else main()

@@ -71,6 +71,7 @@ class TrainState:
     early_stopping_best: float | None = None
     evaluations_without_improvement: int = 0
     stopped_early: bool = False
+    time_budget: dict[str, Any] | None = None  # what --time-budget planned (budget.BudgetPlan), kept by a resume
 
     @property
     def samples_in_epoch(self) -> int:

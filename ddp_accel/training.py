@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -16,8 +18,16 @@ from accelerate.utils import DistributedType
 
 from ddp_accel import loaders
 from ddp_accel.batch_size import find_micro_batch, with_batch_size
+from ddp_accel.budget import BudgetPlan, check_plan, command_started, measure_costs, plan_epochs
 from ddp_accel.callbacks import BestModel, Callback, Callbacks, ProgressBar, Trackers
-from ddp_accel.checkpoint import Checkpoints, model_fingerprint, optimizer_fingerprint
+from ddp_accel.checkpoint import (
+    Checkpoints,
+    model_fingerprint,
+    optimizer_fingerprint,
+    read_training_state,
+    resolve_resume,
+)
+from ddp_accel.cli import format_duration
 from ddp_accel.config import TrainConfig, every
 from ddp_accel.ema import WeightAverage
 from ddp_accel.errors import UserError
@@ -115,6 +125,12 @@ class TrainingRun:
         self.eval_loader: Any = accelerator.prepare(task.eval_loader) if task.eval_loader is not None else None
         self.test_loader: Any = accelerator.prepare(task.test_loader) if task.test_loader is not None else None
         self.steps_per_epoch = math.ceil(len(self.train_loader) / self.accumulation)
+        self.started = command_started(time.time())  # --time-budget's clock
+        self.budget, self.budget_kept = None, False
+        if config.time_budget:  # settles --epochs before anything reads it
+            self.budget = self.plan_time_budget()
+            config = self.config = dataclasses.replace(config, epochs=self.budget.epochs)
+            self.state.time_budget = self.budget.state_dict()
         self.total_steps = int(min(config.epochs * self.steps_per_epoch, config.max_steps or math.inf))
         self.best_metric = config.best_metric or task.best_metric  # --best-metric, else the script's
         schedule_feed: list[Callback] = []
@@ -180,6 +196,7 @@ class TrainingRun:
             optimizer=describe_optimizer(self.optimizer),
             **self.epoch_padding(),
             **self.record.banner,
+            **({"time_budget": self.describe_budget()} if self.budget else {}),
         )
         complete = self.committed_run()
         if complete is not None:
@@ -207,6 +224,70 @@ class TrainingRun:
         self.callbacks.on_start(self)
         self.watchdog.start()
         return None
+
+    def plan_time_budget(self) -> BudgetPlan:
+        """--time-budget: the plan the run made at its start (kept by a resume, or a rerun of the complete run),
+        else a new one from batches timed here."""
+        config, accelerator, task = self.config, self.accelerator, self.task
+        assert config.time_budget
+        kept = self.saved_plan()
+        if kept is not None:
+            if kept.budget_s != config.time_budget:
+                raise UserError(
+                    f"--time-budget {format_duration(config.time_budget)}: the run was planned for "
+                    f"{format_duration(kept.budget_s)} ({kept.epochs} epochs), and a resume keeps its plan: give "
+                    f"--time-budget {format_duration(kept.budget_s).replace(' ', '')}, or --epochs without "
+                    "--time-budget to change its length"
+                )
+            self.budget_kept = True
+            return kept
+        if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+            raise UserError("--time-budget times steps on whole weights: not with FSDP or DeepSpeed (give --epochs)")
+        probe = TrainStep(
+            accelerator, self.model, self.optimizer, task.loss_fn, config.max_grad_norm, StepAgreement(accelerator)
+        )
+        eval_loader = self.eval_loader if self.eval_loader is not None else self.test_loader
+        accelerator.print(f"--time-budget {format_duration(config.time_budget)}: timing a few batches ...")
+        costs = measure_costs(
+            accelerator, probe, self.model, self.optimizer, self.train_loader, task.eval_fn, eval_loader,
+            self.accumulation, self.started,
+        )  # fmt: skip
+        plan = plan_epochs(
+            config.time_budget,
+            costs,
+            batches_per_epoch=len(self.train_loader),
+            max_epochs=config.epochs,
+            eval_batches=len(self.eval_loader) if self.eval_loader is not None else 0,
+            evaluations_per_eval=2 if config.ema_decay else 1,  # the raw weights and their average
+            eval_every_epochs=config.eval_every_epochs,
+            eval_every_steps=config.eval_steps,
+            steps_per_epoch=self.steps_per_epoch,
+            test_batches=len(self.test_loader) if self.test_loader is not None else 0,
+        )
+        check_plan(plan, costs.spent_s, config.warmup_epochs, config.lr_schedule, config.lr_milestones)
+        return plan
+
+    def saved_plan(self) -> BudgetPlan | None:
+        """The --time-budget plan of the checkpoint this command resumes, or of the complete run in the folder."""
+        resume = self.config.resume_from_checkpoint
+        if resume is None:
+            return None
+        candidates = []
+        path = resolve_resume(resume, self.folder.checkpoints)  # (its integrity is checked at the resume)
+        if path is not None:
+            candidates.append(lambda: read_training_state(path))
+        if resume == "latest":
+            candidates.append(lambda: json.loads((self.folder.path / "metrics.json").read_text()))
+        for read in candidates:
+            try:
+                return BudgetPlan.from_state(read()["time_budget"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return None
+
+    def describe_budget(self) -> str:
+        assert self.budget is not None
+        return self.budget.describe() + (" (the run's plan, kept)" if self.budget_kept else "")
 
     def epoch_padding(self) -> dict[str, str]:
         """On several processes an epoch's last round is filled up with samples from its start (Accelerate's
@@ -494,6 +575,11 @@ class TrainingRun:
             ),
             **self.step.meter.summary(),
             "wall_time_s": time.perf_counter() - self.wall_start,
+            **(
+                {"time_budget": {**self.budget.state_dict(), "command_s": round(time.time() - self.started, 1)}}
+                if self.budget
+                else {}
+            ),
             "final_lr": self.optimizer.param_groups[0]["lr"],  # where the schedule ended (a plateau's decays)
             **topology(self.accelerator, self.micro_batch, self.accumulation),
             **(
@@ -531,6 +617,8 @@ class TrainingRun:
         self.callbacks.on_end(self, metrics)
         self.signals.enter(Phase.DONE)
         accelerator.print(summary_line(metrics, folder.path))
+        if self.budget is not None and self.resumed_from is None:
+            accelerator.print(budget_line(self.budget, time.time() - self.started))
         return metrics
 
 
@@ -565,7 +653,7 @@ def fit(
             if state.eval_pending:  # stopped while evaluating this step: evaluate it first
                 run.evaluate_now()
                 run.watchdog.rearm()
-            for epoch in range(state.epoch, config.epochs):
+            for epoch in range(state.epoch, run.config.epochs):  # (--time-budget may have chosen fewer)
                 if state.step >= run.total_steps or state.stopped_early:
                     break
                 with run.epoch_batches(epoch) as batches:
@@ -595,6 +683,17 @@ def nonfinite_message(step: int, last_loss: float | None) -> str:
     return (
         f"the training loss is not finite (nan or inf) at step {step}; {last}. "
         "Lower --lr, set --max-grad-norm, or check the data for bad values."
+    )
+
+
+def budget_line(plan: BudgetPlan, command_s: float) -> str:
+    """The command's time against its --time-budget, a warning when over it."""
+    took = f"took {format_duration(command_s)} of its --time-budget {format_duration(plan.budget_s)}"
+    if command_s <= plan.budget_s:
+        return f"time budget: the command {took} (planned {format_duration(plan.estimated_s)})"
+    return (
+        f"warning: the command {took} (planned {format_duration(plan.estimated_s)}): this machine ran slower than "
+        "in the batches timed at the start"
     )
 
 

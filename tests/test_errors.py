@@ -130,6 +130,8 @@ def test_world_size_guard(monkeypatch):
         ("scripts/template.py", ["--lr-schedule", "multistep", "--lr-milestones", "3", "2"], "in increasing order"),
         ("scripts/template.py", ["--lr-schedule", "multistep", "--lr-milestones", "50"], "past --epochs 10 never"),
         ("scripts/template.py", ["--lr-schedule", "cosine", "--warmup-epochs", "10"], "lasts all --epochs 10"),
+        ("scripts/template.py", ["--time-budget", "15 minutes"], "--time-budget: '15 minutes' is not a duration"),
+        ("scripts/template.py", ["--time-budget", "0m"], "--time-budget: '0m': a duration must be above 0"),
         ("scripts/template.py", ["--lr-gamma", "10"], "--lr-gamma: must be <= 1"),
         ("scripts/template.py", ["--betas", "0.8", "0.9"], "--betas are Adam's and AdamW's: --optimizer sgd"),
         ("scripts/imagenet.py", ["--dummy", "--mix-prob", "0.5"], "give --mixup-alpha or --cutmix-alpha"),

@@ -521,3 +521,46 @@ def test_each_lr_schedule_has_its_shape_and_the_image_scripts_schedules_are_unch
         and plateau.plateau_factor == pytest.approx(0.01)
         and plateau(50) == plateau.plateau_factor
     )
+
+
+def test_a_time_budget_counts_the_epochs_whose_training_evaluations_and_test_fit():
+    import argparse
+
+    from ddp_accel.budget import Costs, plan_epochs
+    from ddp_accel.cli import duration, format_duration
+
+    assert [duration(text) for text in ("900", "900s", "15m", "15min", "1h30m", "2.5h", "1h0m5s")] == [
+        900,
+        900,
+        900,
+        900,
+        5400,
+        9000,
+        3605,
+    ]
+    for bad in ("", "15 minutes", "m", "-5m", "0", "1d"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            duration(bad)
+    assert [format_duration(s) for s in (0.042, 4.27, 45, 845, 3725)] == [
+        "0.04 s",
+        "4.3 s",
+        "45 s",
+        "14 min 5 s",
+        "1 h 2 min",
+    ]
+
+    # 1000 s; 100 s spent; reserve 3% + 5 s = 35 s; an epoch: 2 s to start + 40 batches x 2 s = 82 s; an
+    # evaluation: 1 s + 10 x 0.5 s = 6 s (x2 with the EMA's); a test of 40 batches: 1 s + 40 x 0.5 s = 21 s
+    costs = Costs(train_batch_s=2.0, train_start_s=2.0, eval_batch_s=0.5, eval_start_s=1.0, spent_s=100.0)
+    shape = dict(batches_per_epoch=40, max_epochs=40, eval_batches=10, steps_per_epoch=40)
+    plan = plan_epochs(1000, costs, **shape)
+    assert (plan.epochs, plan.epoch_s, plan.evaluation_s) == (9, 82.0, 6.0)  # 100 + 9 x 88 + 35 = 927; 10: 1015
+    assert plan.estimated_s == pytest.approx(927) and "9 of 40 epochs fit" in plan.describe()
+    assert plan_epochs(1000, costs, **shape, evaluations_per_eval=2).epochs == 9  # 100 + 9 x 94 + 35 = 981
+    assert plan_epochs(1000, costs, **shape, evaluations_per_eval=2, test_batches=40).epochs == 8  # 981 + 21
+    assert plan_epochs(1000, costs, **{**shape, "eval_batches": 0}).epochs == 10  # 100 + 10 x 82 + 35 = 955
+    assert plan_epochs(1000, costs, **shape, eval_every_epochs=4).epochs == 10  # 3 evaluations: 100+820+18+35
+    assert plan_epochs(1000, costs, **shape, eval_every_steps=20).epochs == 8  # 3 an epoch: 100 + 8 x 100 + 35
+    assert plan_epochs(10**6, costs, **shape).epochs == 40  # never past --epochs
+    assert plan_epochs(199, costs, **shape).epochs == 1  # 100 + 88 + 11 (5 s + 3% of 199 s, rounded up)
+    assert plan_epochs(198, costs, **shape).epochs == 0  # not even one: the caller says so in one line

@@ -567,3 +567,57 @@ def test_auto_batch_size_keeps_the_global_batch_and_trains_as_the_explicit_accum
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert errors == [f"error: process 0 ran out of memory (CUDA out of memory): {OUT_OF_MEMORY_ADVICE}"], errors
+
+
+@inprocess
+def test_a_time_budget_plans_on_batches_that_change_nothing_and_a_resume_keeps_the_plan(tmp_path, monkeypatch):
+    from ddp_accel.budget import Costs
+
+    common = ["--batch-size", 4, "--train-size", 40, "--dropout", "0.3", "--checkpointing-steps", 5]
+    # the timed batches leave no trace (weights, AdamW's moments, the dropout generator): an hour fits the 2
+    # epochs asked, and the run is the run without a budget, bit for bit
+    output = probe(tmp_path / "budget", *common, "--epochs", 2, "--time-budget", "1h", nproc=1)
+    probe(tmp_path / "plain", *common, "--epochs", 2, nproc=1)
+    assert re.search(r"time_budget\s+1 h 0 min: 2 of 2 epochs fit", output), output
+    assert "time budget: the command took" in output
+    assert_same_weights(tmp_path / "budget", tmp_path / "plain")
+    assert metrics_of(tmp_path / "budget")["time_budget"]["epochs"] == 2
+
+    # the plan from given costs: 100 s, 2 s of it spent, an epoch 10 batches x 2 s, an evaluation 6 x 0.5 s, a
+    # reserve of 8 s: 3 of the 10 epochs asked fit (2 + 3 x 23 + 8 = 79; 4 would need 102)
+    costs = Costs(train_batch_s=2.0, train_start_s=0.0, eval_batch_s=0.5, eval_start_s=0.0, spent_s=2.0)
+    monkeypatch.setattr("ddp_accel.training.measure_costs", lambda *args: Costs(**vars(costs)))
+    planned = [*common, "--epochs", 10, "--time-budget", "100s"]
+    output = probe(tmp_path / "full", *planned, nproc=1)
+    assert re.search(r"time_budget\s+1 min 40 s: 3 of 10 epochs fit", output), output
+    assert metrics_of(tmp_path / "full")["steps"] == 30
+
+    # a resume keeps the plan, measures nothing, and ends as the uninterrupted run; a rerun says it is complete
+    def measured(*args):
+        raise AssertionError("a resumed run must keep its plan, not time batches again")
+
+    monkeypatch.setattr("ddp_accel.training.measure_costs", measured)
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_5", tmp_path / "cut" / "checkpoints" / "step_5")
+    output = probe(tmp_path / "cut", *planned, "--resume-from-checkpoint", "latest", nproc=1)
+    assert re.search(r"3 of 10 epochs fit .*\(the run's plan, kept\)", output), output
+    assert_same_weights(tmp_path / "full", tmp_path / "cut")
+    output = probe(tmp_path / "full", *planned, "--resume-from-checkpoint", "latest", nproc=1)
+    assert "is complete (30 steps)" in output
+
+    def error_of(output_dir, *args):
+        result = run_script(PROBE, "--output-dir", output_dir, "--dropout", "0", *args)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+        return errors[0]
+
+    # another budget at a resume, a budget that holds no epoch, a warm-up the plan cuts short: one line each
+    error = error_of(
+        tmp_path / "cut", *common, "--epochs", 10, "--time-budget", "5m", "--resume-from-checkpoint", "latest"
+    )
+    assert "the run was planned for 1 min 40 s (3 epochs), and a resume keeps its plan" in error, error
+    monkeypatch.setattr("ddp_accel.training.measure_costs", lambda *args: Costs(**{**vars(costs), "spent_s": 90.0}))
+    error = error_of(tmp_path / "short", *planned)
+    assert "--time-budget 1 min 40 s: not even one epoch fits on this machine" in error, error
+    monkeypatch.setattr("ddp_accel.training.measure_costs", lambda *args: Costs(**vars(costs)))
+    error = error_of(tmp_path / "warm", *planned, "--lr-schedule", "cosine", "--warmup-epochs", 4)
+    assert "leaves 3 epochs here, within --warmup-epochs 4" in error, error

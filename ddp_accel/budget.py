@@ -1,0 +1,226 @@
+"""`--time-budget`: as many epochs as fit in the command's wall-clock time, chosen once, at the start.
+
+The learning-rate schedule, the progress bar and the checks of a resume all read the run's length from its first
+step, so the length is settled before it: a few training batches and evaluation batches are timed on the prepared
+model, optimizer and loaders (`measure_costs`), everything they changed is put back (weights, buffers, the
+optimizer's state, the random generators, Accelerate's step count), and `plan_epochs` counts the epochs whose
+training, evaluations and test fit in what is left of the budget. Every rank takes the slowest rank's figures.
+The plan is part of the training state: a resume keeps it (a preempted run ends as the uninterrupted one would),
+and so does a rerun of a complete run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+import torch.distributed as dist
+
+from ddp_accel import loaders
+from ddp_accel.cli import format_duration
+from ddp_accel.errors import UserError
+
+WARM_BATCHES = 2  # compilation, allocator and kernel caches: not timed
+TIMED_BATCHES = 5
+EVAL_TIMED_BATCHES = 4
+
+_command_started: float | None = None  # time.time() when this command began (run_main); None: fit's own start
+
+
+def note_command_start(started_as_script: bool) -> None:
+    """run_main: a script started as `python script.py` (or by a launcher) counts from its process's start, its
+    imports included; a main() called inside a longer-lived process (a test, a notebook) from now."""
+    global _command_started
+    _command_started = psutil.Process().create_time() if started_as_script else time.time()
+
+
+def command_started(default: float) -> float:
+    return _command_started if _command_started is not None else default
+
+
+@dataclass
+class Costs:
+    """Seconds, the slowest rank's: a training micro-batch and an evaluation batch in steady state, and what the
+    first batch of a pass costs beyond them (its workers starting, its first batch loading)."""
+
+    train_batch_s: float
+    train_start_s: float
+    eval_batch_s: float = 0.0
+    eval_start_s: float = 0.0
+    spent_s: float = 0.0  # of the budget, when the measurement ended
+
+
+@dataclass
+class BudgetPlan:
+    """What --time-budget chose, kept in the training state and metrics.json."""
+
+    budget_s: float
+    epochs: int
+    max_epochs: int
+    estimated_s: float  # the whole command, as planned
+    epoch_s: float  # an epoch's training
+    evaluation_s: float  # one evaluation (raw and EMA weights)
+
+    def describe(self) -> str:
+        return (
+            f"{format_duration(self.budget_s)}: {self.epochs} of {self.max_epochs} epochs fit (an epoch "
+            f"{format_duration(self.epoch_s)}, an evaluation {format_duration(self.evaluation_s)}; the command "
+            f"about {format_duration(self.estimated_s)})"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> BudgetPlan:
+        return cls(**{key: state[key] for key in cls.__dataclass_fields__})
+
+
+def plan_epochs(
+    budget_s: float,
+    costs: Costs,
+    *,
+    batches_per_epoch: int,
+    max_epochs: int,
+    eval_batches: int = 0,
+    evaluations_per_eval: int = 1,
+    eval_every_epochs: int = 1,
+    eval_every_steps: int | None = None,
+    steps_per_epoch: int = 1,
+    test_batches: int = 0,
+) -> BudgetPlan:
+    """The most epochs (at most `max_epochs`) whose training, evaluations and test end within `budget_s`,
+    `costs.spent_s` of it gone; a reserve of 3% (and 5 s) covers the checkpoints, the final files and the exit."""
+    epoch_s = costs.train_start_s + batches_per_epoch * costs.train_batch_s
+    evaluation_s = (costs.eval_start_s + eval_batches * costs.eval_batch_s) * evaluations_per_eval
+    test_s = costs.eval_start_s + test_batches * costs.eval_batch_s if test_batches else 0.0
+    reserve_s = 0.03 * budget_s + 5.0
+
+    def command_s(epochs: int) -> float:
+        evaluations = 0
+        if eval_batches:
+            evaluations = math.ceil(epochs / eval_every_epochs)  # the last epoch is always evaluated
+            if eval_every_steps:
+                evaluations += epochs * steps_per_epoch // eval_every_steps
+        return costs.spent_s + epochs * epoch_s + evaluations * evaluation_s + test_s + reserve_s
+
+    epochs = 0
+    while epochs < max_epochs and command_s(epochs + 1) <= budget_s:
+        epochs += 1
+    return BudgetPlan(budget_s, epochs, max_epochs, command_s(max(epochs, 1)), epoch_s, evaluation_s)
+
+
+@contextlib.contextmanager
+def leaves_no_trace(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Training steps inside change nothing the run goes on from: the weights and buffers (this rank's, also a
+    shard's), the optimizer's state, the gradient scaler, Accelerate's micro-batch count and every random
+    generator come back as they were."""
+    tensors = [tensor for tensor in (*model.parameters(), *model.buffers())]
+    saved_tensors = [tensor.detach().clone() for tensor in tensors]
+    saved_optimizer = copy.deepcopy(optimizer.state_dict())
+    scaler = accelerator.scaler
+    saved_scaler = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
+    saved_step = accelerator.step
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for tensor, saved in zip(tensors, saved_tensors, strict=True):
+                    tensor.copy_(saved)
+            optimizer.load_state_dict(saved_optimizer)
+            if scaler is not None:
+                scaler.load_state_dict(saved_scaler)
+            accelerator.step = saved_step
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+
+def time_batches(loader: Any, work: Callable[[Any], Any], warm: int, timed: int, device: torch.device) -> Costs:
+    """Two passes over the first batches of `loader`: `warm` batches (one-off costs: compilation, caches), then
+    a fresh pass whose first batch gives the cost of starting a pass, and `timed` more the steady cost of one."""
+
+    def one_pass(count: int) -> list[float]:
+        marks = [time.perf_counter()]
+        with loaders.batches(loader) as batches:
+            for batch in batches:
+                work(batch)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                marks.append(time.perf_counter())
+                if len(marks) > count:
+                    break
+        return marks
+
+    one_pass(warm)
+    marks = one_pass(1 + timed)
+    if len(marks) < 3:  # a loader of one batch: that batch is the whole pass
+        return Costs(marks[-1] - marks[0], 0.0)
+    batch_s = (marks[-1] - marks[1]) / (len(marks) - 2)
+    return Costs(batch_s, max(0.0, marks[1] - marks[0] - batch_s))
+
+
+def measure_costs(
+    accelerator: Any,
+    train_step: Callable[[Any], Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_loader: Any,
+    eval_fn: Callable[[torch.nn.Module, Any], Any] | None,
+    eval_loader: Any,
+    accumulation: int,
+    started: float,
+) -> Costs:
+    """Costs on this rank, then the slowest rank's on every rank (the same plan everywhere). Whole accumulation
+    groups are timed, so that the probe ends where an optimizer step ends. `started`: the command's start
+    (time.time())."""
+    whole = lambda count: accumulation * math.ceil(count / accumulation)  # noqa: E731
+    device = accelerator.device
+    with leaves_no_trace(accelerator, model, optimizer):
+        costs = time_batches(train_loader, train_step, whole(WARM_BATCHES), whole(TIMED_BATCHES), device)
+    if eval_loader is not None and eval_fn is not None:
+        model.eval()
+        with torch.no_grad():
+            evaluation = time_batches(eval_loader, lambda batch: eval_fn(model, batch), 1, EVAL_TIMED_BATCHES, device)
+        model.train()
+        costs.eval_batch_s, costs.eval_start_s = evaluation.train_batch_s, evaluation.train_start_s
+    costs.spent_s = time.time() - started
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        figures = torch.tensor(list(asdict(costs).values()), dtype=torch.float64, device=device)
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+        costs = Costs(*figures.tolist())
+    return costs
+
+
+def check_plan(plan: BudgetPlan, spent_s: float, warmup_epochs: float, schedule: str | None, milestones: Any) -> None:
+    """One line when the budget cannot hold the run, or cuts it where the schedule needs more epochs."""
+    budget = format_duration(plan.budget_s)
+    if plan.epochs == 0:
+        raise UserError(
+            f"--time-budget {budget}: not even one epoch fits on this machine (an epoch's training takes about "
+            f"{format_duration(plan.epoch_s)}, an evaluation {format_duration(plan.evaluation_s)}, and "
+            f"{format_duration(spent_s)} went before the first step): give a larger budget, or --max-steps"
+        )
+    if schedule and warmup_epochs >= plan.epochs:
+        raise UserError(
+            f"--time-budget {budget} leaves {plan.epochs} epochs here, within --warmup-epochs {warmup_epochs:g}: a "
+            "larger budget, or a shorter warm-up"
+        )
+    late = [milestone for milestone in milestones or [] if milestone >= plan.epochs]
+    if late:
+        raise UserError(
+            f"--time-budget {budget} leaves {plan.epochs} epochs here: --lr-milestones {' '.join(map(str, late))} "
+            "would never come (a larger budget, or earlier milestones)"
+        )
