@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# the documented command (docs/imagenet.md), less its --epochs and -a
+# the documented command (docs/imagenet.md), less its --epochs, -a and --time-budget (the grid measures epochs)
 COMMAND = (
     "--image-size 32 --augment cifar --mean 0.4914 0.4822 0.4465 --std 0.247 0.243 0.261 -b 128 --lr 0.1 "
     "--wd 5e-4 --lr-schedule cosine --warmup-epochs 1 --label-smoothing 0.1 --channels-last --mixed-precision auto"

@@ -36,11 +36,15 @@ EVAL_TIMED_BATCHES = 4
 _command_started: float | None = None  # time.time() when this command began (run_main); None: fit's own start
 
 
-def note_command_start(started_as_script: bool) -> None:
+def note_command_start(started_as_script: bool | None) -> None:
     """run_main: a script started as `python script.py` (or by a launcher) counts from its process's start, its
-    imports included; a main() called inside a longer-lived process (a test, a notebook) from now."""
+    imports included; a main() called inside a longer-lived process (a test, a notebook) from now. None: the
+    command ended (a fit() called later counts from its own start)."""
     global _command_started
-    _command_started = psutil.Process().create_time() if started_as_script else time.time()
+    if started_as_script is None:
+        _command_started = None
+    else:
+        _command_started = psutil.Process().create_time() if started_as_script else time.time()
 
 
 def command_started(default: float) -> float:

@@ -713,4 +713,5 @@ def run_main(main: Callable[..., Any]) -> None:
     kill_leftover_workers()
     shutdown(clean=exit_code in (0, PEER_STOPPED_EXIT_CODE))
     signals.uninstall()
+    note_command_start(None)  # a later fit() in this process (a notebook) counts from its own start
     sys.exit(exit_code)

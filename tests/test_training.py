@@ -621,3 +621,13 @@ def test_a_time_budget_plans_on_batches_that_change_nothing_and_a_resume_keeps_t
     monkeypatch.setattr("ddp_accel.training.measure_costs", lambda *args: Costs(**vars(costs)))
     error = error_of(tmp_path / "warm", *planned, "--lr-schedule", "cosine", "--warmup-epochs", 4)
     assert "leaves 3 epochs here, within --warmup-epochs 4" in error, error
+
+
+@multiprocess
+def test_on_two_processes_a_time_budget_plans_the_same_on_both_and_trains_as_without_it(tmp_path, two_process_job):
+    # each rank times its own batches; both take the slowest figures (one all-reduce), so both train the same
+    # number of epochs, and the run is the shared job's without a budget, bit for bit
+    output = probe(tmp_path, *SHARED, "--time-budget", "1h")
+    assert re.search(r"time_budget\s+1 h 0 min: 2 of 2 epochs fit", output), output
+    assert metrics_of(tmp_path)["steps"] == metrics_of(two_process_job)["steps"] == 10
+    assert_same_weights(tmp_path, two_process_job)
