@@ -70,15 +70,16 @@ class BudgetPlan:
     budget_s: float
     epochs: int
     max_epochs: int
-    estimated_s: float  # the whole command, as planned
+    estimated_s: float  # the whole command as planned, the reserve not included
     epoch_s: float  # an epoch's training
     evaluation_s: float  # one evaluation (raw and EMA weights)
+    reserve_s: float = 0.0  # for the checkpoints, the final files and the exit
 
     def describe(self) -> str:
         return (
-            f"{format_duration(self.budget_s)}: {self.epochs} of {self.max_epochs} epochs fit (an epoch "
+            f"{format_duration(self.budget_s)}: {epochs_text(self.epochs)} of {self.max_epochs} fit (an epoch "
             f"{format_duration(self.epoch_s)}, an evaluation {format_duration(self.evaluation_s)}; the command "
-            f"about {format_duration(self.estimated_s)})"
+            f"about {format_duration(self.estimated_s)}, and {format_duration(self.reserve_s)} in reserve)"
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -86,7 +87,11 @@ class BudgetPlan:
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> BudgetPlan:
-        return cls(**{key: state[key] for key in cls.__dataclass_fields__})
+        return cls(**{key: state[key] for key in cls.__dataclass_fields__ if key in state})
+
+
+def epochs_text(count: int) -> str:
+    return f"{count} epoch" + ("" if count == 1 else "s")
 
 
 def plan_epochs(
@@ -109,18 +114,18 @@ def plan_epochs(
     test_s = costs.eval_start_s + test_batches * costs.eval_batch_s if test_batches else 0.0
     reserve_s = 0.03 * budget_s + 5.0
 
-    def command_s(epochs: int) -> float:
+    def command_s(count: int) -> float:
         evaluations = 0
         if eval_batches:
-            evaluations = math.ceil(epochs / eval_every_epochs)  # the last epoch is always evaluated
+            evaluations = math.ceil(count / eval_every_epochs)  # the last epoch is always evaluated
             if eval_every_steps:
-                evaluations += epochs * steps_per_epoch // eval_every_steps
-        return costs.spent_s + epochs * epoch_s + evaluations * evaluation_s + test_s + reserve_s
+                evaluations += count * steps_per_epoch // eval_every_steps
+        return costs.spent_s + count * epoch_s + evaluations * evaluation_s + test_s
 
-    epochs = 0
-    while epochs < max_epochs and command_s(epochs + 1) <= budget_s:
-        epochs += 1
-    return BudgetPlan(budget_s, epochs, max_epochs, command_s(max(epochs, 1)), epoch_s, evaluation_s)
+    count = 0
+    while count < max_epochs and command_s(count + 1) + reserve_s <= budget_s:
+        count += 1
+    return BudgetPlan(budget_s, count, max_epochs, command_s(max(count, 1)), epoch_s, evaluation_s, reserve_s)
 
 
 @contextlib.contextmanager
@@ -140,7 +145,8 @@ def leaves_no_trace(accelerator: Any, model: torch.nn.Module, optimizer: torch.o
         try:
             yield
         finally:
-            optimizer.zero_grad(set_to_none=True)
+            for tensor in tensors:  # not optimizer.zero_grad: Accelerate's skips it inside an accumulation group
+                tensor.grad = None
             with torch.no_grad():
                 for tensor, saved in zip(tensors, saved_tensors, strict=True):
                     tensor.copy_(saved)
@@ -172,7 +178,10 @@ def time_batches(loader: Any, work: Callable[[Any], Any], warm: int, timed: int,
     marks = one_pass(1 + timed)
     if len(marks) < 3:  # a loader of one batch: that batch is the whole pass
         return Costs(marks[-1] - marks[0], 0.0)
-    batch_s = (marks[-1] - marks[1]) / (len(marks) - 2)
+    intervals = sorted(later - earlier for earlier, later in zip(marks[1:], marks[2:], strict=False))
+    if len(intervals) >= 4:  # one slow batch (a recompile for a last, smaller batch) is not the steady cost
+        intervals = intervals[:-1]
+    batch_s = sum(intervals) / len(intervals)
     return Costs(batch_s, max(0.0, marks[1] - marks[0] - batch_s))
 
 
@@ -192,8 +201,8 @@ def measure_costs(
     (time.time())."""
     whole = lambda count: accumulation * math.ceil(count / accumulation)  # noqa: E731
     device = accelerator.device
-    with leaves_no_trace(accelerator, model, optimizer):
-        costs = time_batches(train_loader, train_step, whole(WARM_BATCHES), whole(TIMED_BATCHES), device)
+    with leaves_no_trace(accelerator, model, optimizer):  # each pass whole accumulation groups
+        costs = time_batches(train_loader, train_step, whole(WARM_BATCHES), whole(1 + TIMED_BATCHES) - 1, device)
     if eval_loader is not None and eval_fn is not None:
         model.eval()
         with torch.no_grad():
@@ -208,23 +217,30 @@ def measure_costs(
     return costs
 
 
-def check_plan(plan: BudgetPlan, spent_s: float, warmup_epochs: float, schedule: str | None, milestones: Any) -> None:
+def check_plan(plan: BudgetPlan, spent_s: float, config: Any) -> None:
     """One line when the budget cannot hold the run, or cuts it where the schedule needs more epochs."""
-    budget = format_duration(plan.budget_s)
+    budget, schedule, fit = format_duration(plan.budget_s), config.lr_schedule, epochs_text(plan.epochs)
     if plan.epochs == 0:
         raise UserError(
             f"--time-budget {budget}: not even one epoch fits on this machine (an epoch's training takes about "
-            f"{format_duration(plan.epoch_s)}, an evaluation {format_duration(plan.evaluation_s)}, and "
-            f"{format_duration(spent_s)} went before the first step): give a larger budget, or --max-steps"
+            f"{format_duration(plan.epoch_s)}, an evaluation {format_duration(plan.evaluation_s)}; "
+            f"{format_duration(spent_s)} went before the first step, and {format_duration(plan.reserve_s)} are "
+            "kept for the checkpoints, the final files and the exit): give a larger budget"
         )
-    if schedule and warmup_epochs >= plan.epochs:
+    if schedule and config.warmup_epochs >= plan.epochs:
         raise UserError(
-            f"--time-budget {budget} leaves {plan.epochs} epochs here, within --warmup-epochs {warmup_epochs:g}: a "
-            "larger budget, or a shorter warm-up"
+            f"--time-budget {budget} leaves {fit} here, within --warmup-epochs {config.warmup_epochs:g}: a larger "
+            "budget, or a shorter warm-up"
         )
-    late = [milestone for milestone in milestones or [] if milestone >= plan.epochs]
-    if late:
+    late = [milestone for milestone in config.lr_milestones or [] if milestone >= plan.epochs]
+    if schedule == "multistep" and late:
         raise UserError(
-            f"--time-budget {budget} leaves {plan.epochs} epochs here: --lr-milestones {' '.join(map(str, late))} "
-            "would never come (a larger budget, or earlier milestones)"
+            f"--time-budget {budget} leaves {fit} here: --lr-milestones {' '.join(map(str, late))} would never "
+            "come (a larger budget, or earlier milestones)"
+        )
+    if schedule == "step" and config.lr_step_epochs >= plan.epochs:
+        raise UserError(
+            f"--time-budget {budget} leaves {fit} here: the first decay of --lr-schedule step (every "
+            f"--lr-step-epochs {config.lr_step_epochs}) would never come (a larger budget, a smaller "
+            "--lr-step-epochs, or --lr-schedule cosine, which follows the run's length)"
         )

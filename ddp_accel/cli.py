@@ -149,18 +149,24 @@ seed_value = number(int, low=0, high=2**32 - 1)  # numpy's seed range (accelerat
 timeout_seconds = number(int, low=1, high=365 * 24 * 3600)  # torch's timedelta for collectives overflows far above
 
 
-DURATION = re.compile(r"(?:(?P<h>\d+(?:\.\d+)?)h)?(?:(?P<m>\d+(?:\.\d+)?)m(?:in)?)?(?:(?P<s>\d+(?:\.\d+)?)s?)?")
+DURATION = re.compile(r"(?:(?P<h>\d+(?:\.\d+)?)h)?(?:(?P<m>\d+(?:\.\d+)?)m(?:in)?)?(?:(?P<s>\d+(?:\.\d+)?)s)?")
+LONGEST = 365 * 24 * 3600.0
 
 
 def duration(text: str) -> float:
-    """Seconds of a duration: `900`, `900s`, `15m`, `1h30m`, `2.5h` (--time-budget)."""
-    match = DURATION.fullmatch(text.strip().lower())
-    if not text.strip() or match is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 15m, 1h30m, 900s)")
-    hours, minutes, seconds = (float(match[unit] or 0) for unit in "hms")
-    total = hours * 3600 + minutes * 60 + seconds
-    if total <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a duration must be above 0")
+    """Seconds of a duration: `900` (seconds), `900s`, `15m`, `1h30m`, `2.5h` (--time-budget). Every number after
+    the first needs its unit: `1h30` is refused, not read as 1 h 0 min 30 s."""
+    plain = text.strip().lower()
+    if plain.replace(".", "", 1).isdigit():
+        total = float(plain)
+    else:
+        match = DURATION.fullmatch(plain)
+        if not plain or match is None:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 15m, 1h30m, 900s)")
+        hours, minutes, seconds = (float(match[unit] or 0) for unit in "hms")
+        total = hours * 3600 + minutes * 60 + seconds
+    if not 0 < total <= LONGEST:
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration must be above 0 and at most a year")
     return total
 
 
@@ -172,5 +178,5 @@ def format_duration(seconds: float) -> str:
     hours, rest = divmod(seconds, 3600)
     minutes, seconds = divmod(rest, 60)
     if hours:
-        return f"{hours} h {minutes} min"
+        return f"{hours} h {minutes} min" + (f" {seconds} s" if seconds else "")
     return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"

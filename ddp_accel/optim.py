@@ -127,13 +127,24 @@ class Optimizers(torch.optim.Optimizer):
 
     def __init__(self, *optimizers: torch.optim.Optimizer):
         self.optimizers = optimizers
-        # not Optimizer.__init__: the groups are the inner optimizers' own dicts, so changes reach them
-        self.param_groups = [group for optimizer in optimizers for group in optimizer.param_groups]
         self.defaults = {}
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
         self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = OrderedDict(), OrderedDict()
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizers' own group dicts, read at each call: their load_state_dict (Accelerate's prepare
+        does one, a resume another) replaces those dicts, and an LR schedule must reach the new ones."""
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        groups = list(groups)
+        for optimizer in self.optimizers:
+            count = len(optimizer.param_groups)
+            optimizer.param_groups, groups = groups[:count], groups[count:]
 
     @property
     def state(self) -> dict:  # type: ignore[override]

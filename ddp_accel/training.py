@@ -18,7 +18,7 @@ from accelerate.utils import DistributedType
 
 from ddp_accel import loaders
 from ddp_accel.batch_size import find_micro_batch, with_batch_size
-from ddp_accel.budget import BudgetPlan, check_plan, command_started, measure_costs, plan_epochs
+from ddp_accel.budget import BudgetPlan, check_plan, command_started, epochs_text, measure_costs, plan_epochs
 from ddp_accel.callbacks import BestModel, Callback, Callbacks, ProgressBar, Trackers
 from ddp_accel.checkpoint import (
     Checkpoints,
@@ -125,24 +125,9 @@ class TrainingRun:
         self.eval_loader: Any = accelerator.prepare(task.eval_loader) if task.eval_loader is not None else None
         self.test_loader: Any = accelerator.prepare(task.test_loader) if task.test_loader is not None else None
         self.steps_per_epoch = math.ceil(len(self.train_loader) / self.accumulation)
-        self.started = command_started(time.time())  # --time-budget's clock
-        self.budget, self.budget_kept = None, False
-        if config.time_budget:  # settles --epochs before anything reads it
-            self.budget = self.plan_time_budget()
-            config = self.config = dataclasses.replace(config, epochs=self.budget.epochs)
-            self.state.time_budget = self.budget.state_dict()
-        self.total_steps = int(min(config.epochs * self.steps_per_epoch, config.max_steps or math.inf))
         self.best_metric = config.best_metric or task.best_metric  # --best-metric, else the script's
-        schedule_feed: list[Callback] = []
-        scheduler: Any = None
-        if config.lr_schedule:  # the shared schedule replaces the script's own
+        if config.lr_schedule:
             check_schedule(config, self.best_metric, task.eval_loader is not None)
-            scheduler, schedule = make_schedule(config, self.optimizer, self.total_steps, self.steps_per_epoch)
-            if config.lr_schedule == "plateau" and self.best_metric:
-                schedule_feed.append(PlateauFeed(schedule, self.best_metric))
-        elif task.make_scheduler:
-            scheduler = task.make_scheduler(self.optimizer, self.total_steps, self.steps_per_epoch)
-        self.scheduler: Any = accelerator.prepare(scheduler) if scheduler is not None else None
         if config.early_stopping_patience and (task.eval_loader is None or not self.best_metric):
             raise UserError(
                 "--early-stopping-patience needs an evaluation to watch: an eval loader and a metric (--best-metric, "
@@ -153,6 +138,22 @@ class TrainingRun:
             raise UserError("--ema-decay averages whole weights on every rank: not with FSDP or DeepSpeed shards")
         if self.best_metric and self.best_metric.startswith("ema_") and self.ema is None:
             raise UserError(f"--best-metric {self.best_metric} is a metric of the weights' average: add --ema-decay")
+        self.started = command_started(time.time())  # --time-budget's clock
+        self.budget, self.budget_kept = None, False
+        if config.time_budget:  # settles --epochs before anything reads it
+            self.budget = self.plan_time_budget()
+            config = self.config = dataclasses.replace(config, epochs=self.budget.epochs)
+            self.state.time_budget = self.budget.state_dict()
+        self.total_steps = int(min(config.epochs * self.steps_per_epoch, config.max_steps or math.inf))
+        schedule_feed: list[Callback] = []
+        scheduler: Any = None
+        if config.lr_schedule:  # the shared schedule replaces the script's own
+            scheduler, schedule = make_schedule(config, self.optimizer, self.total_steps, self.steps_per_epoch)
+            if config.lr_schedule == "plateau" and self.best_metric:
+                schedule_feed.append(PlateauFeed(schedule, self.best_metric))
+        elif task.make_scheduler:
+            scheduler = task.make_scheduler(self.optimizer, self.total_steps, self.steps_per_epoch)
+        self.scheduler: Any = accelerator.prepare(scheduler) if scheduler is not None else None
         profiler = [ProfilerWindow(*config.profile_steps)] if config.profile_steps else []  # off: no callback
         for window in profiler:
             window.check(self.total_steps)
@@ -230,17 +231,21 @@ class TrainingRun:
         else a new one from batches timed here."""
         config, accelerator, task = self.config, self.accelerator, self.task
         assert config.time_budget
-        kept = self.saved_plan()
+        kept, checkpoint = self.saved_plan()
         if kept is not None:
-            if kept.budget_s != config.time_budget:
+            if abs(kept.budget_s - config.time_budget) > 0.5:
                 raise UserError(
                     f"--time-budget {format_duration(config.time_budget)}: the run was planned for "
-                    f"{format_duration(kept.budget_s)} ({kept.epochs} epochs), and a resume keeps its plan: give "
-                    f"--time-budget {format_duration(kept.budget_s).replace(' ', '')}, or --epochs without "
-                    "--time-budget to change its length"
+                    f"{format_duration(kept.budget_s)} ({epochs_text(kept.epochs)}), and a resume keeps its plan: give "
+                    f"--time-budget {kept.budget_s:g}s, or --epochs without --time-budget to change its length"
                 )
             self.budget_kept = True
-            return kept
+            return dataclasses.replace(kept, epochs=min(kept.epochs, config.epochs))  # still at most --epochs
+        if checkpoint is not None:
+            raise UserError(
+                f"--time-budget plans a run from its start, and {checkpoint} was trained without one: resume "
+                "without --time-budget (--epochs decides), or start a new run"
+            )
         if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
             raise UserError("--time-budget times steps on whole weights: not with FSDP or DeepSpeed (give --epochs)")
         probe = TrainStep(
@@ -256,7 +261,9 @@ class TrainingRun:
             config.time_budget,
             costs,
             batches_per_epoch=len(self.train_loader),
-            max_epochs=config.epochs,
+            max_epochs=min(
+                config.epochs, -(-config.max_steps // self.steps_per_epoch) if config.max_steps else config.epochs
+            ),
             eval_batches=len(self.eval_loader) if self.eval_loader is not None else 0,
             evaluations_per_eval=2 if config.ema_decay else 1,  # the raw weights and their average
             eval_every_epochs=config.eval_every_epochs,
@@ -264,30 +271,29 @@ class TrainingRun:
             steps_per_epoch=self.steps_per_epoch,
             test_batches=len(self.test_loader) if self.test_loader is not None else 0,
         )
-        check_plan(plan, costs.spent_s, config.warmup_epochs, config.lr_schedule, config.lr_milestones)
+        check_plan(plan, costs.spent_s, config)
         return plan
 
-    def saved_plan(self) -> BudgetPlan | None:
-        """The --time-budget plan of the checkpoint this command resumes, or of the complete run in the folder."""
+    def saved_plan(self) -> tuple[BudgetPlan | None, Path | None]:
+        """The --time-budget plan of the checkpoint this command resumes (and that checkpoint, when it was trained
+        without one), or of the complete run in the folder when there is no checkpoint."""
         resume = self.config.resume_from_checkpoint
-        if resume is None:
-            return None
-        candidates = []
         path = resolve_resume(resume, self.folder.checkpoints)  # (its integrity is checked at the resume)
-        if path is not None:
-            candidates.append(lambda: read_training_state(path))
-        if resume == "latest":
-            candidates.append(lambda: json.loads((self.folder.path / "metrics.json").read_text()))
-        for read in candidates:
-            try:
-                return BudgetPlan.from_state(read()["time_budget"])
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-        return None
+        try:
+            if path is not None:
+                saved = read_training_state(path)
+                return (BudgetPlan.from_state(saved["time_budget"]), None) if saved.get("time_budget") else (None, path)
+            if resume == "latest":
+                return BudgetPlan.from_state(
+                    json.loads((self.folder.path / "metrics.json").read_text())["time_budget"]
+                ), None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):  # unreadable: the resume says so
+            pass
+        return None, None
 
     def describe_budget(self) -> str:
         assert self.budget is not None
-        return self.budget.describe() + (" (the run's plan, kept)" if self.budget_kept else "")
+        return self.budget.describe() + (" (the run's plan, kept: a resume plans nothing)" if self.budget_kept else "")
 
     def epoch_padding(self) -> dict[str, str]:
         """On several processes an epoch's last round is filled up with samples from its start (Accelerate's
@@ -617,8 +623,8 @@ class TrainingRun:
         self.callbacks.on_end(self, metrics)
         self.signals.enter(Phase.DONE)
         accelerator.print(summary_line(metrics, folder.path))
-        if self.budget is not None and self.resumed_from is None:
-            accelerator.print(budget_line(self.budget, time.time() - self.started))
+        if self.budget is not None:
+            accelerator.print(budget_line(self.budget, time.time() - self.started, self.resumed_from is not None))
         return metrics
 
 
@@ -686,14 +692,17 @@ def nonfinite_message(step: int, last_loss: float | None) -> str:
     )
 
 
-def budget_line(plan: BudgetPlan, command_s: float) -> str:
+def budget_line(plan: BudgetPlan, command_s: float, resumed: bool) -> str:
     """The command's time against its --time-budget, a warning when over it."""
-    took = f"took {format_duration(command_s)} of its --time-budget {format_duration(plan.budget_s)}"
+    took, budget = format_duration(command_s), format_duration(plan.budget_s)
+    if resumed:
+        return f"time budget: this command, a resume of a run planned for {budget}, took {took}"
+    planned = f"planned {format_duration(plan.estimated_s)}, with {format_duration(plan.reserve_s)} in reserve"
     if command_s <= plan.budget_s:
-        return f"time budget: the command {took} (planned {format_duration(plan.estimated_s)})"
+        return f"time budget: the command took {took} of its --time-budget {budget} ({planned})"
     return (
-        f"warning: the command {took} (planned {format_duration(plan.estimated_s)}): this machine ran slower than "
-        "in the batches timed at the start"
+        f"warning: the command took {took}, over its --time-budget {budget} ({planned}): this machine ran slower "
+        "than in the batches timed at the start"
     )
 
 

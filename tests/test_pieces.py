@@ -538,15 +538,16 @@ def test_a_time_budget_counts_the_epochs_whose_training_evaluations_and_test_fit
         9000,
         3605,
     ]
-    for bad in ("", "15 minutes", "m", "-5m", "0", "1d"):
+    for bad in ("", "15 minutes", "m", "-5m", "0", "1d", "1h30", "1e3", "1" * 400, "inf"):
         with pytest.raises(argparse.ArgumentTypeError):
             duration(bad)
-    assert [format_duration(s) for s in (0.042, 4.27, 45, 845, 3725)] == [
+    assert [format_duration(s) for s in (0.042, 4.27, 45, 845, 3600, 3725)] == [
         "0.04 s",
         "4.3 s",
         "45 s",
         "14 min 5 s",
-        "1 h 2 min",
+        "1 h 0 min",
+        "1 h 2 min 5 s",
     ]
 
     # 1000 s; 100 s spent; reserve 3% + 5 s = 35 s; an epoch: 2 s to start + 40 batches x 2 s = 82 s; an
@@ -555,7 +556,8 @@ def test_a_time_budget_counts_the_epochs_whose_training_evaluations_and_test_fit
     shape = dict(batches_per_epoch=40, max_epochs=40, eval_batches=10, steps_per_epoch=40)
     plan = plan_epochs(1000, costs, **shape)
     assert (plan.epochs, plan.epoch_s, plan.evaluation_s) == (9, 82.0, 6.0)  # 100 + 9 x 88 + 35 = 927; 10: 1015
-    assert plan.estimated_s == pytest.approx(927) and "9 of 40 epochs fit" in plan.describe()
+    assert plan.estimated_s == pytest.approx(892) and plan.reserve_s == pytest.approx(35)
+    assert "9 epochs of 40 fit" in plan.describe()
     assert plan_epochs(1000, costs, **shape, evaluations_per_eval=2).epochs == 9  # 100 + 9 x 94 + 35 = 981
     assert plan_epochs(1000, costs, **shape, evaluations_per_eval=2, test_batches=40).epochs == 8  # 981 + 21
     assert plan_epochs(1000, costs, **{**shape, "eval_batches": 0}).epochs == 10  # 100 + 10 x 82 + 35 = 955

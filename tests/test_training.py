@@ -174,6 +174,31 @@ def test_one_gradient_scaler_unscales_the_sparse_and_dense_gradients_once():
     assert scaler.get_scale() == 1024.0  # no overflow seen, no step skipped
 
 
+@inprocess
+def test_an_lr_schedule_reaches_both_optimizers_after_prepare_and_a_state_load():
+    # Accelerate's prepare (and a resume) load a state dict into the inner optimizers, which replaces their group
+    # dicts: a schedule that kept scaling the old dicts left imdb.py's sparse bag at its peak LR for the whole run
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from ddp_accel.optim import Optimizers, SparseAdamW
+
+    table, head = torch.nn.Embedding(20, 4, sparse=True), torch.nn.Linear(4, 1)
+    optimizer = Optimizers(SparseAdamW(table.parameters(), lr=0.1), torch.optim.AdamW(head.parameters(), lr=0.1))
+    accelerator = Accelerator(cpu=True)
+    try:
+        prepared = accelerator.prepare(optimizer)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(prepared, lambda step: 1 / (step + 1))
+        scheduler.step()
+        inner = lambda: [group["lr"] for inner in optimizer.optimizers for group in inner.param_groups]  # noqa: E731
+        assert inner() == [0.05, 0.05]
+        optimizer.load_state_dict(optimizer.state_dict())  # a resume's load
+        scheduler.step()
+        assert inner() == pytest.approx([0.1 / 3] * 2) and scheduler.get_last_lr() == pytest.approx([0.1 / 3] * 2)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @multiprocess
 def test_gradient_accumulation_matches_big_batch(tmp_path):
     probe(tmp_path / "big", "--batch-size", 8, "--epochs", 2, nproc=1)
@@ -578,10 +603,15 @@ def test_a_time_budget_plans_on_batches_that_change_nothing_and_a_resume_keeps_t
     # epochs asked, and the run is the run without a budget, bit for bit
     output = probe(tmp_path / "budget", *common, "--epochs", 2, "--time-budget", "1h", nproc=1)
     probe(tmp_path / "plain", *common, "--epochs", 2, nproc=1)
-    assert re.search(r"time_budget\s+1 h 0 min: 2 of 2 epochs fit", output), output
+    assert re.search(r"time_budget\s+1 h 0 min: 2 epochs of 2 fit", output), output
     assert "time budget: the command took" in output
     assert_same_weights(tmp_path / "budget", tmp_path / "plain")
     assert metrics_of(tmp_path / "budget")["time_budget"]["epochs"] == 2
+    # with accumulation too: the timing ends on whole accumulation groups, and no gradient of it is left over
+    accumulated = [*common, "--epochs", 2, "--gradient-accumulation-steps", 3]
+    probe(tmp_path / "budget_accumulated", *accumulated, "--time-budget", "1h", nproc=1)
+    probe(tmp_path / "plain_accumulated", *accumulated, nproc=1)
+    assert_same_weights(tmp_path / "budget_accumulated", tmp_path / "plain_accumulated")
 
     # the plan from given costs: 100 s, 2 s of it spent, an epoch 10 batches x 2 s, an evaluation 6 x 0.5 s, a
     # reserve of 8 s: 3 of the 10 epochs asked fit (2 + 3 x 23 + 8 = 79; 4 would need 102)
@@ -589,7 +619,7 @@ def test_a_time_budget_plans_on_batches_that_change_nothing_and_a_resume_keeps_t
     monkeypatch.setattr("ddp_accel.training.measure_costs", lambda *args: Costs(**vars(costs)))
     planned = [*common, "--epochs", 10, "--time-budget", "100s"]
     output = probe(tmp_path / "full", *planned, nproc=1)
-    assert re.search(r"time_budget\s+1 min 40 s: 3 of 10 epochs fit", output), output
+    assert re.search(r"time_budget\s+1 min 40 s: 3 epochs of 10 fit", output), output
     assert metrics_of(tmp_path / "full")["steps"] == 30
 
     # a resume keeps the plan, measures nothing, and ends as the uninterrupted run; a rerun says it is complete
@@ -599,7 +629,7 @@ def test_a_time_budget_plans_on_batches_that_change_nothing_and_a_resume_keeps_t
     monkeypatch.setattr("ddp_accel.training.measure_costs", measured)
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step_5", tmp_path / "cut" / "checkpoints" / "step_5")
     output = probe(tmp_path / "cut", *planned, "--resume-from-checkpoint", "latest", nproc=1)
-    assert re.search(r"3 of 10 epochs fit .*\(the run's plan, kept\)", output), output
+    assert re.search(r"3 epochs of 10 fit .*\(the run's plan, kept", output), output
     assert_same_weights(tmp_path / "full", tmp_path / "cut")
     output = probe(tmp_path / "full", *planned, "--resume-from-checkpoint", "latest", nproc=1)
     assert "is complete (30 steps)" in output
@@ -621,6 +651,25 @@ def test_a_time_budget_plans_on_batches_that_change_nothing_and_a_resume_keeps_t
     monkeypatch.setattr("ddp_accel.training.measure_costs", lambda *args: Costs(**vars(costs)))
     error = error_of(tmp_path / "warm", *planned, "--lr-schedule", "cosine", "--warmup-epochs", 4)
     assert "leaves 3 epochs here, within --warmup-epochs 4" in error, error
+    error = error_of(tmp_path / "step", *planned, "--lr-schedule", "step", "--lr-step-epochs", 3)
+    assert "leaves 3 epochs here: the first decay of --lr-schedule step (every --lr-step-epochs 3)" in error, error
+    # a budget added at the resume of a run trained without one; a lower --epochs at a resume is still the most
+    error = error_of(tmp_path / "plain", *planned, "--resume-from-checkpoint", "latest")
+    assert "--time-budget plans a run from its start, and " in error and "was trained without one" in error, error
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_5", tmp_path / "lower" / "checkpoints" / "step_5")
+    monkeypatch.setattr("ddp_accel.training.measure_costs", measured)
+    probe(
+        tmp_path / "lower",
+        *common,
+        "--epochs",
+        2,
+        "--time-budget",
+        "100s",
+        "--resume-from-checkpoint",
+        "latest",
+        nproc=1,
+    )
+    assert metrics_of(tmp_path / "lower")["steps"] == 20
 
 
 @multiprocess
@@ -628,6 +677,6 @@ def test_on_two_processes_a_time_budget_plans_the_same_on_both_and_trains_as_wit
     # each rank times its own batches; both take the slowest figures (one all-reduce), so both train the same
     # number of epochs, and the run is the shared job's without a budget, bit for bit
     output = probe(tmp_path, *SHARED, "--time-budget", "1h")
-    assert re.search(r"time_budget\s+1 h 0 min: 2 of 2 epochs fit", output), output
+    assert re.search(r"time_budget\s+1 h 0 min: 2 epochs of 2 fit", output), output
     assert metrics_of(tmp_path)["steps"] == metrics_of(two_process_job)["steps"] == 10
     assert_same_weights(tmp_path, two_process_job)
