@@ -70,6 +70,8 @@ RECIPE = dict(
 
 MODEL_OPTIONS = ("dim", "ngrams", "buckets", "pool", "dropout", "kernel_size", "stride", "nb_weights")
 IDENTITY_OPTIONS = ("model", "dataset", "val_fraction", "fold", "min_freq", "max_vocab", "max_length", "loss", "recipe")
+IDENTITY_OPTIONS += ("group_size",)
+UNSET = {"group_size": 1}  # recorded only when given: runs saved before the option resume
 
 
 def parse_args(argv=None):
@@ -91,6 +93,14 @@ def parse_args(argv=None):
         metavar="I/K",
         help="hold out the I-th of K equal parts of the training data (shuffled by --seed) instead of "
         "--val-fraction: k-fold cross-validation, e.g. benchmarks/kfold.py",
+    )
+    data.add_argument(
+        "--group-size",
+        type=cli.positive_int,
+        default=1,
+        metavar="N",
+        help="--val-fraction and --fold hold out whole runs of N consecutive reviews (the official split lists a "
+        "movie's reviews together): held-out reviews of movies unseen in training, docs/imdb.md",
     )
     data.add_argument("--min-freq", type=cli.positive_int, default=2, help="vocabulary: minimum token count")
     data.add_argument("--max-vocab", type=cli.positive_int, default=None, help="keep the most frequent words only")
@@ -129,7 +139,11 @@ def parse_args(argv=None):
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--loss", choices=["ce", "bce"], default="ce", help="bce: the recipe's BCE on sigmoid(logits)")
     optim.add_argument(
-        "--schedule", choices=["linear", "constant"], default="linear", help="linear: warmup then linear decay to 0"
+        "--schedule",
+        choices=["linear", "constant"],
+        default=None,
+        help="linear: --warmup, then a linear decay to 0. Default: constant for bag (chosen by cross-validation), "
+        "linear for gcnn",
     )
     optim.add_argument("--warmup", type=cli.probability, default=0.05, help="share of steps spent warming up")
     optim.add_argument("--recipe", action="store_true", help="the classic recipe's hyper-parameters")
@@ -153,6 +167,7 @@ def parse_args(argv=None):
     # (where 0.5 costs 1 point)
     parser.set_defaults(optimizer="adamw")
     args = parser.parse_args(argv)
+    warmup_given = args.warmup != parser.get_default("warmup")
     if args.lr_schedule and (
         args.schedule != parser.get_default("schedule") or args.warmup != parser.get_default("warmup")
     ):
@@ -166,6 +181,10 @@ def parse_args(argv=None):
                 setattr(args, key, value)
     if args.weight_decay is None:
         args.weight_decay = 0.5 if args.model == "bag" else 0.0
+    if args.schedule is None:
+        args.schedule = "constant" if our_bag(args) else "linear"
+    if warmup_given and args.schedule == "constant":
+        parser.error(f"--warmup {args.warmup:g} warms up --schedule linear; the schedule here is constant")
     if args.sparse == "on" and not our_bag(args):  # rather than a silently dense table
         parser.error(
             "--sparse on: only --model bag has a sparse table, and --recipe keeps it dense; "
@@ -254,6 +273,7 @@ def train(args: argparse.Namespace, signals: StopSignals) -> None:
         test_file=args.test_file,
         val_fraction=args.val_fraction,
         fold=args.fold,
+        group_size=args.group_size,
         min_freq=args.min_freq,
         max_vocab=args.max_vocab,
         max_length=args.max_length,
@@ -286,7 +306,7 @@ def train(args: argparse.Namespace, signals: StopSignals) -> None:
             "vocabulary": len(text.vocab),
         },
         artifacts={"vocab.json": text.vocab_path},  # --predict reads it beside the model
-        identity=make_identity({**identity_options(args), "sparse_table": sparse}, text.sources),
+        identity=make_identity({**identity_options(args), "sparse_table": sparse}, text.sources, unset=UNSET),
     )
     fit(accelerator, config, task, record, signals=signals)
 

@@ -132,6 +132,11 @@ def test_world_size_guard(monkeypatch):
         ("scripts/template.py", ["--lr-schedule", "cosine", "--warmup-epochs", "10"], "lasts all --epochs 10"),
         ("scripts/template.py", ["--time-budget", "15 minutes"], "--time-budget: '15 minutes' is not a duration"),
         ("scripts/template.py", ["--time-budget", "0m"], "--time-budget: '0m': a duration must be above 0"),
+        (
+            "scripts/imdb.py",
+            ["--warmup", "0.1"],
+            "--warmup 0.1 warms up --schedule linear; the schedule here is constant",
+        ),
         ("scripts/template.py", ["--lr-gamma", "10"], "--lr-gamma: must be <= 1"),
         ("scripts/template.py", ["--betas", "0.8", "0.9"], "--betas are Adam's and AdamW's: --optimizer sgd"),
         ("scripts/imagenet.py", ["--dummy", "--mix-prob", "0.5"], "give --mixup-alpha or --cutmix-alpha"),

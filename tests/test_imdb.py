@@ -4,6 +4,7 @@ import gzip
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_clean_error, check_ok, launch, metrics_of, run_script, write
@@ -366,7 +367,7 @@ def test_k_folds_hold_out_every_review_exactly_once(tmp_path):
     import datasets
     from accelerate import Accelerator
 
-    from ddp_accel.text.pipeline import _fold_split, prepare_text_data
+    from ddp_accel.text.pipeline import _fold_split, _group_split, prepare_text_data
 
     reviews = datasets.Dataset.from_dict({"number": list(range(31))})
     held_out, trained = [], []
@@ -378,6 +379,15 @@ def test_k_folds_hold_out_every_review_exactly_once(tmp_path):
     assert set().union(*held_out) == set(range(31)) and sum(map(len, held_out)) == 31  # each review once
     assert all(train.isdisjoint(val) and len(train | val) == 31 for train, val in zip(trained, held_out, strict=True))
     assert held_out[0] != set(_fold_split(reviews, "1/3", seed=1, source="test")[1]["number"])  # --seed shuffles
+    assert held_out[0] == set(np.random.default_rng(0).permutation(31)[:10].tolist())  # the split of earlier runs
+
+    # --group-size 4: whole runs of 4 consecutive reviews on one side of every split, folds and --val-fraction
+    groups = [{n // 4 for n in _fold_split(reviews, f"{i}/3", 0, "test", group_size=4)[1]["number"]} for i in (1, 2, 3)]
+    assert sorted(map(len, groups)) == [2, 3, 3] and set().union(*groups) == set(range(8))  # 8 runs, each once
+    for train, val in (_fold_split(reviews, "2/3", 0, "test", 4), _group_split(reviews, 0.25, 0, "test", 4)):
+        assert not {n // 4 for n in train["number"]} & {n // 4 for n in val["number"]}
+        assert len(train) + len(val) == 31
+    assert len({n // 4 for n in _group_split(reviews, 0.25, 0, "test", 4)[1]["number"]}) == 2  # a quarter of 8
 
     rows = [{"text": f"{'good' if i % 2 else 'bad'} review number {i}", "label": i % 2} for i in range(31)]
     train_file = tmp_path / "train.jsonl"
@@ -387,6 +397,18 @@ def test_k_folds_hold_out_every_review_exactly_once(tmp_path):
     assert (len(text.train), len(text.val)) == (20, 11)
     result = run_script("scripts/imdb.py", "--train-file", train_file, "--fold", "4/3", "--output-dir", tmp_path / "x")
     assert_clean_error(result, "--fold", "I/K needs K of at least 2 and I from 1 to K")
+    result = run_script(
+        "scripts/imdb.py",
+        "--train-file",
+        train_file,
+        "--fold",
+        "1/3",
+        "--group-size",
+        20,
+        "--output-dir",
+        tmp_path / "y",
+    )
+    assert_clean_error(result, "in runs of --group-size 20 cannot be split into 3 folds")
 
 
 @pytest.mark.inprocess

@@ -65,16 +65,36 @@ def check_cache_dir(cache: Path) -> None:
 
 
 def _fold_split(
-    reviews: datasets.Dataset, fold: str, seed: int, source: str
+    reviews: datasets.Dataset, fold: str, seed: int, source: str, group_size: int = 1
 ) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """Training part and the held-out I-th of K parts ("I/K") of `reviews` in the order of a shuffle by `seed`."""
+    """Training part and the held-out I-th of K parts ("I/K") of `reviews`: runs of `group_size` consecutive
+    reviews in the order of a shuffle by `seed` (review by review with 1)."""
     index, count = (int(part) for part in fold.split("/"))
-    if len(reviews) < count:
-        raise UserError(f"{source}: {len(reviews)} review(s) cannot be split into {count} folds; give more reviews")
-    order = np.random.default_rng(seed).permutation(len(reviews))
-    start, end = (index - 1) * len(reviews) // count, index * len(reviews) // count
-    rest = np.concatenate([order[:start], order[end:]])
-    return reviews.select(np.sort(rest)), reviews.select(np.sort(order[start:end]))
+    groups = -(-len(reviews) // group_size)
+    if groups < count:
+        raise UserError(
+            f"{source}: {len(reviews)} review(s) in runs of --group-size {group_size} cannot be split into {count} "
+            "folds; give more reviews" + (" or a smaller --group-size" if group_size > 1 else "")
+        )
+    order = np.random.default_rng(seed).permutation(groups)
+    start, end = (index - 1) * groups // count, index * groups // count
+    held = np.isin(np.arange(len(reviews)) // group_size, order[start:end])
+    return reviews.select(np.flatnonzero(~held)), reviews.select(np.flatnonzero(held))
+
+
+def _group_split(
+    reviews: datasets.Dataset, fraction: float, seed: int, source: str, group_size: int
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Training part and a held-out `fraction` of `reviews`, in whole runs of `group_size` consecutive reviews."""
+    groups = -(-len(reviews) // group_size)
+    take = round(fraction * groups)
+    if not 0 < take < groups:
+        raise UserError(
+            f"{source}: {len(reviews)} review(s) in runs of --group-size {group_size} cannot be split into training "
+            f"and validation parts with --val-fraction {fraction}; give more reviews or a smaller --group-size"
+        )
+    held = np.isin(np.arange(len(reviews)) // group_size, np.random.default_rng(seed).permutation(groups)[:take])
+    return reviews.select(np.flatnonzero(~held)), reviews.select(np.flatnonzero(held))
 
 
 def prepare_text_data(
@@ -86,6 +106,7 @@ def prepare_text_data(
     test_file: str | None = None,
     val_fraction: float = 0.1,
     fold: str | None = None,
+    group_size: int = 1,
     min_freq: int = 20,
     max_vocab: int | None = None,
     max_length: int | None = None,
@@ -96,7 +117,9 @@ def prepare_text_data(
 
     The second run with the same inputs reads the encoded arrow files instead of tokenising again. `fold` "I/K":
     the held-out part is the I-th of K equal parts of the training reviews shuffled by `seed` (k-fold
-    cross-validation: K runs, each review held out once), instead of a random `val_fraction`.
+    cross-validation: K runs, each review held out once), instead of a random `val_fraction`. `group_size` N > 1:
+    both hold out whole runs of N consecutive reviews (the official IMDB split lists each movie's reviews
+    together, and a movie on both sides of a split overstates the held-out accuracy).
     """
     start = time.perf_counter()
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
@@ -105,8 +128,11 @@ def prepare_text_data(
     data_paths = {"train data": train_file or data_dir or source, "test data": test_file}  # a --data-dir has test/
     fingerprints = fingerprint_sources(data_paths, accelerator=accelerator)
     if fold is not None:
-        train, val = _fold_split(train, fold, seed, source)
-        held_out: Any = f"fold {fold}"
+        train, val = _fold_split(train, fold, seed, source, group_size)
+        held_out: Any = f"fold {fold}" + (f" in runs of {group_size}" if group_size > 1 else "")
+    elif group_size > 1:
+        train, val = _group_split(train, val_fraction, seed, source, group_size)
+        held_out = f"{val_fraction} in runs of {group_size}"
     else:
         try:
             split = train.train_test_split(test_size=val_fraction, seed=seed, stratify_by_column=None)
