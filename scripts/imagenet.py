@@ -169,6 +169,8 @@ def parse_args(argv=None):
         parser.error("--mix-switch-prob chooses between MixUp and CutMix: give both --mixup-alpha and --cutmix-alpha")
     if args.dummy and (args.auto_augment != "none" or args.random_erasing > 0):
         parser.error("--auto-augment and --random-erasing change DATA_DIR's images; --dummy images have none to change")
+    if args.evaluate and args.time_budget:
+        parser.error("--time-budget plans a training run's epochs; -e only evaluates")
     if not (args.list_archs or args.dummy or args.data):
         parser.error("give DATA_DIR (with train/ and val/), or --dummy for synthetic images")
     args.uint8 = args.normalize_on == "device" or args.normalize_on == "auto" and torch.cuda.is_available()

@@ -137,6 +137,11 @@ def test_world_size_guard(monkeypatch):
             ["--warmup", "0.1"],
             "--warmup 0.1 warms up --schedule linear; the schedule here is constant",
         ),
+        (
+            "scripts/imagenet.py",
+            ["--dummy", "-e", "--time-budget", "1m"],
+            "--time-budget plans a training run's epochs",
+        ),
         ("scripts/template.py", ["--lr-gamma", "10"], "--lr-gamma: must be <= 1"),
         ("scripts/template.py", ["--betas", "0.8", "0.9"], "--betas are Adam's and AdamW's: --optimizer sgd"),
         ("scripts/imagenet.py", ["--dummy", "--mix-prob", "0.5"], "give --mixup-alpha or --cutmix-alpha"),
