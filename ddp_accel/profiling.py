@@ -22,14 +22,15 @@ class ProfilerWindow(Callback):
         self.start, self.end, self.top = start, end, top
         self.profiler: torch.profiler.profile | None = None
 
-    def check(self, total_steps: int) -> None:
-        """Before the run touches its output dir (--overwrite-output-dir deletes only once every check passed)."""
+    def check(self, total_steps: int, chosen_by: str = "") -> None:
+        """Before the run touches its output dir (--overwrite-output-dir deletes only once every check passed).
+        `chosen_by`: what set the run's length, when not --epochs or --max-steps (--time-budget's plan)."""
         if self.end > total_steps:
             from ddp_accel.errors import UserError
 
             raise UserError(
-                f"--profile-steps {self.start}:{self.end} ends past this run's {total_steps} steps; choose a "
-                "window inside it"
+                f"--profile-steps {self.start}:{self.end} ends past this run's {total_steps} steps{chosen_by}; "
+                "choose a window inside it"
             )
 
     def on_start(self, run: TrainingRun) -> None:

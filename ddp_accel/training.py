@@ -156,7 +156,9 @@ class TrainingRun:
         self.scheduler: Any = accelerator.prepare(scheduler) if scheduler is not None else None
         profiler = [ProfilerWindow(*config.profile_steps)] if config.profile_steps else []  # off: no callback
         for window in profiler:
-            window.check(self.total_steps)
+            window.check(
+                self.total_steps, f" ({epochs_text(config.epochs)}: --time-budget's plan)" if self.budget else ""
+            )
         self.callbacks = Callbacks(
             [ProgressBar(), Trackers(), *([self.ema] if self.ema else []), BestModel(self.best_metric), *profiler]
             + schedule_feed

@@ -651,6 +651,8 @@ def test_a_time_budget_plans_on_batches_that_change_nothing_and_a_resume_keeps_t
     monkeypatch.setattr("ddp_accel.training.measure_costs", lambda *args: Costs(**vars(costs)))
     error = error_of(tmp_path / "warm", *planned, "--lr-schedule", "cosine", "--warmup-epochs", 4)
     assert "leaves 3 epochs here, within --warmup-epochs 4" in error, error
+    error = error_of(tmp_path / "profile", *planned, "--profile-steps", "40:45")
+    assert "ends past this run's 30 steps (3 epochs: --time-budget's plan)" in error, error
     error = error_of(tmp_path / "step", *planned, "--lr-schedule", "step", "--lr-step-epochs", 3)
     assert "leaves 3 epochs here: the first decay of --lr-schedule step (every --lr-step-epochs 3)" in error, error
     # a budget added at the resume of a run trained without one; a lower --epochs at a resume is still the most
