@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -34,15 +35,20 @@ TIMED_BATCHES = 5
 EVAL_TIMED_BATCHES = 4
 
 _command_started: float | None = None  # time.time() when this command began (run_main); None: fit's own start
+COMMAND_START_VARIABLE = "DDP_ACCEL_COMMAND_START"  # a launcher's own start (time.time()), for workers it reuses
 
 
 def note_command_start(started_as_script: bool | None) -> None:
     """run_main: a script started as `python script.py` (or by a launcher) counts from its process's start, its
-    imports included; a main() called inside a longer-lived process (a test, a notebook) from now. None: the
-    command ended (a fit() called later counts from its own start)."""
+    imports included; one run in a longer-lived process from the launcher's start where it says so (Ray's
+    workers: DDP_ACCEL_COMMAND_START), else from now (a test, a notebook). None: the command ended (a fit()
+    called later counts from its own start)."""
     global _command_started
+    given = os.environ.get(COMMAND_START_VARIABLE)
     if started_as_script is None:
         _command_started = None
+    elif given:
+        _command_started = float(given)
     else:
         _command_started = psutil.Process().create_time() if started_as_script else time.time()
 

@@ -126,6 +126,7 @@ def train_worker(spec: dict[str, Any]) -> None:
     import ray.train
     from ray.train.v2._internal.logging import patch_print
 
+    from ddp_accel.budget import COMMAND_START_VARIABLE
     from ddp_accel.runtime import ENGINE_VARIABLE
 
     builtins.print = patch_print._original_print  # Ray Train logs each print, and tees it: every line came twice
@@ -145,6 +146,7 @@ def train_worker(spec: dict[str, Any]) -> None:
     os.environ["TORCHELASTIC_ERROR_FILE"] = str(error_file)  # where run_main writes the one line of a user error
     sys.argv = [spec["script"], *spec["command"]]
     sys.path.insert(0, str(Path(spec["script"]).resolve().parent))
+    os.environ[COMMAND_START_VARIABLE] = str(spec["started"])  # --time-budget counts from the driver's start
     watching = threading.Event()
     threading.Thread(target=_watch_preemption_notice, args=(rank, watching), daemon=True).start()
     _training_ended.clear()
@@ -320,6 +322,9 @@ def _backend_config(cpu: bool) -> Any:
 
 def run(job: RayJob) -> int:
     """Check in the driver, run on Ray, report: 0 when the training completed, 2 for a user error, 1 otherwise."""
+    import psutil
+
+    started = psutil.Process().create_time()  # the command's start, for --time-budget in the workers
     output_dir = check_in_driver(job)
     if isinstance(output_dir, int):
         return output_dir
@@ -337,7 +342,7 @@ def run(job: RayJob) -> int:
     else:
         ray.init(address=job.address, runtime_env=runtime_env)
     workers: Any = job.workers if job.min_workers is None else (job.min_workers, job.workers)  # Ray 2.60: either
-    spec = asdict(job) | {"command": job.command(), "output_dir": str(output_dir)}
+    spec = asdict(job) | {"command": job.command(), "output_dir": str(output_dir), "started": started}
     trainer = TorchTrainer(
         train_worker,
         train_loop_config=spec,

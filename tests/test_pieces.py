@@ -566,3 +566,24 @@ def test_a_time_budget_counts_the_epochs_whose_training_evaluations_and_test_fit
     assert plan_epochs(10**6, costs, **shape).epochs == 40  # never past --epochs
     assert plan_epochs(199, costs, **shape).epochs == 1  # 100 + 88 + 11 (5 s + 3% of 199 s, rounded up)
     assert plan_epochs(198, costs, **shape).epochs == 0  # not even one: the caller says so in one line
+
+
+def test_a_time_budget_counts_from_the_process_start_a_launchers_start_or_now(monkeypatch):
+    import time
+
+    import psutil
+
+    from ddp_accel.budget import COMMAND_START_VARIABLE, command_started, note_command_start
+
+    monkeypatch.delenv(COMMAND_START_VARIABLE, raising=False)
+    try:
+        note_command_start(started_as_script=True)  # `python script.py`: the imports count
+        assert command_started(0.0) == psutil.Process().create_time()
+        note_command_start(started_as_script=False)  # a main() called in a test or a notebook: from now
+        assert time.time() - command_started(0.0) < 5
+        monkeypatch.setenv(COMMAND_START_VARIABLE, "1234.5")  # a Ray worker: the driver's start
+        note_command_start(started_as_script=True)
+        assert command_started(0.0) == 1234.5
+    finally:
+        note_command_start(None)
+    assert command_started(7.0) == 7.0  # after the command: a later fit() counts from its own start
