@@ -54,7 +54,7 @@ def distributed() -> bool:
 def _fits(accelerator: Any, model: torch.nn.Module, loss_fn: Any, loader: Any, size: int) -> bool:
     batch = send_to_device(loader.collate_fn([loader.dataset[index] for index in range(size)]), accelerator.device)
     try:
-        with _nothing_changes(model), accelerator.autocast():
+        with buffers_and_generators_kept(model), accelerator.autocast():
             loss_fn(model, batch).backward()
         return True
     except Exception as error:
@@ -68,7 +68,8 @@ def _fits(accelerator: Any, model: torch.nn.Module, loss_fn: Any, loader: Any, s
 
 
 @contextlib.contextmanager
-def _nothing_changes(model: torch.nn.Module) -> Iterator[None]:
+def buffers_and_generators_kept(model: torch.nn.Module) -> Iterator[None]:
+    """`model`'s buffers (BatchNorm's statistics) and torch's random generators come back as they were."""
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):

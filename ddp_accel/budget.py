@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_accel import loaders
+from ddp_accel.batch_size import buffers_and_generators_kept, distributed
 from ddp_accel.cli import format_duration
 from ddp_accel.errors import UserError
 
@@ -143,23 +144,22 @@ def leaves_no_trace(accelerator: Any, model: torch.nn.Module, optimizer: torch.o
     """Training steps inside change nothing the run goes on from: the weights and buffers (this rank's, also a
     shard's), the optimizer's state, the gradient scaler, Accelerate's micro-batch count and every random
     generator come back as they were."""
-    tensors = [tensor for tensor in (*model.parameters(), *model.buffers())]
-    saved_tensors = [tensor.detach().clone() for tensor in tensors]
+    parameters = list(model.parameters())
+    saved_parameters = [parameter.detach().clone() for parameter in parameters]
     saved_optimizer = copy.deepcopy(optimizer.state_dict())
     scaler = accelerator.scaler
     saved_scaler = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
     saved_step = accelerator.step
     python_state, numpy_state = random.getstate(), np.random.get_state()
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
+    with buffers_and_generators_kept(model):
         try:
             yield
         finally:
-            for tensor in tensors:  # not optimizer.zero_grad: Accelerate's skips it inside an accumulation group
-                tensor.grad = None
+            for parameter in parameters:  # not optimizer.zero_grad: Accelerate's skips it inside an accumulation group
+                parameter.grad = None
             with torch.no_grad():
-                for tensor, saved in zip(tensors, saved_tensors, strict=True):
-                    tensor.copy_(saved)
+                for parameter, saved in zip(parameters, saved_parameters, strict=True):
+                    parameter.copy_(saved)
             optimizer.load_state_dict(saved_optimizer)
             if scaler is not None:
                 scaler.load_state_dict(saved_scaler)
@@ -220,7 +220,7 @@ def measure_costs(
         model.train()
         costs.eval_batch_s, costs.eval_start_s = evaluation.train_batch_s, evaluation.train_start_s
     costs.spent_s = time.time() - started
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if distributed():
         figures = torch.tensor(list(asdict(costs).values()), dtype=torch.float64, device=device)
         dist.all_reduce(figures, op=dist.ReduceOp.MAX)
         costs = Costs(*figures.tolist())

@@ -81,6 +81,14 @@ class RunFolder:
             return True
         return bool(complete_checkpoints(self.checkpoints)) if has_checkpoints is None else has_checkpoints
 
+    def read_committed(self) -> dict[str, Any] | None:
+        """metrics.json as the last commit wrote it; None when missing or unreadable."""
+        try:
+            committed = json.loads((self.path / COMMITTED).read_text())
+        except (OSError, ValueError):
+            return None
+        return committed if isinstance(committed, dict) else None
+
     def committed_metrics(
         self, target: tuple[int, int], total_steps: int, identity: dict[str, Any], early_stopping: bool = True
     ) -> dict[str, Any] | None:
@@ -89,11 +97,8 @@ class RunFolder:
         batch size or the accumulation), or None. A run committed before it recorded its progress counts by
         `total_steps`. A committed run under another identity is refused. A run that early stopping ended is
         complete for a command with early stopping; without it, by its progress like any other."""
-        try:
-            committed = json.loads((self.path / COMMITTED).read_text())
-        except (OSError, ValueError):
-            return None
-        if not isinstance(committed, dict) or not (self.path / "model.safetensors").is_file():
+        committed = self.read_committed()
+        if committed is None or not (self.path / "model.safetensors").is_file():
             return None
         if committed.get("identity") and identity:
             compare_identity(committed["identity"], identity, f"the run in {self.path}")

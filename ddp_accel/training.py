@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -285,10 +284,9 @@ class TrainingRun:
             if path is not None:
                 saved = read_training_state(path)
                 return (BudgetPlan.from_state(saved["time_budget"]), None) if saved.get("time_budget") else (None, path)
-            if resume == "latest":
-                return BudgetPlan.from_state(
-                    json.loads((self.folder.path / "metrics.json").read_text())["time_budget"]
-                ), None
+            committed = self.folder.read_committed() if resume == "latest" else None
+            if committed is not None:
+                return BudgetPlan.from_state(committed["time_budget"]), None
         except (OSError, ValueError, KeyError, TypeError, AttributeError):  # unreadable: the resume says so
             pass
         return None, None

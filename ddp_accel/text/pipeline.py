@@ -78,8 +78,7 @@ def _fold_split(
         )
     order = np.random.default_rng(seed).permutation(groups)
     start, end = (index - 1) * groups // count, index * groups // count
-    held = np.isin(np.arange(len(reviews)) // group_size, order[start:end])
-    return reviews.select(np.flatnonzero(~held)), reviews.select(np.flatnonzero(held))
+    return _split_runs(reviews, group_size, order[start:end])
 
 
 def _group_split(
@@ -93,7 +92,14 @@ def _group_split(
             f"{source}: {len(reviews)} review(s) in runs of --group-size {group_size} cannot be split into training "
             f"and validation parts with --val-fraction {fraction}; give more reviews or a smaller --group-size"
         )
-    held = np.isin(np.arange(len(reviews)) // group_size, np.random.default_rng(seed).permutation(groups)[:take])
+    return _split_runs(reviews, group_size, np.random.default_rng(seed).permutation(groups)[:take])
+
+
+def _split_runs(
+    reviews: datasets.Dataset, group_size: int, held_runs: np.ndarray
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """The reviews outside and inside `held_runs` (indices of runs of `group_size` consecutive reviews)."""
+    held = np.isin(np.arange(len(reviews)) // group_size, held_runs)
     return reviews.select(np.flatnonzero(~held)), reviews.select(np.flatnonzero(held))
 
 
