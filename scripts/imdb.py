@@ -71,7 +71,8 @@ RECIPE = dict(
 MODEL_OPTIONS = ("dim", "ngrams", "buckets", "pool", "dropout", "kernel_size", "stride", "nb_weights")
 IDENTITY_OPTIONS = ("model", "dataset", "val_fraction", "fold", "min_freq", "max_vocab", "max_length", "loss", "recipe")
 IDENTITY_OPTIONS += ("group_size",)
-UNSET = {"group_size": 1}  # recorded only when given: runs saved before the option resume
+UNSET = {"group_size": 1, "nb_alpha": 1.0}  # recorded where they differ: runs saved before the options resume
+NB_ALPHA = 4.0  # 5-fold CV, random folds and runs of 50 (docs/imdb.md): alpha 1 overrates a movie's names
 
 
 def parse_args(argv=None):
@@ -135,6 +136,14 @@ def parse_args(argv=None):
         default="on",
         help="bag: scale each n-gram by its naive-Bayes log-count ratio, fitted on the training part (NBSVM)",
     )
+    model.add_argument(
+        "--nb-alpha",
+        type=cli.positive,
+        default=None,
+        help=f"bag: the count each class starts from in the NB ratios (add-alpha smoothing); larger values weigh "
+        f"n-grams seen in a few reviews (a movie's names) less (default: {NB_ALPHA:g}, chosen by cross-validation "
+        "with held-out movies)",
+    )
     model.add_argument("--dropout", type=cli.probability, default=0.0, help="share of activations zeroed in training")
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--loss", choices=["ce", "bce"], default="ce", help="bce: the recipe's BCE on sigmoid(logits)")
@@ -185,6 +194,10 @@ def parse_args(argv=None):
         args.schedule = "constant" if our_bag(args) else "linear"
     if warmup_given and args.schedule == "constant":
         parser.error(f"--warmup {args.warmup:g} warms up --schedule linear; the schedule here is constant")
+    if args.nb_alpha is not None and not (our_bag(args) and args.nb_weights == "on"):
+        parser.error("--nb-alpha smooths the NB weights of --model bag with --nb-weights on (not --recipe)")
+    if args.nb_alpha is None:
+        args.nb_alpha = NB_ALPHA
     if args.sparse == "on" and not our_bag(args):  # rather than a silently dense table
         parser.error(
             "--sparse on: only --model bag has a sparse table, and --recipe keeps it dense; "
@@ -292,7 +305,9 @@ def train(args: argparse.Namespace, signals: StopSignals) -> None:
         "vocabulary": len(text.vocab),
         "truncated_reviews": text.truncated,
         "preprocess_s": round(text.preprocess_s, 1),
-        "model": args.model,
+        "model": args.model
+        + (f" ({args.ngrams}-grams in {args.buckets:,} buckets)" if our_bag(args) and args.ngrams > 1 else ""),
+        **({"nb_weights": f"|log-count ratio|, alpha {args.nb_alpha:g}"} if model_config(args).nb_weights else {}),
         "parameters": sum(p.numel() for p in model.parameters()),
         "embedding_gradients": embedding_gradients,
     }
@@ -327,7 +342,7 @@ def make_task(args: argparse.Namespace, config: TrainConfig, text, model: torch.
         )
 
     if getattr(model, "nb_weights", None) is not None:  # every process fits the same weights on the same reviews
-        model.fit_nb_weights(loader(text.train, False))
+        model.fit_nb_weights(loader(text.train, False), alpha=args.nb_alpha)
 
     def schedule(optimizer, total_steps, steps_per_epoch):
         warmup = max(1, int(args.warmup * total_steps))
@@ -353,7 +368,11 @@ def make_task(args: argparse.Namespace, config: TrainConfig, text, model: torch.
 def identity_options(args: argparse.Namespace) -> dict:
     """What shapes the model, the vocabulary and the encoded data (ddp_accel.identity): a resume or --predict
     under other values stops with a line naming them."""
-    return {**model_config(args).options(), **{key: getattr(args, key) for key in IDENTITY_OPTIONS}}
+    options = {**model_config(args).options(), **{key: getattr(args, key) for key in IDENTITY_OPTIONS}}
+    return {
+        **options,
+        "nb_alpha": args.nb_alpha if options["nb_weights"] else UNSET["nb_alpha"],
+    }  # what NB was fit with
 
 
 def predict(args) -> None:

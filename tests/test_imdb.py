@@ -2,12 +2,13 @@
 
 import gzip
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import assert_clean_error, check_ok, launch, metrics_of, run_script, write
+from helpers import assert_clean_error, check_ok, launch, load_script, metrics_of, run_script, write
 
 from ddp_accel.errors import UserError
 from ddp_accel.text import sources
@@ -337,6 +338,15 @@ def test_nb_weights_favour_the_features_that_tell_the_classes_apart():
     # a review is the nb-weighted mean of its features: padding adds nothing
     assert torch.allclose(bag(torch.tensor([[2, 4, 1, 1]])), bag(torch.tensor([[2, 4]])))
 
+    # add-alpha smoothing: a feature in one review (a movie's name) loses weight against one in many as alpha grows
+    rare_vs_common = []
+    for alpha in (1.0, 16.0):
+        bag = NgramBag(vocab_size=7, pad_id=1, dim=4, ngrams=1, nb_weights=True)
+        reviews = torch.tensor([[2, 5], [2, 4], [2, 4], [3, 4], [3, 4], [3, 4]])  # 5: one positive review
+        bag.fit_nb_weights([(reviews, torch.tensor([1, 1, 1, 0, 0, 0]))], alpha=alpha)
+        rare_vs_common.append((bag.nb_weights[5] / bag.nb_weights[2]).item())
+    assert rare_vs_common[1] < 0.8 * rare_vs_common[0], rare_vs_common
+
 
 @pytest.mark.inprocess
 def test_nb_weights_are_fitted_on_the_training_part_only(tmp_path):
@@ -352,12 +362,23 @@ def test_nb_weights_are_fitted_on_the_training_part_only(tmp_path):
     train_file = tmp_path / "train.jsonl"
     train_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
     options = ["--min-freq", 1, "--ngrams", 2, "--buckets", 500, "--val-fraction", 0.25, "--max-steps", 1]
-    check_ok(run_script("scripts/imdb.py", "--train-file", train_file, *options, "--output-dir", tmp_path / "out"))
-    trained = load_file(str(tmp_path / "out" / "model.safetensors"))["nb_weights"]
+    out = tmp_path / "out"
+    check_ok(
+        run_script("scripts/imdb.py", "--train-file", train_file, *options, "--nb-alpha", 2.5, "--output-dir", out)
+    )
+    trained = load_file(str(out / "model.safetensors"))["nb_weights"]
     text = prepare_text_data(Accelerator(cpu=True), train_file=str(train_file), val_fraction=0.25, min_freq=1)
     bag = NgramBag(len(text.vocab), text.vocab.pad_id, dim=64, ngrams=2, buckets=500, nb_weights=True)
-    bag.fit_nb_weights(make_loader(text.train, 64, text.vocab.pad_id, shuffle=False, seed=0))
+    bag.fit_nb_weights(make_loader(text.train, 64, text.vocab.pad_id, shuffle=False, seed=0), alpha=2.5)
     assert torch.equal(trained, bag.nb_weights)
+    # the smoothing shapes the model: a resume under another one is refused, and where no NB weights are fitted
+    # the option is one error line rather than silently ignored
+    resume = ["--resume-from-checkpoint", "latest", "--output-dir", out, "--max-steps", 2]
+    result = run_script("scripts/imdb.py", "--train-file", train_file, *options[:-2], *resume)
+    assert_clean_error(result, "--nb-alpha", "2.5", "4")
+    for wrong in (["--nb-alpha", 0], ["--nb-alpha", 2, "--model", "gcnn"], ["--nb-alpha", 2, "--nb-weights", "off"]):
+        result = run_script("scripts/imdb.py", "--dataset", "synthetic", *wrong, "--output-dir", tmp_path / "x")
+        assert_clean_error(result, "--nb-alpha")
 
 
 @pytest.mark.inprocess
@@ -409,6 +430,32 @@ def test_k_folds_hold_out_every_review_exactly_once(tmp_path):
         tmp_path / "y",
     )
     assert_clean_error(result, "in runs of --group-size 20 cannot be split into 3 folds")
+
+
+@pytest.mark.inprocess
+def test_the_nbsvm_reference_runs_on_imdb_py_s_folds(tmp_path, monkeypatch):
+    # benchmarks/imdb_nbsvm.py: the folds of both protocols, each review held out once (in whole runs with a group
+    # size), and a model that learns the sentiment words and not the review numbers
+    pytest.importorskip("sklearn", reason="scikit-learn is not installed (benchmarks/imdb_nbsvm.py needs it)")
+    nbsvm = load_script("benchmarks/imdb_nbsvm.py")
+    held = [set(nbsvm.fold_indices(40, f"{i}/4", 0, 5)[1].tolist()) for i in (1, 2, 3, 4)]
+    assert set().union(*held) == set(range(40)) and sum(map(len, held)) == 40
+    assert all(part == {n for n in range(40) if n // 5 in {m // 5 for m in part}} for part in held)  # whole runs
+    words = ["plot", "actor", "scene", "music", "ending"]
+    rows = [
+        {"text": f"{'a great and wonderful' if i % 2 else 'an awful and boring'} {words[i % 5]} {i}", "label": i % 2}
+        for i in range(60)
+    ]
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "nbsvm.json"
+    argv = ["imdb_nbsvm.py", "--train-file", str(train_file), "--folds", "3", "--ngrams", "2", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", [*argv, "--group-size", "1", "4"])
+    nbsvm.main()
+    results = json.loads(out.read_text())
+    assert sorted(results) == ["NBSVM, n-grams up to 2, random folds", "NBSVM, n-grams up to 2, runs of 4"]
+    assert all(list(scores) == ["1/3", "2/3", "3/3"] for scores in results.values())
+    assert all(score == 100.0 for scores in results.values() for score in scores.values()), results
 
 
 @pytest.mark.inprocess
