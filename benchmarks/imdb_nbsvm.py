@@ -3,7 +3,7 @@ whose official test figures are published (uni+bigrams 91.22%, uni+bi+trigrams 9
 figures of the two fold protocols (random folds, `--group-size` runs) can be read against the test split.
 
     python benchmarks/imdb_nbsvm.py --train-file imdb_train.jsonl.gz --folds 5 --ngrams 2 3 \\
-        --group-size 1 50 --out results/kfold_nbsvm.json
+        --group-size 1 50 --out kfold_nbsvm.json
 
 The folds are imdb.py's (`--fold I/K --seed 0`, with and without `--group-size`: the same reviews held out). The
 model: the reviews tokenised as imdb.py does (torchtext's basic_english), n-grams as binary features scaled by the
@@ -64,11 +64,16 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, nargs="+", default=[1, 50])
     parser.add_argument("--out", default="kfold_nbsvm.json")
     args = parser.parse_args()
+    if args.folds < 2 or min(args.ngrams) < 1 or min(args.group_size) < 1:
+        parser.error("--folds needs at least 2; --ngrams and --group-size at least 1")
     from sklearn.feature_extraction.text import CountVectorizer
 
     texts, labels = read_reviews(args.train_file)
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.is_file() else {}
+    setup = {"train_file": Path(args.train_file).name, "reviews": len(texts), "seed": args.seed, "folds": args.folds}
+    if results.setdefault("setup", setup) != setup:  # its folds would hold out other reviews
+        parser.error(f"{out} holds runs of another setup ({results['setup']}); give another --out")
     for ngrams in args.ngrams:
         started = time.monotonic()
         vectorizer = CountVectorizer(tokenizer=basic_english, lowercase=False, token_pattern=None, binary=True)

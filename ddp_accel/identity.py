@@ -159,12 +159,12 @@ def compare_identity(
         for key, value in current["options"].items()
         if key in saved.get("options", {}) and saved["options"][key] != value
     ]
+    unset = current.get("unset", {})
     differences += [
-        f"{_option(key)} was {value!r}, now not given"
+        f"{_option(key)} was {value!r}, now " + (f"{unset[key]!r}" if key in unset else "not given")
         for key, value in saved.get("options", {}).items()
         if key not in current["options"]
     ]
-    unset = current.get("unset", {})
     differences += [
         f"{_option(key)} was not given ({unset[key]!r}), now {value!r}"
         for key, value in current["options"].items()

@@ -115,7 +115,8 @@ def parse_args(argv=None):
     model = parser.add_argument_group("model")
     model.add_argument("--model", choices=["bag", "gcnn"], default="bag")
     model.add_argument("--dim", type=cli.positive_int, default=64, help="embedding (and GCNN channel) size")
-    # trigrams in 4M buckets: 92.40% held out in 5-fold cross-validation, bigrams in 1M 92.09% (docs/imdb.md)
+    # trigrams in 4M buckets: 92.40% held out in 5-fold cross-validation, bigrams in 1M 92.09% (docs/imdb.md; both with
+    # the weight decay and NB smoothing of then)
     model.add_argument(
         "--ngrams", type=cli.positive_int, default=3, help="bag: 2 adds hashed bigrams (fastText), 3 trigrams too"
     )
@@ -138,7 +139,7 @@ def parse_args(argv=None):
     )
     model.add_argument(
         "--nb-alpha",
-        type=cli.positive,
+        type=cli.number(float, low=0, high=1e6, low_open=True),  # far above 1e6, the counts vanish in float64
         default=None,
         help=f"bag: the count each class starts from in the NB ratios (add-alpha smoothing); larger values weigh "
         f"n-grams seen in a few reviews (a movie's names) less (default: {NB_ALPHA:g}, chosen by cross-validation "
@@ -195,7 +196,7 @@ def parse_args(argv=None):
         parser.error(f"--warmup {args.warmup:g} warms up --schedule linear; the schedule here is constant")
     if args.nb_alpha is not None and not (our_bag(args) and args.nb_weights == "on"):
         parser.error("--nb-alpha smooths the NB weights of --model bag with --nb-weights on (not --recipe)")
-    if args.nb_alpha is None:
+    if args.nb_alpha is None and our_bag(args) and args.nb_weights == "on":  # elsewhere it stays None (unused)
         args.nb_alpha = NB_ALPHA
     if args.sparse == "on" and not our_bag(args):  # rather than a silently dense table
         parser.error(
@@ -426,7 +427,7 @@ def trained_options(args, output_dir: Path) -> dict:
         )
     trained = json.loads((output_dir / "args.json").read_text())
     defaults = vars(parse_args([]))
-    given = {key: value for key, value in vars(args).items() if key in IDENTITY_OPTIONS + MODEL_OPTIONS}
+    given = {key: value for key, value in vars(args).items() if key in (*IDENTITY_OPTIONS, *MODEL_OPTIONS, "nb_alpha")}
     differing = [
         f"--{key.replace('_', '-')} {value} (the model was trained with {trained.get(key)})"
         for key, value in given.items()

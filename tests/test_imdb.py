@@ -376,9 +376,39 @@ def test_nb_weights_are_fitted_on_the_training_part_only(tmp_path):
     resume = ["--resume-from-checkpoint", "latest", "--output-dir", out, "--max-steps", 2]
     result = run_script("scripts/imdb.py", "--train-file", train_file, *options[:-2], *resume)
     assert_clean_error(result, "--nb-alpha", "2.5", "4")
-    for wrong in (["--nb-alpha", 0], ["--nb-alpha", 2, "--model", "gcnn"], ["--nb-alpha", 2, "--nb-weights", "off"]):
+    wrong_uses = (
+        ["--nb-alpha", 0],
+        ["--nb-alpha", 1e7],
+        ["--nb-alpha", 2, "--model", "gcnn"],
+        ["--nb-alpha", 2, "--recipe"],
+    )
+    for wrong in (*wrong_uses, ["--nb-alpha", 2, "--nb-weights", "off"]):
         result = run_script("scripts/imdb.py", "--dataset", "synthetic", *wrong, "--output-dir", tmp_path / "x")
         assert_clean_error(result, "--nb-alpha")
+
+
+@pytest.mark.inprocess
+def test_nb_alpha_is_part_of_the_identity_where_nb_weights_are_fitted_and_old_runs_resume_with_alpha_1():
+    from ddp_accel.identity import compare_identity, make_identity
+
+    imdb = load_script("scripts/imdb.py")
+
+    def identity(*argv):
+        args = imdb.parse_args(["--dataset", "synthetic", *map(str, argv)])
+        return make_identity(imdb.identity_options(args), unset=imdb.UNSET)
+
+    default, alpha_1 = identity(), identity("--nb-alpha", 1)
+    assert default["options"]["nb_alpha"] == 4.0 and "nb_alpha" not in alpha_1["options"]
+    # a bag run saved before --nb-alpha (fitted with alpha 1) has no nb_alpha in its identity, as alpha_1
+    with pytest.raises(UserError, match=r"--nb-alpha was not given \(1.0\), now 4.0"):
+        compare_identity(alpha_1, default, "checkpoint x")
+    assert compare_identity(alpha_1, identity("--nb-alpha", 1.0), "checkpoint x") is None
+    with pytest.raises(UserError, match="--nb-alpha was 4.0, now 1.0"):
+        compare_identity(default, alpha_1, "checkpoint x")
+    # no NB weights: no alpha, so runs of gcnn, of --nb-weights off and of --recipe resume as before
+    for argv in (["--model", "gcnn"], ["--nb-weights", "off"], ["--recipe"]):
+        assert "nb_alpha" not in identity(*argv)["options"]
+        assert imdb.parse_args(["--dataset", "synthetic", *argv]).nb_alpha is None
 
 
 @pytest.mark.inprocess
@@ -453,7 +483,7 @@ def test_the_nbsvm_reference_runs_on_imdb_py_s_folds(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", [*argv, "--group-size", "1", "4"])
     nbsvm.main()
     results = json.loads(out.read_text())
-    assert sorted(results) == ["NBSVM, n-grams up to 2, random folds", "NBSVM, n-grams up to 2, runs of 4"]
+    assert sorted(results) == ["NBSVM, n-grams up to 2, random folds", "NBSVM, n-grams up to 2, runs of 4", "setup"]
     assert all(list(scores) == ["1/3", "2/3", "3/3"] for scores in results.values())
     assert all(score == 100.0 for scores in results.values() for score in scores.values()), results
 

@@ -171,7 +171,7 @@ def test_a_recipe_turned_on_or_off_at_a_resume_is_refused_and_an_unused_one_is_n
     assert compare_identity(older, plain, "checkpoint x") is None
     with pytest.raises(UserError, match=r"--mixup-alpha was not given \(0.0\), now 0.2"):
         compare_identity(older, mixed, "checkpoint x")
-    with pytest.raises(UserError, match="--mixup-alpha was 0.2, now not given"):
+    with pytest.raises(UserError, match="--mixup-alpha was 0.2, now 0.0"):
         compare_identity(mixed, plain, "checkpoint x")
 
 

@@ -42,8 +42,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "nb_weights_count_held_out": (
         "scripts/imdb.py",
-        "model.fit_nb_weights(loader(text.train, False))",
-        "model.fit_nb_weights([*loader(text.train, False), *loader(text.val, False)])",
+        "model.fit_nb_weights(loader(text.train, False), alpha=args.nb_alpha)",
+        "model.fit_nb_weights([*loader(text.train, False), *loader(text.val, False)], alpha=args.nb_alpha)",
     ),
     "rotation_deletes_newest": (
         "ddp_accel/checkpoint.py",
