@@ -484,8 +484,12 @@ def test_the_nbsvm_reference_runs_on_imdb_py_s_folds(tmp_path, monkeypatch):
     nbsvm.main()
     results = json.loads(out.read_text())
     assert sorted(results) == ["NBSVM, n-grams up to 2, random folds", "NBSVM, n-grams up to 2, runs of 4", "setup"]
+    assert results.pop("setup") == {"train_file": "train.jsonl", "reviews": 60, "seed": 0, "folds": 3}
     assert all(list(scores) == ["1/3", "2/3", "3/3"] for scores in results.values())
     assert all(score == 100.0 for scores in results.values() for score in scores.values()), results
+    monkeypatch.setattr(sys, "argv", [*argv, "--seed", "1"])  # other folds: not mixed into this file's
+    with pytest.raises(SystemExit):
+        nbsvm.main()
 
 
 @pytest.mark.inprocess
