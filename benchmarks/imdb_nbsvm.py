@@ -14,7 +14,6 @@ liblinear), as Mesnil's nbsvm.py. Needs scikit-learn (not one of the project's r
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import statistics
 import time
@@ -24,14 +23,8 @@ import datasets
 import numpy as np
 
 from ddp_accel.text.pipeline import _fold_split
+from ddp_accel.text.sources import load_file
 from ddp_accel.text.tokenizer import basic_english
-
-
-def read_reviews(path: str) -> tuple[list[str], np.ndarray]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as lines:
-        rows = [json.loads(line) for line in lines if line.strip()]
-    return [row["text"] for row in rows], np.array([int(row["label"]) for row in rows])
 
 
 def fold_indices(count: int, fold: str, seed: int, group_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -48,7 +41,7 @@ def nbsvm_accuracy(features, labels: np.ndarray, train: np.ndarray, held: np.nda
     positive = np.asarray(binary[labels[train] == 1].sum(axis=0)).ravel() + 1.0
     negative = np.asarray(binary[labels[train] == 0].sum(axis=0)).ravel() + 1.0
     ratio = np.log((positive / positive.sum()) / (negative / negative.sum()))
-    ratio[np.asarray(binary.sum(axis=0)).ravel() == 0] = 0.0  # n-grams only the held-out part has
+    ratio[positive + negative == 2.0] = 0.0  # n-grams only the held-out part has (add-one counts on both sides)
     model = LogisticRegression(C=1.0, solver="liblinear")
     model.fit(binary.multiply(ratio).tocsr(), labels[train])
     predicted = model.predict(features[held].multiply(ratio).tocsr())
@@ -57,7 +50,7 @@ def nbsvm_accuracy(features, labels: np.ndarray, train: np.ndarray, held: np.nda
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--train-file", required=True, help="the train split as jsonl(.gz), hub order")
+    parser.add_argument("--train-file", required=True, help="the train split as imdb.py reads it, hub order")
     parser.add_argument("--folds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ngrams", type=int, nargs="+", default=[2, 3])
@@ -68,7 +61,8 @@ def main() -> None:
         parser.error("--folds needs at least 2; --ngrams and --group-size at least 1")
     from sklearn.feature_extraction.text import CountVectorizer
 
-    texts, labels = read_reviews(args.train_file)
+    reviews = load_file(args.train_file)
+    texts, labels = reviews["text"], np.array(reviews["label"])
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.is_file() else {}
     setup = {"train_file": Path(args.train_file).name, "reviews": len(texts), "seed": args.seed, "folds": args.folds}

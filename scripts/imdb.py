@@ -70,7 +70,7 @@ RECIPE = dict(
 
 MODEL_OPTIONS = ("dim", "ngrams", "buckets", "pool", "dropout", "kernel_size", "stride", "nb_weights")
 IDENTITY_OPTIONS = ("model", "dataset", "val_fraction", "fold", "min_freq", "max_vocab", "max_length", "loss", "recipe")
-IDENTITY_OPTIONS += ("group_size",)
+IDENTITY_OPTIONS += ("group_size", "nb_alpha")
 UNSET = {"group_size": 1, "nb_alpha": 1.0}  # recorded where they differ: runs saved before the options resume
 NB_ALPHA = 4.0  # 5-fold CV, random folds and runs of 50 (docs/imdb.md): alpha 1 overrates a movie's names
 
@@ -194,9 +194,10 @@ def parse_args(argv=None):
         args.schedule = "constant" if our_bag(args) else "linear"
     if warmup_given and args.schedule == "constant":
         parser.error(f"--warmup {args.warmup:g} warms up --schedule linear; the schedule here is constant")
-    if args.nb_alpha is not None and not (our_bag(args) and args.nb_weights == "on"):
+    fits_nb_weights = our_bag(args) and args.nb_weights == "on"
+    if args.nb_alpha is not None and not fits_nb_weights:
         parser.error("--nb-alpha smooths the NB weights of --model bag with --nb-weights on (not --recipe)")
-    if args.nb_alpha is None and our_bag(args) and args.nb_weights == "on":  # elsewhere it stays None (unused)
+    if args.nb_alpha is None and fits_nb_weights:  # elsewhere it stays None (unused)
         args.nb_alpha = NB_ALPHA
     if args.sparse == "on" and not our_bag(args):  # rather than a silently dense table
         parser.error(
@@ -369,10 +370,9 @@ def identity_options(args: argparse.Namespace) -> dict:
     """What shapes the model, the vocabulary and the encoded data (ddp_accel.identity): a resume or --predict
     under other values stops with a line naming them."""
     options = {**model_config(args).options(), **{key: getattr(args, key) for key in IDENTITY_OPTIONS}}
-    return {
-        **options,
-        "nb_alpha": args.nb_alpha if options["nb_weights"] else UNSET["nb_alpha"],
-    }  # what NB was fit with
+    if not options["nb_weights"]:  # no NB weights fitted: recorded as runs from before --nb-alpha were
+        options["nb_alpha"] = UNSET["nb_alpha"]
+    return options
 
 
 def predict(args) -> None:
@@ -427,7 +427,7 @@ def trained_options(args, output_dir: Path) -> dict:
         )
     trained = json.loads((output_dir / "args.json").read_text())
     defaults = vars(parse_args([]))
-    given = {key: value for key, value in vars(args).items() if key in (*IDENTITY_OPTIONS, *MODEL_OPTIONS, "nb_alpha")}
+    given = {key: value for key, value in vars(args).items() if key in IDENTITY_OPTIONS + MODEL_OPTIONS}
     differing = [
         f"--{key.replace('_', '-')} {value} (the model was trained with {trained.get(key)})"
         for key, value in given.items()

@@ -381,8 +381,9 @@ def test_nb_weights_are_fitted_on_the_training_part_only(tmp_path):
         ["--nb-alpha", 1e7],
         ["--nb-alpha", 2, "--model", "gcnn"],
         ["--nb-alpha", 2, "--recipe"],
+        ["--nb-alpha", 2, "--nb-weights", "off"],
     )
-    for wrong in (*wrong_uses, ["--nb-alpha", 2, "--nb-weights", "off"]):
+    for wrong in wrong_uses:
         result = run_script("scripts/imdb.py", "--dataset", "synthetic", *wrong, "--output-dir", tmp_path / "x")
         assert_clean_error(result, "--nb-alpha")
 
