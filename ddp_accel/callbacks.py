@@ -20,6 +20,7 @@ from ddp_accel.meters import improves, numbers, scalars
 from ddp_accel.tracking import TrackerLog
 
 if TYPE_CHECKING:
+    from ddp_accel.state import Rebase
     from ddp_accel.training import TrainingRun
 
 
@@ -29,8 +30,13 @@ class Callback:
     def on_start(self, run: TrainingRun) -> None:
         """After the resume, before the first step of this process."""
 
+    def on_rebase(self, run: TrainingRun, rebase: Rebase) -> None:
+        """A resume at another global batch or accumulation counts steps again (`rebase.steps_now` converts a
+        count of the checkpoint's steps): whatever the callback counts in optimizer steps must follow."""
+
     def on_step_end(self, run: TrainingRun) -> None:
-        """After each optimizer step (`run.state.step` counts it), before its log, evaluation and checkpoint."""
+        """After each optimizer step (`run.state.step` counts it), before a stop is agreed and before its log,
+        evaluation and checkpoint: what a step updates here belongs to the step, and a stop saves it whole."""
 
     def on_log(self, run: TrainingRun, logs: dict[str, Any]) -> None:
         """Each log window: the loss, throughput and learning rate (add your own values to `logs`)."""
@@ -60,6 +66,10 @@ class Callbacks:
     def on_start(self, run: TrainingRun) -> None:
         for callback in self.callbacks:
             callback.on_start(run)
+
+    def on_rebase(self, run: TrainingRun, rebase: Rebase) -> None:
+        for callback in self.callbacks:
+            callback.on_rebase(run, rebase)
 
     def on_step_end(self, run: TrainingRun) -> None:
         for callback in self.callbacks:

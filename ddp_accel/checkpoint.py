@@ -20,7 +20,7 @@ from ddp_accel.config import every
 from ddp_accel.errors import UserError
 from ddp_accel.files import finite_or_null, writing
 from ddp_accel.identity import compare_identity
-from ddp_accel.state import RunIdentity, TrainState
+from ddp_accel.state import Rebase, RunIdentity, TrainState
 
 TRAINING_STATE = "training_state.json"  # TrainState.state_dict(), written last: a checkpoint without it is incomplete
 FILE_LIST = "files.json"  # the name and size of every file of the checkpoint
@@ -226,6 +226,7 @@ class Checkpoints:
     def __init__(self, accelerator: Accelerator, root: Path, every: int | str | None = None, limit: int | None = None):
         self.accelerator, self.root, self.every, self.limit = accelerator, root, every, limit
         self.leftover = 0  # samples of the epoch the resume sees again (its skip rounded down to this global batch)
+        self.rebase: Rebase | None = None  # the resume's, once resumed
 
     def due_at_step(self, step: int) -> bool:
         return every(step, self.every)
@@ -272,7 +273,7 @@ class Checkpoints:
         global_batch, world_size = state.global_batch, state.world_size
         for warning in self.load(path, state, identity):
             accelerator.print(f"warning: {warning}")
-        rebase = state.rebase(global_batch, world_size, batches_per_epoch, accumulation)
+        rebase = self.rebase = state.rebase(global_batch, world_size, batches_per_epoch, accumulation)
         self.leftover = rebase.leftover
         changed = rebase.warning(state, total_steps)
         if changed and accelerator.is_main_process:

@@ -17,6 +17,7 @@ import torch
 from ddp_accel.callbacks import Callback
 
 if TYPE_CHECKING:
+    from ddp_accel.state import Rebase
     from ddp_accel.training import TrainingRun
 
 
@@ -49,6 +50,10 @@ class WeightAverage(Callback):
         else:
             device = next(iter(self.live.values())).device
             self.average = {name: value.to(device) for name, value in self.average.items()}
+
+    def on_rebase(self, run: TrainingRun, rebase: Rebase) -> None:
+        # --ema-warmup's position: updates are optimizer steps, counted again in this command's steps
+        self.updates = rebase.steps_now(self.updates)
 
     @torch.no_grad()
     def on_step_end(self, run: TrainingRun) -> None:

@@ -18,6 +18,7 @@ reduce-on-plateau's factor and count, is saved in checkpoints by `PlateauFeed` a
 from __future__ import annotations
 
 import math
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -85,6 +86,29 @@ def make_schedule(
     """The LambdaLR of `config`'s schedule, and the schedule (reduce-on-plateau observes it)."""
     schedule = LearningRateSchedule(config, total_steps, steps_per_epoch)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule(step)), schedule
+
+
+# schedulers whose LR at a step is a formula of the step alone (torch computes it in closed form): they can be put
+# at any step. The others (ReduceLROnPlateau, CyclicLR, warm restarts, chains) depend on the path they took.
+_STEP_FORMULA = (torch.optim.lr_scheduler.LambdaLR, torch.optim.lr_scheduler.OneCycleLR)
+
+
+def move_to_step(scheduler: Any, step: int) -> bool:
+    """Put an LR scheduler where `step` optimizer steps of this command put it, the learning rate of every group
+    included: a resume at another global batch counts its steps again (TrainState.rebase), and the schedule's
+    position must be counted in the same steps as its length, or the LR jumps at the resume and never reaches its
+    end. False when the scheduler's LR is not a formula of the step (it then goes on from its saved position)."""
+    inner = getattr(scheduler, "scheduler", scheduler)  # Accelerate's AcceleratedScheduler wraps torch's
+    if not isinstance(inner, _STEP_FORMULA) and not hasattr(inner, "_get_closed_form_lr"):
+        return False
+    update = getattr(inner, "_update_lr", None)
+    if update is not None:  # torch >= 2.6: the body of step(epoch) without its deprecation warning
+        update(step)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            inner.step(step)
+    return True
 
 
 def check_schedule(config: TrainConfig, watched_metric: str | None, has_evaluation: bool) -> None:

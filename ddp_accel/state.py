@@ -30,6 +30,16 @@ class Rebase:
     saved_batch: int  # the checkpoint's global batch
     skip: int  # batches of this command's global batch to skip in the epoch
     leftover: int  # samples of the epoch seen before and seen again (a skip rounded down)
+    step: int = 0  # the same place in this command's steps
+
+    @property
+    def recounted(self) -> bool:
+        """Whether steps are counted in other units from here on (anything counted in steps must follow)."""
+        return self.step != self.saved_step
+
+    def steps_now(self, saved_steps: int) -> int:
+        """A number of steps counted from the run's start in the checkpoint's steps, in this command's steps."""
+        return round(saved_steps * self.step / self.saved_step) if self.saved_step else saved_steps
 
     def warning(self, state: TrainState, total_steps: int) -> str | None:
         """What changed, said once by the main process; None when nothing did."""
@@ -45,7 +55,7 @@ class Rebase:
         )
         return (
             f"{changed}, at step {state.step} of this command's {total_steps} (step {self.saved_step} as the "
-            "checkpoint counted); the LR schedule goes on from its saved position"
+            "checkpoint counted); the LR schedule goes on from the same place in the data"
         )
 
 
@@ -110,8 +120,10 @@ class TrainState:
             skip, leftover = self.batches_in_epoch, 0
         steps_per_epoch = math.ceil(batches_per_epoch / accumulation)
         done = steps_per_epoch if skip >= batches_per_epoch else skip // accumulation
-        rebase = Rebase(self.step, saved_batch, skip, leftover)
-        self.step = self.epoch * steps_per_epoch + done
+        rebase = Rebase(self.step, saved_batch, skip, leftover, step=self.epoch * steps_per_epoch + done)
+        self.step = rebase.step
+        if self.best_step is not None:
+            self.best_step = rebase.steps_now(self.best_step)
         if self.last_eval_step == rebase.saved_step:  # the evaluation of the place resumed from: not due again
             self.last_eval_step = self.step
         elif self.step != rebase.saved_step:  # an older one, counted in the checkpoint's steps

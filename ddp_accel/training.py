@@ -38,8 +38,8 @@ from ddp_accel.plots import plot_history
 from ddp_accel.profiling import ProfilerWindow
 from ddp_accel.run_folder import RunFolder, ended_by_early_stopping
 from ddp_accel.runtime import lost_peers, print_banner, topology
-from ddp_accel.schedules import PlateauFeed, check_schedule, make_schedule
-from ddp_accel.state import RunIdentity, TrainState
+from ddp_accel.schedules import PlateauFeed, check_schedule, make_schedule, move_to_step
+from ddp_accel.state import Rebase, RunIdentity, TrainState
 from ddp_accel.stopping import Phase, Preempted, SaveGrace, StepAgreement, StopFacts, StopSignals, Verdict
 from ddp_accel.task import RunRecord, Task
 from ddp_accel.train_step import TrainStep
@@ -342,6 +342,9 @@ class TrainingRun:
         if path is not None:
             self.resumed_from = path
             self.signals.resume_hint = resume_hint(path)
+            rebase = self.checkpoints.rebase
+            if rebase is not None and rebase.recounted:
+                self.follow_the_recount(rebase)
             self.forget_another_metrics_best()
             if self.state.stopped_early and not self.config.early_stopping_patience:
                 self.accelerator.print(
@@ -349,6 +352,17 @@ class TrainingRun:
                 )
                 self.state.stopped_early, self.state.evaluations_without_improvement = False, 0
         self.state.best_metric_name = self.best_metric
+
+    def follow_the_recount(self, rebase: Rebase) -> None:
+        """Steps are counted again in this command's steps: the LR schedule's position (its length already is)
+        and whatever the callbacks count in steps move to the same place in the data."""
+        if self.scheduler is not None and not move_to_step(self.scheduler, self.state.step):
+            inner = getattr(self.scheduler, "scheduler", self.scheduler)
+            self.accelerator.print(
+                f"warning: the LR scheduler {type(inner).__name__} cannot be moved to step {self.state.step} (its "
+                f"rate is not a formula of the step): it goes on from the checkpoint's step {rebase.saved_step}"
+            )
+        self.callbacks.on_rebase(self, rebase)
 
     def forget_another_metrics_best(self) -> None:
         """A resume under another --best-metric: the best so far was another metric's value (a loss of 2.3 is no
@@ -392,10 +406,12 @@ class TrainingRun:
         state.step += 1
         eval_due = self.eval_loader is not None and every(state.step, config.eval_steps)
         checkpoint_due = self.checkpoints.due_at_step(state.step)
+        # before the stop agreement: what the callbacks update per step (the EMA) belongs to the step, and a
+        # stop saves the step whole
+        self.callbacks.on_step_end(self)
         verdict = self.agreement.step_done(state.step, self.signals.received, wait=eval_due or checkpoint_due)
         if verdict:
             raise StopTraining(verdict)
-        self.callbacks.on_step_end(self)
         if every(state.step, config.log_steps) or state.step == self.total_steps:
             self.log_window()
         if eval_due:

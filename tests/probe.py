@@ -100,6 +100,20 @@ class CrashAt(Callback):
             raise RuntimeError(f"probe: a bug at step {self.step}")
 
 
+class LearningRates(Callback):
+    """(samples trained, the learning rate of the next step) after every optimizer step, in lr_rank{R}.json."""
+
+    def __init__(self, output_dir: str):
+        self.output_dir, self.rates = output_dir, []
+
+    def on_step_end(self, run) -> None:
+        self.rates.append([run.state.samples_trained, run.optimizer.param_groups[0]["lr"]])
+
+    def on_close(self, run) -> None:
+        if self.rates:  # (a run refused before its first step leaves the output dir as it was)
+            Path(self.output_dir, f"lr_rank{run.accelerator.process_index}.json").write_text(json.dumps(self.rates))
+
+
 def main(signals: StopSignals | None = None) -> None:
     parser = add_training_args(ArgumentParser())
     parser.add_argument("--train-size", type=int, default=64)
@@ -123,6 +137,9 @@ def main(signals: StopSignals | None = None) -> None:
     parser.add_argument("--oom-above", type=int, help="a batch of more samples fails as out of memory does")
     parser.add_argument("--pid-dir", help="each process writes rank<R>.<pid> here at start (the fault tests' target)")
     parser.add_argument("--crash-at-step", type=int, help="rank 1 (or the only one) raises after this step: a bug")
+    parser.add_argument(
+        "--sigterm-at-batch", type=int, help="rank 0 sends itself SIGTERM while computing its Nth batch (a preemption)"
+    )
     args = parser.parse_args()
     config = TrainConfig.from_args(args)
     accelerator = make_accelerator(config, signals)
@@ -162,6 +179,8 @@ def main(signals: StopSignals | None = None) -> None:
         if args.oom_above and len(ids) > args.oom_above:  # what a GPU says when the batch does not fit
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (probe --oom-above)")
         seen.append(ids.tolist())
+        if len(seen) == args.sigterm_at_batch and accelerator.is_main_process:
+            os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(args.step_ms / 1000)
         return torch.nn.functional.cross_entropy(model(x), y)
 
@@ -195,7 +214,8 @@ def main(signals: StopSignals | None = None) -> None:
         Path(args.pid_dir, f"rank{accelerator.process_index}.{os.getpid()}").touch()
     identity = make_identity({key: getattr(args, key) for key in ("hidden", "complex", "sparse_embedding")})
     crash = [CrashAt(args.crash_at_step, min(1, accelerator.num_processes - 1))] if args.crash_at_step else []
-    fit(accelerator, config, task, RunRecord(identity=identity), signals=signals, callbacks=crash)
+    callbacks = [*crash, LearningRates(config.output_dir)]
+    fit(accelerator, config, task, RunRecord(identity=identity), signals=signals, callbacks=callbacks)
     Path(config.output_dir, f"seen_rank{accelerator.process_index}.json").write_text(json.dumps(seen))
     # where each rank ran (the SLURM tests check the machine ranks)
     print(

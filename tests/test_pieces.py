@@ -201,6 +201,20 @@ def test_a_resume_at_twice_the_global_batch_continues_from_the_same_sample():
     assert accumulated.step == 2 and accumulated.batches_in_epoch == 5
 
 
+def test_what_counts_steps_follows_a_recount_the_best_step_and_the_ema_warmup():
+    from ddp_accel.ema import WeightAverage
+
+    state = TrainState(step=20, epoch=1, batches_in_epoch=4, global_batch=4, best_step=12)
+    rebase = state.rebase(global_batch=8, world_size=2, batches_per_epoch=8, accumulation=1)
+    assert rebase.recounted and (rebase.step, state.best_step) == (10, 6)  # 48 samples: step 6 of 8 samples
+    average = WeightAverage(0.99, warmup=True)
+    average.updates = 20  # one per optimizer step of the checkpoint's
+    average.on_rebase(None, rebase)
+    assert average.updates == 10  # --ema-warmup's decay (1 + t) / (10 + t) at this command's step
+    same = TrainState(step=5, batches_in_epoch=5, global_batch=4).rebase(4, 1, 16, 1)
+    assert not same.recounted and same.steps_now(5) == 5
+
+
 def test_a_stop_writes_its_facts_once_and_carries_them(tmp_path):
     facts = StopFacts(Phase.EVAL, "SIGUSR1", 12, str(tmp_path / "step_12"), 1.25)
     facts.write(tmp_path)

@@ -572,6 +572,48 @@ def test_ema_early_stopping_and_a_profiler_window_resume_bitwise_and_say_what_th
     )
 
 
+@inprocess
+def test_a_sigterm_mid_training_saves_the_average_of_the_step_it_saves(tmp_path):
+    # the stop is agreed after the step's callbacks: a preemption checkpoint of step 7 holds the EMA of step 7 (it
+    # held step 6's: the resumed average lagged one update behind for good)
+    from safetensors.torch import load_file
+
+    common = ["--batch-size", 4, "--epochs", 1, "--ema-decay", "0.9", "--checkpointing-steps", 4, "--dropout", "0.3"]
+    probe(tmp_path / "full", *common, nproc=1)
+    output = probe(tmp_path / "cut", *common, "--sigterm-at-batch", 7, nproc=1)
+    assert "preempted by SIGTERM at step 7 (train)" in output, output[-2000:]
+    probe(tmp_path / "cut", *common, "--resume-from-checkpoint", "latest", nproc=1)
+    for name in ("model.safetensors", "model_ema.safetensors"):
+        full, cut = (load_file(str(tmp_path / run / name)) for run in ("full", "cut"))
+        assert all(torch.equal(full[key], cut[key]) for key in full), name
+
+
+def learning_rates(output_dir) -> dict[int, float]:
+    """tests/probe.py's record: samples trained -> the learning rate of the next step (rank 0, its last run)."""
+    return dict(json.loads((output_dir / "lr_rank0.json").read_text()))
+
+
+@pytest.mark.parametrize("batches", [(8, 4), (4, 8)], ids=["global-batch-8-to-4", "global-batch-4-to-8"])
+@inprocess
+def test_a_resume_at_another_global_batch_keeps_the_lr_schedule_at_its_place_in_the_data(tmp_path, batches):
+    # what 2 -> 1 and 1 -> 2 processes do to the schedule: steps are counted again in the new global batch, and the
+    # schedule's position with them, so the LR at each sample position is the uninterrupted run's and cosine ends
+    # at --min-lr (the saved position, in the old steps, jumped the LR and ended cosine above --min-lr)
+    before, after = batches
+    common = ["--epochs", 4, "--lr-schedule", "cosine", "--warmup-epochs", 1, "--min-lr", 0, "--lr", "0.05"]
+    probe(tmp_path / "full", *common, "--batch-size", after, nproc=1)
+    stop_batch = 12 * 8 // before  # 96 samples: into the third epoch, past the warm-up
+    output = probe(tmp_path / "cut", *common, "--batch-size", before, "--sigterm-at-batch", stop_batch, nproc=1)
+    assert f"preempted by SIGTERM at step {stop_batch}" in output, output[-2000:]
+    output = probe(tmp_path / "cut", *common, "--batch-size", after, "--resume-from-checkpoint", "latest", nproc=1)
+    assert f"global batch changed from {before} to {after}" in output, output[-2000:]
+    full, cut = learning_rates(tmp_path / "full"), learning_rates(tmp_path / "cut")
+    assert min(cut) == 96 + after and max(cut) == 256, sorted(cut)
+    for samples, rate in cut.items():
+        assert rate == pytest.approx(full[samples], rel=1e-12, abs=1e-15), (samples, rate, full[samples])
+    assert metrics_of(tmp_path / "cut")["final_lr"] == 0.0 == metrics_of(tmp_path / "full")["final_lr"]
+
+
 @pytest.mark.inprocess
 def test_auto_batch_size_keeps_the_global_batch_and_trains_as_the_explicit_accumulation(tmp_path, monkeypatch):
     # --batch-size 12 where only 4 samples fit (an injected out-of-memory error above 4): the trial goes 12, 6, 4,
