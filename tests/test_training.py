@@ -383,11 +383,26 @@ def samples_of(output_dir) -> list[int]:
     return [i for batch in json.loads((output_dir / "seen_rank0.json").read_text()) for i in batch]
 
 
+# a schedule whose LR is a formula of the samples trained (2 epochs of 64): 0.05 * (1 + cos(pi * samples / 128)) / 2
+COSINE = ["--lr-schedule", "cosine", "--min-lr", 0, "--lr", "0.05"]
+
+
+def assert_cosine_by_samples(output_dir, total_samples: int = 128) -> None:
+    """After every step of the run's last command, the LR of the next step is the cosine at the samples trained,
+    whatever the world size that counted them, and it ends at --min-lr."""
+    import math
+
+    for samples, rate in learning_rates(output_dir).items():
+        expected = 0.05 * 0.5 * (1 + math.cos(math.pi * samples / total_samples))
+        assert rate == pytest.approx(expected, rel=1e-12, abs=1e-15), (samples, rate, expected)
+    assert metrics_of(output_dir)["final_lr"] == 0.0
+
+
 @pytest.fixture(scope="module")
 def stopped_past_the_middle(tmp_path_factory):
     """One process, batch 4, 2 epochs of 64 samples (32 steps); its checkpoint of step 20: 16 samples into epoch 2."""
     root = tmp_path_factory.mktemp("past_the_middle")
-    probe(root / "full", "--batch-size", 4, "--epochs", 2, "--checkpointing-steps", 20, nproc=1)
+    probe(root / "full", "--batch-size", 4, "--epochs", 2, *COSINE, "--checkpointing-steps", 20, nproc=1)
     return root
 
 
@@ -404,12 +419,14 @@ def test_a_resume_past_the_middle_with_fewer_steps_per_epoch_continues_from_its_
     full = stopped_past_the_middle / "full"
     shutil.copytree(full / "checkpoints" / "step_20", tmp_path / "cut" / "checkpoints" / "step_20")
     output = probe(
-        tmp_path / "cut", "--batch-size", 4, "--epochs", 2, *change, "--resume-from-checkpoint", "latest", nproc=1
-    )
+        tmp_path / "cut", "--batch-size", 4, "--epochs", 2, *COSINE, *change, "--resume-from-checkpoint", "latest",
+        nproc=1,
+    )  # fmt: skip
     assert "step 20 as the checkpoint counted" in output and "at step 10 of this command's 16" in output, output
     assert "resumed from" in output and "step 10, epoch 1" in output, output[-2000:]
     assert metrics_of(tmp_path / "cut")["steps"] == 16
     assert samples_of(tmp_path / "cut") == samples_of(full)[64 + 16 :]  # the rest of epoch 2, each sample once
+    assert_cosine_by_samples(tmp_path / "cut")
 
 
 @pytest.mark.multiprocess
@@ -417,9 +434,10 @@ def test_a_one_process_run_resumed_past_the_middle_on_two_processes_completes(st
     # what an elastic join in the second half of a run does: world size 1 -> 2, twice the global batch
     full = stopped_past_the_middle / "full"
     shutil.copytree(full / "checkpoints" / "step_20", tmp_path / "joined" / "checkpoints" / "step_20")
-    output = probe(tmp_path / "joined", "--batch-size", 4, "--epochs", 2, "--resume-from-checkpoint", "latest")
+    output = probe(tmp_path / "joined", "--batch-size", 4, "--epochs", 2, *COSINE, "--resume-from-checkpoint", "latest")
     assert "resumed from" in output and "step 10, epoch 1" in output, output[-2000:]
     assert metrics_of(tmp_path / "joined")["steps"] == 16
+    assert_cosine_by_samples(tmp_path / "joined")
     rest = samples_of(full)[64 + 16 :]
     ranks = [json.loads((tmp_path / "joined" / f"seen_rank{rank}.json").read_text()) for rank in (0, 1)]
     seen = sorted(i for rank in ranks for batch in rank for i in batch)
@@ -433,7 +451,7 @@ def test_a_two_process_run_resumed_past_the_middle_on_one_process_completes_with
     # history.json's `samples` and metrics.json's progress only grow and end at the uninterrupted run's count.
     from test_tracking import tensorboard_steps, tensorboard_values
 
-    out, common = tmp_path / "run", ["--batch-size", 4, "--epochs", 2, "--with-tracking", "--log-steps", 1]
+    out, common = tmp_path / "run", ["--batch-size", 4, "--epochs", 2, "--with-tracking", "--log-steps", 1, *COSINE]
     probe(
         out, *common, "--checkpointing-steps", 10, "--max-steps", 10
     )  # 2 processes: 8 steps an epoch; evaluated at 10
@@ -442,6 +460,7 @@ def test_a_two_process_run_resumed_past_the_middle_on_one_process_completes_with
     metrics = metrics_of(out)
     assert metrics["steps"] == 32 and metrics["world_size"] == 1
     assert metrics["progress"] == {"epoch": 2, "samples_in_epoch": 0, "samples": 128}  # 2 epochs of 64, once
+    assert_cosine_by_samples(out)  # (the first command's cosine was over its own --max-steps 10)
     samples = tensorboard_steps(out / "tensorboard", "train_loss")
     assert samples == [8 * step for step in range(1, 11)] + [80 + 4 * step for step in range(1, 13)], samples
     logged_steps = tensorboard_values(out / "tensorboard", "optimizer_step")  # log windows and evaluations

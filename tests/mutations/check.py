@@ -115,7 +115,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "resume_compares_raw_step_numbers": (
         "ddp_accel/state.py",
-        "        self.step = self.epoch * steps_per_epoch + done\n",
+        "        self.step = rebase.step\n",
         "",
     ),
     "identity_options_not_compared": (
@@ -132,6 +132,32 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "ddp_accel/ray_launch.py",
         "            if _user_error_of(training_failed_error) is not None:",
         "            if False:",
+    ),
+    # issue 43's silently wrong pair: a stop saved the step without its EMA update; a recount left the schedule behind
+    "ema_updated_after_the_stop_agreement": (
+        "ddp_accel/training.py",
+        "        self.callbacks.on_step_end(self)\n"
+        "        verdict = self.agreement.step_done(state.step, self.signals.received, "
+        "wait=eval_due or checkpoint_due)\n"
+        "        if verdict:\n            raise StopTraining(verdict)\n",
+        "        verdict = self.agreement.step_done(state.step, self.signals.received, "
+        "wait=eval_due or checkpoint_due)\n"
+        "        if verdict:\n            raise StopTraining(verdict)\n        self.callbacks.on_step_end(self)\n",
+    ),
+    "schedule_left_at_the_saved_step": (
+        "ddp_accel/schedules.py",
+        "    if update is not None:  # torch >= 2.6",
+        "    return True\n    if update is not None:  # torch >= 2.6",
+    ),
+    "ema_warmup_not_recounted": (
+        "ddp_accel/ema.py",
+        "        self.updates = rebase.steps_now(self.updates)",
+        "        pass",
+    ),
+    "best_step_not_recounted": (
+        "ddp_accel/state.py",
+        "            self.best_step = rebase.steps_now(self.best_step)",
+        "            pass",
     ),
 }
 
