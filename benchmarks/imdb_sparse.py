@@ -85,10 +85,10 @@ def load_encoded(work: str):
 def bytes_per_step(args, work: str) -> tuple[int, float]:
     """Dense: the whole table and the head. Sparse: the rows one global batch touches (values + indices)."""
     vocab, train = load_encoded(work)
-    from ddp_accel.text.models import NgramBag
+    from ddp_accel.text.models import NgramBag, TextModelConfig
     from ddp_accel.text.pipeline import make_loader
 
-    model = NgramBag(len(vocab), vocab.pad_id, dim=64, ngrams=2, buckets=args.buckets)
+    model = NgramBag(len(vocab), vocab.pad_id, TextModelConfig("bag", dim=64, ngrams=2, buckets=args.buckets))
     loader = make_loader(train, 128, vocab.pad_id, shuffle=True, seed=0)
     rows = []
     for index, (input_ids, _) in enumerate(loader):
@@ -109,13 +109,14 @@ def phases_worker(work: str, buckets: int, steps: int = 60) -> None:
 
     vocab, train = load_encoded(work)
     from ddp_accel.optim import SparseAdamW
-    from ddp_accel.text.models import NgramBag
+    from ddp_accel.text.models import NgramBag, TextModelConfig
     from ddp_accel.text.pipeline import make_loader
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model = NgramBag(len(vocab), vocab.pad_id, dim=64, ngrams=2, buckets=buckets, sparse=True, nb_weights=True)
+    config = TextModelConfig("bag", dim=64, ngrams=2, buckets=buckets, nb_weights=True)
+    model = NgramBag(len(vocab), vocab.pad_id, config, sparse=True)
     table_optimizer = SparseAdamW([model.embedding.weight], lr=5e-3, weight_decay=0.5)
     head_optimizer = torch.optim.AdamW([model.fc.weight, model.fc.bias], lr=5e-3, weight_decay=0.5, fused=True)
     loader = make_loader(train, 128 // world, vocab.pad_id, shuffle=True, seed=0)

@@ -66,10 +66,11 @@ def measure(data_dir: str, workers: int, epochs: int, batch_size: int) -> dict:
     from torch.utils.data import DataLoader
 
     from ddp_accel.loaders import batches, worker_start_method
-    from ddp_accel.vision.data import image_folders
+    from ddp_accel.vision.data import image_folders, image_transforms
 
     torch.set_num_threads(1)
-    train, _, _ = image_folders(data_dir, 32, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), "cifar", seed=0)
+    cifar = image_transforms(32, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), "cifar")
+    train, _, _ = image_folders(data_dir, cifar, seed=0)
     first_batch, epoch_rates, pss = [], [], []
     for epoch in range(epochs):
         train.epoch = epoch

@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import os
 import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psutil
 import torch
 import torch.distributed as dist
+from accelerate.utils import DistributedType
 
 from ddp_accel import loaders
 from ddp_accel.batch_size import buffers_and_generators_kept, distributed
@@ -104,39 +107,43 @@ def epochs_text(count: int) -> str:
     return f"{count} epoch" + ("" if count == 1 else "s")
 
 
-def plan_epochs(
-    budget_s: float,
-    costs: Costs,
-    *,
-    batches_per_epoch: int,
-    max_epochs: int,
-    eval_batches: int = 0,
-    evaluations_per_eval: int = 1,
-    eval_every_epochs: int = 1,
-    eval_every_steps: int | None = None,
-    steps_per_epoch: int = 1,
-    test_batches: int = 0,
-) -> BudgetPlan:
-    """The most epochs (at most `max_epochs`) whose training, evaluations and test end within `budget_s`,
+@dataclass
+class RunShape:
+    """What the plan counts per epoch: batches (micro-batches) and optimizer steps, the evaluations (how many
+    batches, how often, and how many weights each evaluates: 2 with the EMA's), the test at the end, and the most
+    epochs the command allows."""
+
+    batches_per_epoch: int
+    max_epochs: int
+    eval_batches: int = 0
+    evaluations_per_eval: int = 1
+    eval_every_epochs: int = 1
+    eval_every_steps: int | None = None
+    steps_per_epoch: int = 1
+    test_batches: int = 0
+
+
+def plan_epochs(budget_s: float, costs: Costs, shape: RunShape) -> BudgetPlan:
+    """The most epochs (at most `shape.max_epochs`) whose training, evaluations and test end within `budget_s`,
     `costs.spent_s` of it gone; a reserve of 3% (and 5 s) covers the checkpoints, the final files and the exit,
     and BOOKKEEPING_S an epoch what the timed batches leave out."""
-    epoch_s = costs.train_start_s + batches_per_epoch * costs.train_batch_s
-    evaluation_s = (costs.eval_start_s + eval_batches * costs.eval_batch_s) * evaluations_per_eval
-    test_s = costs.eval_start_s + test_batches * costs.eval_batch_s if test_batches else 0.0
+    epoch_s = costs.train_start_s + shape.batches_per_epoch * costs.train_batch_s
+    evaluation_s = (costs.eval_start_s + shape.eval_batches * costs.eval_batch_s) * shape.evaluations_per_eval
+    test_s = costs.eval_start_s + shape.test_batches * costs.eval_batch_s if shape.test_batches else 0.0
     reserve_s = 0.03 * budget_s + 5.0
 
     def command_s(count: int) -> float:
         evaluations = 0
-        if eval_batches:
-            evaluations = math.ceil(count / eval_every_epochs)  # the last epoch is always evaluated
-            if eval_every_steps:
-                evaluations += count * steps_per_epoch // eval_every_steps
+        if shape.eval_batches:
+            evaluations = math.ceil(count / shape.eval_every_epochs)  # the last epoch is always evaluated
+            if shape.eval_every_steps:
+                evaluations += count * shape.steps_per_epoch // shape.eval_every_steps
         return costs.spent_s + count * (epoch_s + BOOKKEEPING_S) + evaluations * evaluation_s + test_s
 
     count = 0
-    while count < max_epochs and command_s(count + 1) + reserve_s <= budget_s:
+    while count < shape.max_epochs and command_s(count + 1) + reserve_s <= budget_s:
         count += 1
-    return BudgetPlan(budget_s, count, max_epochs, command_s(max(count, 1)), epoch_s, evaluation_s, reserve_s)
+    return BudgetPlan(budget_s, count, shape.max_epochs, command_s(max(count, 1)), epoch_s, evaluation_s, reserve_s)
 
 
 @contextlib.contextmanager
@@ -195,36 +202,88 @@ def time_batches(loader: Any, work: Callable[[Any], Any], warm: int, timed: int,
     return Costs(batch_s, max(0.0, marks[1] - marks[0] - batch_s))
 
 
-def measure_costs(
-    accelerator: Any,
-    train_step: Callable[[Any], Any],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    train_loader: Any,
-    eval_fn: Callable[[torch.nn.Module, Any], Any] | None,
-    eval_loader: Any,
-    accumulation: int,
-    started: float,
-) -> Costs:
+@dataclass
+class Timing:
+    """What --time-budget times, before the first step: the prepared model, optimizer and loaders, a training
+    micro-batch (`train_batch`: the loop's step, on a probe of its own), the evaluation function, the gradient
+    accumulation, and when the command started (time.time())."""
+
+    accelerator: Any
+    train_batch: Callable[[Any], Any]
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    train_loader: Any
+    eval_fn: Callable[[torch.nn.Module, Any], Any] | None
+    eval_loader: Any
+    accumulation: int
+    started: float
+
+
+def measure_costs(timing: Timing) -> Costs:
     """Costs on this rank, then the slowest rank's on every rank (the same plan everywhere). Whole accumulation
-    groups are timed, so that the probe ends where an optimizer step ends. `started`: the command's start
-    (time.time())."""
+    groups are timed, so that the probe ends where an optimizer step ends."""
+    accumulation, model, eval_fn, eval_loader = timing.accumulation, timing.model, timing.eval_fn, timing.eval_loader
     whole = lambda count: accumulation * math.ceil(count / accumulation)  # noqa: E731
-    device = accelerator.device
-    with leaves_no_trace(accelerator, model, optimizer):  # each pass whole accumulation groups
-        costs = time_batches(train_loader, train_step, whole(WARM_BATCHES), whole(1 + TIMED_BATCHES) - 1, device)
+    device = timing.accelerator.device
+    with leaves_no_trace(timing.accelerator, model, timing.optimizer):  # each pass whole accumulation groups
+        costs = time_batches(
+            timing.train_loader, timing.train_batch, whole(WARM_BATCHES), whole(1 + TIMED_BATCHES) - 1, device
+        )
     if eval_loader is not None and eval_fn is not None:
         model.eval()
         with torch.no_grad():
             evaluation = time_batches(eval_loader, lambda batch: eval_fn(model, batch), 1, EVAL_TIMED_BATCHES, device)
         model.train()
         costs.eval_batch_s, costs.eval_start_s = evaluation.train_batch_s, evaluation.train_start_s
-    costs.spent_s = time.time() - started
+    costs.spent_s = time.time() - timing.started
     if distributed():
         figures = torch.tensor(list(asdict(costs).values()), dtype=torch.float64, device=device)
         dist.all_reduce(figures, op=dist.ReduceOp.MAX)
         costs = Costs(*figures.tolist())
     return costs
+
+
+def plan_run(
+    config: Any, kept: BudgetPlan | None, trained_without: Path | None, timing: Timing, shape: RunShape
+) -> tuple[BudgetPlan, bool]:
+    """--time-budget's plan: the run's own (`kept`: a resume, or a rerun of the complete run), still at most
+    --epochs, else a new one from batches timed here. Returns (plan, kept?)."""
+    assert config.time_budget
+    if kept is not None:
+        if abs(kept.budget_s - config.time_budget) > 0.5:
+            raise UserError(
+                f"--time-budget {format_duration(config.time_budget)}: the run was planned for "
+                f"{format_duration(kept.budget_s)} ({epochs_text(kept.epochs)}), and a resume keeps its plan: give "
+                f"--time-budget {kept.budget_s:g}s, or --epochs without --time-budget to change its length"
+            )
+        return dataclasses.replace(kept, epochs=min(kept.epochs, config.epochs)), True
+    if trained_without is not None:
+        raise UserError(
+            f"--time-budget plans a run from its start, and {trained_without} was trained without one: resume "
+            "without --time-budget (--epochs decides), or start a new run"
+        )
+    accelerator = timing.accelerator
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise UserError("--time-budget times steps on whole weights: not with FSDP or DeepSpeed (give --epochs)")
+    accelerator.print(f"--time-budget {format_duration(config.time_budget)}: timing a few batches ...")
+    costs = measure_costs(timing)
+    plan = plan_epochs(config.time_budget, costs, shape)
+    check_plan(plan, costs.spent_s, config)
+    return plan, False
+
+
+def budget_line(plan: BudgetPlan, command_s: float, resumed: bool) -> str:
+    """The command's time against its --time-budget, a warning when over it."""
+    took, budget = format_duration(command_s), format_duration(plan.budget_s)
+    if resumed:
+        return f"time budget: this command, a resume of a run planned for {budget}, took {took}"
+    planned = f"planned {format_duration(plan.estimated_s)}, with {format_duration(plan.reserve_s)} in reserve"
+    if command_s <= plan.budget_s:
+        return f"time budget: the command took {took} of its --time-budget {budget} ({planned})"
+    return (
+        f"warning: the command took {took}, over its --time-budget {budget} ({planned}): this machine ran slower "
+        "than in the batches timed at the start"
+    )
 
 
 def check_plan(plan: BudgetPlan, spent_s: float, config: Any) -> None:

@@ -2,8 +2,8 @@
 pattern). fit's own progress bar and trackers are callbacks; pass yours with `fit(..., callbacks=[...])`.
 
 Every rank calls every hook at the same point, in the order the callbacks were given. A callback with
-`state_dict()`/`load_state_dict()` is saved in every checkpoint and restored on resume (registered with
-`accelerator.register_for_checkpointing` before the resume), so what it keeps resumes exactly.
+`state_dict()`/`load_state_dict()` is saved in every checkpoint and restored on resume by its `state_key`
+(ddp_accel.callback_state), so what it keeps resumes exactly.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tqdm.auto import tqdm
 
@@ -20,42 +20,55 @@ from ddp_accel.meters import improves, numbers, scalars
 from ddp_accel.tracking import TrackerLog
 
 if TYPE_CHECKING:
+    from ddp_accel.context import RunContext
     from ddp_accel.state import Rebase
-    from ddp_accel.training import TrainingRun
 
 
 class Callback:
-    """Override the hooks you need; `run` is the TrainingRun (its `state`, `accelerator`, `model`, `optimizer`...)."""
+    """Override the hooks you need; `run` is the run's `RunContext` (its `state`, `accelerator`, `model`,
+    `optimizer`, `folder`, `exported_model()`, `evaluate(prefix)`): what a feature may see, never the loop.
 
-    def on_start(self, run: TrainingRun) -> None:
+    A callback with `state_dict()`/`load_state_dict()` is saved in every checkpoint under its `state_key` (its class
+    name unless set) and given back by that key at a resume: adding or removing a callback never shifts another's
+    state. `state_required`: a checkpoint without this state (or one holding it, for a run without the callback)
+    cannot continue the run (the weights' average: one side only would be another run)."""
+
+    state_key: str | None = None
+    state_required: bool = False
+
+    def on_start(self, run: RunContext) -> None:
         """After the resume, before the first step of this process."""
 
-    def on_rebase(self, run: TrainingRun, rebase: Rebase) -> None:
+    def on_rebase(self, run: RunContext, rebase: Rebase) -> None:
         """A resume at another global batch or accumulation counts steps again (`rebase.steps_now` converts a
         count of the checkpoint's steps): whatever the callback counts in optimizer steps must follow."""
 
-    def on_step_end(self, run: TrainingRun) -> None:
+    def on_step_end(self, run: RunContext) -> None:
         """After each optimizer step (`run.state.step` counts it), before a stop is agreed and before its log,
         evaluation and checkpoint: what a step updates here belongs to the step, and a stop saves it whole."""
 
-    def on_log(self, run: TrainingRun, logs: dict[str, Any]) -> None:
+    def on_log(self, run: RunContext, logs: dict[str, Any]) -> None:
         """Each log window: the loss, throughput and learning rate (add your own values to `logs`)."""
 
-    def on_evaluate(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
+    def extra_evaluation(self, run: RunContext) -> dict[str, Any]:
+        """More metrics for each evaluation, measured on the same data (the weights' average: `ema_*`)."""
+        return {}
+
+    def on_evaluate(self, run: RunContext, metrics: dict[str, Any]) -> None:
         """After each evaluation on the eval loader (every rank has the same metrics)."""
 
-    def on_checkpoint(self, run: TrainingRun, path: Path) -> None:
+    def on_checkpoint(self, run: RunContext, path: Path) -> None:
         """After a checkpoint was saved and renamed into place (an engine can report it)."""
 
-    def on_end(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
+    def on_end(self, run: RunContext, metrics: dict[str, Any]) -> None:
         """After the final artifacts were committed; `metrics` is metrics.json."""
 
-    def on_close(self, run: TrainingRun) -> None:
+    def on_close(self, run: RunContext) -> None:
         """When fit returns or raises (a preemption, an error): release what the callback holds."""
 
 
 class Callbacks:
-    """The callbacks of one run, called in order."""
+    """The callbacks of one run, called in order, every rank at the same point."""
 
     def __init__(self, callbacks: list[Callback]):
         self.callbacks = callbacks
@@ -63,37 +76,15 @@ class Callbacks:
     def stateful(self) -> list[Callback]:
         return [callback for callback in self.callbacks if hasattr(callback, "state_dict")]
 
-    def on_start(self, run: TrainingRun) -> None:
+    def call(self, hook: str, run: RunContext, *args: Any) -> None:
         for callback in self.callbacks:
-            callback.on_start(run)
+            getattr(callback, hook)(run, *args)
 
-    def on_rebase(self, run: TrainingRun, rebase: Rebase) -> None:
+    def extra_evaluation(self, run: RunContext) -> dict[str, Any]:
+        metrics: dict[str, Any] = {}
         for callback in self.callbacks:
-            callback.on_rebase(run, rebase)
-
-    def on_step_end(self, run: TrainingRun) -> None:
-        for callback in self.callbacks:
-            callback.on_step_end(run)
-
-    def on_log(self, run: TrainingRun, logs: dict[str, Any]) -> None:
-        for callback in self.callbacks:
-            callback.on_log(run, logs)
-
-    def on_evaluate(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
-        for callback in self.callbacks:
-            callback.on_evaluate(run, metrics)
-
-    def on_checkpoint(self, run: TrainingRun, path: Path) -> None:
-        for callback in self.callbacks:
-            callback.on_checkpoint(run, path)
-
-    def on_end(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
-        for callback in self.callbacks:
-            callback.on_end(run, metrics)
-
-    def on_close(self, run: TrainingRun) -> None:
-        for callback in self.callbacks:
-            callback.on_close(run)
+            metrics.update(callback.extra_evaluation(run))
+        return metrics
 
 
 class ProgressBar(Callback):
@@ -104,7 +95,7 @@ class ProgressBar(Callback):
         self.bar: tqdm | None = None
         self.interactive = sys.stderr.isatty()
 
-    def on_start(self, run: TrainingRun) -> None:
+    def on_start(self, run: RunContext) -> None:
         self.bar = tqdm(
             total=run.total_steps,
             initial=run.state.step,
@@ -115,11 +106,11 @@ class ProgressBar(Callback):
             mininterval=0.1 if self.interactive else 30,
         )
 
-    def on_step_end(self, run: TrainingRun) -> None:
+    def on_step_end(self, run: RunContext) -> None:
         if self.bar is not None:
             self.bar.update(1)
 
-    def on_log(self, run: TrainingRun, logs: dict[str, Any]) -> None:
+    def on_log(self, run: RunContext, logs: dict[str, Any]) -> None:
         postfix = {
             "loss": f"{logs['train_loss']:.4f}",
             "samples_s": f"{logs['samples_per_s']:.0f}",
@@ -131,10 +122,10 @@ class ProgressBar(Callback):
         if self.bar is not None:
             self.bar.set_postfix(postfix, refresh=self.interactive)
 
-    def on_end(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
+    def on_end(self, run: RunContext, metrics: dict[str, Any]) -> None:
         self.on_close(run)
 
-    def on_close(self, run: TrainingRun) -> None:
+    def on_close(self, run: RunContext) -> None:
         if self.bar is not None:
             self.bar.close()  # an error line then starts on a line of its own
             self.bar = None
@@ -150,40 +141,44 @@ class Trackers(Callback):
     def __init__(self) -> None:
         self.log: TrackerLog | None = None
 
-    def on_start(self, run: TrainingRun) -> None:
+    def on_start(self, run: RunContext) -> None:
         self.log = TrackerLog(
             run.accelerator,
             run.folder.path,
-            scalars(run.config.hyperparameters()),
+            scalars(run.hyperparameters),
             resumed=run.resumed_from is not None,
         )
 
-    def _log(self, run: TrainingRun, values: dict[str, Any]) -> None:
+    def _log(self, run: RunContext, values: dict[str, Any]) -> None:
         assert self.log is not None
         with run.slow_on_main("logging to the trackers", self.log.active):
             self.log.log({**values, "optimizer_step": run.state.step}, run.state.samples_trained)
 
-    def on_log(self, run: TrainingRun, logs: dict[str, Any]) -> None:
+    def on_log(self, run: RunContext, logs: dict[str, Any]) -> None:
         self._log(run, logs)
 
-    def on_evaluate(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
+    def on_evaluate(self, run: RunContext, metrics: dict[str, Any]) -> None:
         self._log(run, metrics)
 
-    def on_end(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
+    def on_end(self, run: RunContext, metrics: dict[str, Any]) -> None:
         assert self.log is not None
         self.log.log({f"final_{key}": value for key, value in numbers(metrics).items()}, run.state.samples_trained)
         self.log.finish([run.folder.path / "model.safetensors", run.folder.path / "training_curves.png"])
 
 
+class Averaged(Protocol):
+    def weights(self) -> dict[str, Any]: ...
+
+
 class BestModel(Callback):
     """model_best.safetensors: the weights of the best evaluation so far by `metric` (higher is better, lower for a
-    `*loss`), staged until the commit; an `ema_*` metric stages the averaged weights (--ema-decay). The best value
-    and its step are in TrainState: they resume with it."""
+    `*loss`), staged until the commit; an `ema_*` metric stages the averaged weights (`average`: --ema-decay). The
+    best value and its step are in TrainState: they resume with it."""
 
-    def __init__(self, metric: str | None):
-        self.metric = metric
+    def __init__(self, metric: str | None, average: Averaged | None = None):
+        self.metric, self.average = metric, average
 
-    def on_evaluate(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
+    def on_evaluate(self, run: RunContext, metrics: dict[str, Any]) -> None:
         if not self.metric:
             return
         if self.metric not in metrics:
@@ -196,7 +191,31 @@ class BestModel(Callback):
             return
         with run.slow_on_main("saving the best model"):
             state.best_metric, state.best_step = value, state.step
-            ema = run.ema if self.metric.startswith("ema_") else None
-            weights = ema.weights() if ema is not None else run.accelerator.get_state_dict(run.exported_model())
+            average = self.average if self.metric.startswith("ema_") else None
+            weights = average.weights() if average is not None else run.accelerator.get_state_dict(run.exported_model())
             if run.accelerator.is_main_process:  # every rank above: the full weights are gathered under FSDP
                 run.folder.stage_best(weights)
+
+
+class EarlyStopping(Callback):
+    """--early-stopping-patience: an evaluation that does not improve `metric` by more than `min_delta` counts;
+    after `patience` of them in a row training ends. Every rank has the same metrics (gathered), so every rank
+    decides the same at the same step; the count is in the training state (checkpoints)."""
+
+    def __init__(self, metric: str, patience: int, min_delta: float = 0.0):
+        self.metric, self.patience, self.min_delta = metric, patience, min_delta
+
+    def on_evaluate(self, run: RunContext, metrics: dict[str, Any]) -> None:
+        state, name, delta = run.state, self.metric, self.min_delta
+        value = metrics.get(name)
+        if isinstance(value, int | float) and math.isfinite(value):
+            if improves(name, value, state.early_stopping_best, delta):
+                state.early_stopping_best, state.evaluations_without_improvement = float(value), 0
+                return
+        state.evaluations_without_improvement += 1
+        if state.evaluations_without_improvement >= self.patience:
+            state.stopped_early = True
+            run.accelerator.print(
+                f"early stopping at step {state.step}: {name} has not improved by more than {delta:g} for "
+                f"{state.evaluations_without_improvement} evaluations (best {state.early_stopping_best})"
+            )

@@ -4,19 +4,22 @@ identity."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import re
 import shutil
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 
-from ddp_accel.config import every
+from ddp_accel.callback_state import CallbackStates
 from ddp_accel.errors import UserError
 from ddp_accel.files import finite_or_null, writing
 from ddp_accel.identity import compare_identity
@@ -25,6 +28,18 @@ from ddp_accel.state import Rebase, RunIdentity, TrainState
 TRAINING_STATE = "training_state.json"  # TrainState.state_dict(), written last: a checkpoint without it is incomplete
 FILE_LIST = "files.json"  # the name and size of every file of the checkpoint
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def step_folder(root: Path, step: int) -> Path:
+    """The one place a checkpoint's name is made: `step_N` (N: the optimizer step, in the steps of the command that
+    saved it)."""
+    return root / f"step_{step}"
+
+
+def every(step: int, period: int | str | None) -> bool:
+    """Whether a periodic option (`--log-steps`, `--eval-steps`, `--checkpointing-steps`) is due at optimizer step
+    `step`: every `period` steps; `period` None or 'epoch': never."""
+    return isinstance(period, int) and step % period == 0
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -123,15 +138,21 @@ def training_state_json(progress: TrainState, identity: RunIdentity) -> dict[str
 
 
 def save_checkpoint(
-    accelerator: Accelerator, root: Path, state: TrainState, identity: RunIdentity, limit: int | None = None
+    accelerator: Accelerator,
+    root: Path,
+    state: TrainState,
+    identity: RunIdentity,
+    limit: int | None = None,
+    states: CallbackStates | None = None,
 ) -> Path:
     """Every process calls this (save_state is collective). Returns the final folder.
 
-    The state goes to `.tmp_step_N` first; the main process writes the list of its files and then
-    training_state.json, and renames it to `step_N` only after every rank wrote its part, so a crash mid-save
-    leaves no folder that `latest` would pick up.
+    The state goes to `.tmp_step_N` first; the main process writes the callbacks' states, the list of its files
+    and then training_state.json, and renames it to `step_N` only after every rank wrote its part, so a crash
+    mid-save leaves no folder that `latest` would pick up.
     """
-    final, partial = root / f"step_{state.step}", root / f".tmp_step_{state.step}"
+    final = step_folder(root, state.step)
+    partial = final.with_name(".tmp_" + final.name)
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
     accelerator.wait_for_everyone()
@@ -139,6 +160,8 @@ def save_checkpoint(
         accelerator.save_state(str(partial))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
+            if states is not None:
+                states.save(partial)
             # what the checkpoint holds, checked on load (names and sizes: cheap inside a preemption's grace period)
             files = {str(f.relative_to(partial)): f.stat().st_size for f in sorted(partial.rglob("*")) if f.is_file()}
             (partial / FILE_LIST).write_text(json.dumps(files, indent=1))
@@ -179,10 +202,15 @@ def checkpoint_problem(accelerator: Accelerator, path: Path) -> str | None:
 
 
 def load_checkpoint(
-    accelerator: Accelerator, path: Path, identity: RunIdentity, state: TrainState | None = None
+    accelerator: Accelerator,
+    path: Path,
+    identity: RunIdentity,
+    state: TrainState | None = None,
+    states: CallbackStates | None = None,
 ) -> list[str]:
-    """Load the checkpoint at `path` into the prepared objects and `state`, when the checkpoint is of this run's
-    `identity` (a checkpoint of another model or run is refused). Returns warnings to show."""
+    """Load the checkpoint at `path` into the prepared objects, `state` and the callbacks' `states`, when the
+    checkpoint is of this run's `identity` (a checkpoint of another model or run is refused). Without `states` the
+    callbacks' part is not read (an evaluation of the checkpoint's weights). Returns warnings to show."""
     problem = checkpoint_problem(accelerator, path)
     if problem:
         raise UserError(f"checkpoint {path} is damaged ({problem}); resume another step_N folder or 'latest'")
@@ -204,29 +232,40 @@ def load_checkpoint(
         compare_identity(saved.get("identity"), identity.identity, f"checkpoint {path}") if identity.identity else None
     )
     try:
-        accelerator.load_state(str(path))
+        notes = (states or CallbackStates([])).load(accelerator, path, callbacks_read=states is not None)
     except (RuntimeError, FileNotFoundError, KeyError) as error:
-        if "Number of custom checkpoints" in str(error):  # the stateful callbacks differ: the EMA on one side only
-            raise UserError(
-                f"checkpoint {path} was written with other stateful callbacks than this run has (--ema-decay given "
-                "on one side only?): resume with the same options, or start a new run from its model.safetensors"
-            ) from None
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserError(f"cannot load checkpoint {path}: {first_line}") from None
     if state is not None:
         state.load_state_dict(saved)
-    return [warning] if warning else []
+    return ([warning] if warning else []) + notes
+
+
+SaveActivity = Callable[[str], "contextlib.AbstractContextManager[Any]"]  # the watchdog's bound for a save
 
 
 class Checkpoints:
-    """The checkpoints of one run, in OUTPUT_DIR/checkpoints: the policy (every N optimizer steps or at each
-    epoch's end, keep the newest `limit`), writing, which are complete, which is latest, and loading. Every rank
-    holds one and calls its collective methods (save, resolve, load) together."""
+    """The checkpoints of one run, in OUTPUT_DIR/checkpoints: when to save (`maybe_save`: every N optimizer steps
+    or at each epoch's end), where (`step_folder`) and what (the full `save_state`, the callbacks' states by key,
+    training_state.json), which are complete, which is latest, rotation (keep the newest `limit`), the saved
+    --time-budget plan, and loading under the run's identity. Every rank holds one and calls its collective
+    methods (save, resolve, load) together. `activity`: what a save runs under (the run's watchdog); `on_saved`:
+    told (path, seconds) after every save."""
 
-    def __init__(self, accelerator: Accelerator, root: Path, every: int | str | None = None, limit: int | None = None):
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        root: Path,
+        every: int | str | None = None,
+        limit: int | None = None,
+        states: CallbackStates | None = None,
+    ):
         self.accelerator, self.root, self.every, self.limit = accelerator, root, every, limit
+        self.states = states or CallbackStates([])
         self.leftover = 0  # samples of the epoch the resume sees again (its skip rounded down to this global batch)
         self.rebase: Rebase | None = None  # the resume's, once resumed
+        self.activity: SaveActivity = lambda what: contextlib.nullcontext()
+        self.on_saved: list[Callable[[Path, float], None]] = []
 
     def due_at_step(self, step: int) -> bool:
         return every(step, self.every)
@@ -239,20 +278,52 @@ class Checkpoints:
 
     def holds(self, state: TrainState, identity: RunIdentity) -> bool:
         """Whether step_N of this state was saved with exactly this state (a stop right after a save)."""
-        path = self.root / f"step_{state.step}" / TRAINING_STATE
+        path = step_folder(self.root, state.step) / TRAINING_STATE
         try:
             return json.loads(path.read_text()) == json.loads(json.dumps(training_state_json(state, identity)))
         except (OSError, ValueError):
             return False
 
     def save(self, state: TrainState, identity: RunIdentity) -> Path:
-        return save_checkpoint(self.accelerator, self.root, state, identity, limit=self.limit)
+        return save_checkpoint(self.accelerator, self.root, state, identity, limit=self.limit, states=self.states)
+
+    def maybe_save(self, state: TrainState, identity: RunIdentity, epoch_end: bool = False) -> Path | None:
+        """The policy: the checkpoint of this step when one is due (`epoch_end`: an epoch just ended)."""
+        due = self.due_at_epoch_end() if epoch_end else self.due_at_step(state.step)
+        return self.save_now(state, identity) if due else None
+
+    def save_now(self, state: TrainState, identity: RunIdentity) -> Path:
+        started = time.perf_counter()
+        with self.activity(f"the checkpoint of step {state.step}"):
+            path = self.save(state, identity)
+        for listener in self.on_saved:
+            listener(path, time.perf_counter() - started)
+        return path
+
+    def save_reached(self, state: TrainState, identity: RunIdentity) -> Path:
+        """A stop's checkpoint of the step reached, unless this very state was just saved."""
+        if self.holds(state, identity):
+            return step_folder(self.root, state.step)
+        return self.save_now(state, identity)
 
     def resolve(self, value: str | None) -> Path | None:
         return resolve_resume(value, self.root, self.accelerator)
 
     def load(self, path: Path, state: TrainState, identity: RunIdentity) -> list[str]:
-        return load_checkpoint(self.accelerator, path, identity, state)
+        return load_checkpoint(self.accelerator, path, identity, state, self.states)
+
+    def saved_plan(self, value: str | None) -> tuple[dict[str, Any] | None, Path | None]:
+        """The --time-budget plan recorded by the checkpoint `value` names (None when it has none), and that
+        checkpoint when it was trained without a plan. (None, None) when there is no checkpoint or it cannot be
+        read (the resume says why)."""
+        path = resolve_resume(value, self.root)  # (its integrity is checked at the resume)
+        if path is None:
+            return None, None
+        try:
+            plan = read_training_state(path).get("time_budget")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None, None
+        return (plan, None) if plan else (None, path)
 
     def resume(
         self,

@@ -14,6 +14,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from ddp_accel.elastic import process_rank, report_to_launcher, stop_restarts, wait_for_a_stop_signal
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default, except None (the help text then says what happens)."""
@@ -40,15 +42,10 @@ class ArgumentParser(argparse.ArgumentParser):
                     break
         # Under a launcher every process parses the same arguments: one of them says it, and torch elastic's
         # failure report shows the message instead of 'To enable traceback see ...'
-        from ddp_accel.elastic import stop_restarts
-        from ddp_accel.runtime import process_rank, report_to_launcher
-
         report_to_launcher(f"error: {message}")
         if process_rank() != 0:
             # the launcher stops every process once one has ended: let rank 0 end first, having printed (a stop
             # signal, the launcher ending this process, ends the wait)
-            from ddp_accel.elastic import wait_for_a_stop_signal
-
             wait_for_a_stop_signal(10.0)
             self.exit(2)
         self.print_usage(sys.stderr)

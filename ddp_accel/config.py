@@ -65,11 +65,12 @@ class TrainConfig:
         "the learning-rate schedule, after a linear warm-up of --warmup-epochs: constant; step (x --lr-gamma every "
         "--lr-step-epochs); multistep (x --lr-gamma at each of --lr-milestones); cosine (down to --min-lr); "
         "onecycle (up from --lr/25, then cosine down); plateau (x --lr-gamma after --plateau-patience evaluations "
-        "without improvement of --best-metric). Default: the script's own",
-        choices=["constant", "step", "multistep", "cosine", "onecycle", "plateau"],
+        "without improvement of --best-metric); linear (down to --min-lr in a straight line; its warm-up in whole "
+        "steps). Default: the script's own",
+        choices=["constant", "step", "multistep", "cosine", "onecycle", "plateau", "linear"],
     )
     warmup_epochs: float = option(0.0, "--lr-schedule: linear warm-up from 0 over this many epochs", type=nonnegative)
-    min_lr: float = option(0.0, "cosine, onecycle: the learning rate at the end", type=nonnegative)
+    min_lr: float = option(0.0, "cosine, onecycle, linear: the learning rate at the end", type=nonnegative)
     lr_gamma: float = option(
         0.1, "step, multistep, plateau: the factor of each decay", type=number(float, low=0, high=1, low_open=True)
     )
@@ -191,8 +192,10 @@ def check_options_are_used(config: TrainConfig) -> None:
     schedule = config.lr_schedule
     if config.warmup_epochs and not schedule:
         raise UserError("--warmup-epochs warms up the shared --lr-schedule: give one (e.g. cosine)")
-    if config.min_lr and schedule not in ("cosine", "onecycle"):
-        raise UserError(f"--min-lr is where cosine and onecycle end: not used by --lr-schedule {schedule or '(none)'}")
+    if config.min_lr and schedule not in ("cosine", "onecycle", "linear"):
+        raise UserError(
+            f"--min-lr is where cosine, onecycle and linear end: not used by --lr-schedule {schedule or '(none)'}"
+        )
     if config.lr_milestones and schedule != "multistep":
         raise UserError(f"--lr-milestones are multistep's: not used by --lr-schedule {schedule or '(none)'}")
     milestones = config.lr_milestones or []
@@ -207,12 +210,6 @@ def check_options_are_used(config: TrainConfig) -> None:
         raise UserError(
             f"--warmup-epochs {config.warmup_epochs:g} lasts all --epochs {config.epochs}: --lr is never reached"
         )
-
-
-def every(step: int, period: int | str | None) -> bool:
-    """Whether a periodic option (`--log-steps`, `--eval-steps`, `--checkpointing-steps`) is due at optimizer step
-    `step`: every `period` steps; `period` None or 'epoch': never."""
-    return isinstance(period, int) and step % period == 0
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

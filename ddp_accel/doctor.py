@@ -241,23 +241,9 @@ def run(output_dir: str | None, timeout_s: float, megabytes: int, data: str | No
     report.address, report.interface = route_to(
         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500"))
     )
-    token = secrets.token_hex(8)
-    if world > 1:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        try:
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-        except Exception as error:  # a timeout, a refused connection: one line, not a traceback
-            print(
-                f"doctor: host {host}, rank {rank}: the group of {world} processes did not form within {timeout_s:.0f} "
-                f"s ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})",
-                file=sys.stderr,
-                flush=True,
-            )
-            return 1
-        measure(report, megabytes)
-        token_holder = [token]
-        dist.broadcast_object_list(token_holder, src=0)
-        token = token_holder[0]
+    token = form_group(report, world, timeout_s, megabytes) if world > 1 else secrets.token_hex(8)
+    if token is None:
+        return 1
     marker = Path(output_dir) / f".doctor_{token}" if output_dir else None
     if marker is not None:
         if rank == 0:
@@ -280,12 +266,37 @@ def run(output_dir: str | None, timeout_s: float, megabytes: int, data: str | No
         marker.unlink(missing_ok=True)
     problems = compare(reports, output_dir, data)
     if rank == 0:
-        for line in problems:
-            print(f"doctor: {line}", file=sys.stderr, flush=True)
-        if not problems:
-            print(table(reports))
-            machines = len({(r.host, r.address) for r in reports})
-            print(f"doctor: all is well: {world} process(es) on {machines} machine(s)")
+        say(reports, problems)
     if world > 1:
         dist.destroy_process_group()
     return 1 if problems else 0
+
+
+def form_group(report: Report, world: int, timeout_s: float, megabytes: int) -> str | None:
+    """Join the `world` processes, measure the all-reduce into `report`, and return rank 0's token (the name of the
+    shared output dir's marker, the same on every rank); None, with the line said, when the group does not form."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as error:  # a timeout, a refused connection: one line, not a traceback
+        print(
+            f"doctor: host {report.host}, rank {report.rank}: the group of {world} processes did not form within "
+            f"{timeout_s:.0f} s ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    measure(report, megabytes)
+    token_holder = [secrets.token_hex(8)]
+    dist.broadcast_object_list(token_holder, src=0)
+    return token_holder[0]
+
+
+def say(reports: list[Report], problems: list[str]) -> None:
+    """Rank 0's verdict: one line per problem, else the table and one line."""
+    for line in problems:
+        print(f"doctor: {line}", file=sys.stderr, flush=True)
+    if not problems:
+        print(table(reports))
+        machines = len({(r.host, r.address) for r in reports})
+        print(f"doctor: all is well: {len(reports)} process(es) on {machines} machine(s)")

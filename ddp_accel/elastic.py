@@ -1,4 +1,5 @@
-"""What a worker tells torch elastic's agent (torchrun, accelerate launch): a user error is not to be retried.
+"""What a worker tells torch elastic's agent (torchrun, accelerate launch): a user error is not to be retried, and
+its message goes in the agent's failure report (`report_to_launcher`); and this process's rank (`process_rank`).
 
 torch elastic restarts a failed worker group up to `--max_restarts` times, whatever the cause: a mistyped option,
 missing data, a checkpoint of another run or a loss that turns nan at the same step fail the same way each time (a
@@ -9,11 +10,14 @@ torch's `SignalException: Process N got signal: 15` after our error line). Crash
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+import torch.distributed as dist
 
 # the processes that run torch elastic's agent in-process, by their command line
 AGENT_COMMANDS = ("torchrun", "torch.distributed.run", "torch/distributed/run.py", "accelerate")
@@ -93,3 +97,25 @@ def stop_restarts() -> bool:
     except OSError:
         return False
     return True
+
+
+def process_rank() -> int:
+    """This process's rank: the process group's, else the launcher's (RANK, only with a WORLD_SIZE above 1: a stray
+    RANK in a shell must not silence a lone process's errors)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+            return int(os.environ.get("RANK", "0") or 0)
+    except ValueError:  # inconsistent launcher variables: check_launch_environment says so, from every process
+        pass
+    return 0
+
+
+def report_to_launcher(message: str) -> None:
+    """torch elastic (torchrun, accelerate launch) prints a failed worker's error file in its failure report; a
+    plain-string message is shown as is, instead of 'To enable traceback see ...'."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as file:
+            json.dump({"message": message, "timestamp": str(int(time.time()))}, file)

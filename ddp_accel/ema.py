@@ -17,13 +17,16 @@ import torch
 from ddp_accel.callbacks import Callback
 
 if TYPE_CHECKING:
+    from ddp_accel.context import RunContext
     from ddp_accel.state import Rebase
-    from ddp_accel.training import TrainingRun
 
 
 class WeightAverage(Callback):
     """The EMA of one model's weights; `warmup`: decay min(decay, (1 + t) / (10 + t)) at update t, so that the
     first steps' random weights fade fast (TensorFlow's `num_updates` form)."""
+
+    state_key = "ema"
+    state_required = True  # a run with the average on one side of a resume only would be another run
 
     def __init__(self, decay: float, warmup: bool = False):
         if not 0.0 < decay < 1.0:
@@ -41,7 +44,7 @@ class WeightAverage(Callback):
         self.updates, self.average = state["updates"], state["average"]
 
     # --- the hooks ---
-    def on_start(self, run: TrainingRun) -> None:
+    def on_start(self, run: RunContext) -> None:
         # the model's own tensors (a state dict's values share their storage), read at every step: optimizer
         # steps, buffer updates and the evaluation's swap all write into them in place
         self.live = run.exported_model().state_dict()
@@ -51,12 +54,12 @@ class WeightAverage(Callback):
             device = next(iter(self.live.values())).device
             self.average = {name: value.to(device) for name, value in self.average.items()}
 
-    def on_rebase(self, run: TrainingRun, rebase: Rebase) -> None:
+    def on_rebase(self, run: RunContext, rebase: Rebase) -> None:
         # --ema-warmup's position: updates are optimizer steps, counted again in this command's steps
         self.updates = rebase.steps_now(self.updates)
 
     @torch.no_grad()
-    def on_step_end(self, run: TrainingRun) -> None:
+    def on_step_end(self, run: RunContext) -> None:
         self.updates += 1
         decay = min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
         for name, value in self.live.items():
@@ -69,12 +72,12 @@ class WeightAverage(Callback):
     def weights(self) -> dict[str, torch.Tensor]:
         return self.average
 
-    def evaluate(self, run: TrainingRun) -> dict[str, Any]:
+    def extra_evaluation(self, run: RunContext) -> dict[str, Any]:
         """The eval loader's metrics of the averaged weights (`ema_*`), the raw weights put back after."""
         model = run.exported_model()
         raw = {name: value.detach().clone() for name, value in model.state_dict().items()}
         model.load_state_dict(self.average)
         try:
-            return run.run_evaluation(run.eval_loader, "ema")
+            return run.evaluate("ema")
         finally:
             model.load_state_dict(raw)

@@ -187,6 +187,12 @@ def compare_identity(
                 else ""
             )
         )
+    return _identity_warnings(saved, current, what, older)
+
+
+def _identity_warnings(saved: dict[str, Any], current: dict[str, Any], what: str, older: list[str]) -> str | None:
+    """What does not stop a resume, in one line: data fingerprinted by modification times (`older`, not compared)
+    and other library versions."""
     old, new = saved.get("versions", {}), current["versions"]
     changed = [f"{name} {old[name]} -> {new[name]}" for name in new if old.get(name) not in (None, new[name])]
     warnings = []

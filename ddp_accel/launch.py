@@ -43,7 +43,7 @@ def machine_setup(accelerate_args: list[str]) -> dict[str, Any]:
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.commands.launch import launch_command_parser
 
-    from ddp_accel.__main__ import check_config
+    from ddp_accel.accelerate_config import check_config
 
     args = launch_command_parser().parse_args(accelerate_args)  # argparse's own one line for a bad flag
     config: Any = None

@@ -98,6 +98,16 @@ class EvalHistory:
             print(f"warning: {self.path} is unreadable; the evaluation history starts again", file=sys.stderr)
             self.records = []
 
+    def continue_at(self, state: Any, saved_samples: int) -> None:
+        """A resumed run (`state`: its TrainState, `saved_samples`: the place the checkpoint saved, before a resize
+        rounded it down to this command's batches): the records up to there; a checkpoint of an earlier version
+        does not record its last evaluation, history.json does."""
+        self.keep_until(saved_samples, state.step)
+        if state.last_eval_step < 0 and self.records:
+            last = self.records[-1]
+            at_place = last.get("samples") == saved_samples if "samples" in last else last["step"] == state.step
+            state.last_eval_step = state.step if at_place else -1
+
     def record(
         self, accelerator: Accelerator, step: int, samples: int, epoch: float, train_loss: float | None, metrics: dict
     ) -> None:

@@ -12,7 +12,7 @@ import torch
 from ddp_accel.callbacks import Callback
 
 if TYPE_CHECKING:
-    from ddp_accel.training import TrainingRun
+    from ddp_accel.context import RunContext
 
 
 class ProfilerWindow(Callback):
@@ -33,25 +33,25 @@ class ProfilerWindow(Callback):
                 "choose a window inside it"
             )
 
-    def on_start(self, run: TrainingRun) -> None:
+    def on_start(self, run: RunContext) -> None:
         if run.state.step >= self.start:  # a resume past the window's start: nothing to record
             self.start = self.end = -1
         elif self.start == 0:
             self._begin(run)
 
-    def on_step_end(self, run: TrainingRun) -> None:
+    def on_step_end(self, run: RunContext) -> None:
         step = run.state.step
         if step == self.start:
             self._begin(run)
         elif step == self.end and self.profiler is not None:
             self._finish(run)
 
-    def on_close(self, run: TrainingRun) -> None:
+    def on_close(self, run: RunContext) -> None:
         if self.profiler is not None:  # the run ended or stopped inside the window: nothing written
             self.profiler.__exit__(None, None, None)
             self.profiler = None
 
-    def _begin(self, run: TrainingRun) -> None:
+    def _begin(self, run: RunContext) -> None:
         if not run.accelerator.is_main_process:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -60,7 +60,7 @@ class ProfilerWindow(Callback):
         self.profiler = torch.profiler.profile(activities=activities, record_shapes=False)
         self.profiler.__enter__()
 
-    def _finish(self, run: TrainingRun) -> None:
+    def _finish(self, run: RunContext) -> None:
         profiler, self.profiler = self.profiler, None
         assert profiler is not None
         profiler.__exit__(None, None, None)

@@ -112,6 +112,28 @@ class RunFolder:
             return None
         return committed
 
+    def completion(
+        self, target: tuple[int, int], total_steps: int, identity: dict[str, Any], early_stopping: bool,
+        has_checkpoints: bool,
+    ) -> tuple[dict[str, Any], str] | None:  # fmt: skip
+        """A run committed here as far as a command asks for (`committed_metrics`): its metrics and the line that
+        says so (what would continue it); None when there is none."""
+        committed = self.committed_metrics(target, total_steps, identity, early_stopping)
+        if committed is None:
+            return None
+        if ended_by_early_stopping(committed):
+            how_on = "Without --early-stopping-patience, a larger --epochs or --max-steps"
+            ended = f"ended by {committed['end_reason']}"
+        else:
+            how_on, ended = "A larger --epochs or --max-steps", f"{committed['steps']} steps"
+        message = f"the run in {self.path} is complete ({ended}); nothing to do. " + (
+            f"{how_on} continues it from its newest checkpoint."
+            if has_checkpoints
+            else "It kept no checkpoint to continue from (--checkpointing-steps): a longer run starts again, "
+            "with --overwrite-output-dir."
+        )
+        return committed, message
+
     # --- while the run trains (main process) ---
     def lock(self) -> None:
         """Hold the folder until `release` (the process's exit releases it too)."""
@@ -145,6 +167,22 @@ class RunFolder:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, note)
         return summary if earlier == note else None
+
+    def refuse_a_repeated_crash(self, rank: int, resumed_from: Path | None, step: int, error: BaseException) -> None:
+        """A crash that repeats from the same start (the same checkpoint, or none) at the same step is
+        deterministic: a UserError, so that the launcher does not restart it again."""
+        try:
+            earlier = self.repeated_failure(rank, resumed_from, step, error)
+        except OSError:  # the output dir cannot take the note: the crash's own error is what matters
+            return
+        if earlier is not None:
+            start = f"resuming from {resumed_from}" if resumed_from else "starting from the beginning"
+            raise UserError(
+                f"the run failed at step {step} with the same error the last two times, each after {start} "
+                f"({earlier}; the traceback is in the earlier attempt's log): a restart would fail the same way, so "
+                "it stops here. Fix the cause, then continue with --resume-from-checkpoint latest",
+                every_process=True,
+            ) from error
 
     def stage_best(self, weights: dict[str, torch.Tensor]) -> None:
         """model_best.safetensors, staged until the commit (written aside, renamed)."""

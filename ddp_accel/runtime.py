@@ -6,7 +6,6 @@ import datetime
 import functools
 import gc
 import inspect
-import json
 import os
 import platform
 import re
@@ -22,12 +21,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
-from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, DistributedType, ProjectConfiguration, set_seed
 from accelerate.utils.memory import should_reduce_batch_size
 
 from ddp_accel.budget import note_command_start
 from ddp_accel.config import TrainConfig, check_options_are_used
-from ddp_accel.elastic import START_TIME, child_processes, parent_command, stat_fields, stop_restarts
+from ddp_accel.elastic import (
+    START_TIME,
+    child_processes,
+    parent_command,
+    process_rank,
+    report_to_launcher,
+    stat_fields,
+    stop_restarts,
+)
 from ddp_accel.errors import UserError
 from ddp_accel.loaders import kill_leftover_workers
 from ddp_accel.optim import check_optimizer
@@ -409,17 +416,13 @@ def print_banner(accelerator: Accelerator, title: str, **extra: Any) -> None:
         print("\n".join(lines), flush=True)
 
 
-def process_rank() -> int:
-    """This process's rank: the process group's, else the launcher's (RANK, only with a WORLD_SIZE above 1: a stray
-    RANK in a shell must not silence a lone process's errors)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    try:
-        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-            return int(os.environ.get("RANK", "0") or 0)
-    except ValueError:  # inconsistent launcher variables: check_launch_environment says so, from every process
-        pass
-    return 0
+def exported_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """The model whose weights users read: without DDP's `module.` and without `_orig_mod.` where the accelerate
+    config's dynamo_config wrapped it in torch.compile (--compile compiles in place: no wrapper); under
+    FSDP/DeepSpeed the prepared model, from which the full weights are gathered."""
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        return model
+    return accelerator.unwrap_model(model, keep_torch_compile=False)
 
 
 def shutdown(clean: bool) -> None:
@@ -594,15 +597,6 @@ def launched(function: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return run
-
-
-def report_to_launcher(message: str) -> None:
-    """torch elastic (torchrun, accelerate launch) prints a failed worker's error file in its failure report; a
-    plain-string message is shown as is, instead of 'To enable traceback see ...'."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        with open(path, "w") as file:
-            json.dump({"message": message, "timestamp": str(int(time.time()))}, file)
 
 
 def lost_peers(error: BaseException) -> bool:

@@ -9,6 +9,8 @@ reduce-on-plateau's factor and count, is saved in checkpoints by `PlateauFeed` a
 - step: x `--lr-gamma` every `--lr-step-epochs` (pytorch/examples imagenet: 0.1 every 30).
 - multistep: x `--lr-gamma` at each epoch of `--lr-milestones`.
 - cosine: from 1 down to `--min-lr` / `--lr` at the end.
+- linear: a straight line from 1 down to `--min-lr` / `--lr` at the end, after a warm-up in whole steps (rounded
+  down, at least one: step 0 trains at 1), as Hugging Face's get_linear_schedule_with_warmup; imdb.py's schedule.
 - onecycle: up from 1/25 over the warm-up (30% of the steps when `--warmup-epochs` is 0), then cosine down to
   `--min-lr` / `--lr` (Smith's one-cycle, as torch's OneCycleLR with its defaults).
 - plateau: x `--lr-gamma` once the watched metric (`--best-metric`, else the script's) has not improved for
@@ -29,9 +31,9 @@ from ddp_accel.meters import improves
 
 if TYPE_CHECKING:
     from ddp_accel.config import TrainConfig
-    from ddp_accel.training import TrainingRun
+    from ddp_accel.context import RunContext
 
-SCHEDULES = ("constant", "step", "multistep", "cosine", "onecycle", "plateau")
+SCHEDULES = ("constant", "step", "multistep", "cosine", "onecycle", "plateau", "linear")
 ONECYCLE_START = 1 / 25  # torch's OneCycleLR div_factor
 ONECYCLE_WARMUP_SHARE = 0.3  # torch's OneCycleLR pct_start
 
@@ -53,6 +55,13 @@ class LearningRateSchedule:
         self.plateau_best: float | None = None
 
     def __call__(self, step: int) -> float:
+        if self.name == "linear":  # written as imdb.py's own schedule was: the same floats
+            # whole steps; the 1e-6 counts a product such as 0.29 x 100 = 28.999999999999996 as the 29 meant
+            warmup = max(1, int(self.warmup + 1e-6))
+            if step < warmup:
+                return (step + 1) / warmup
+            decay = max(0.0, (self.total_steps - step) / max(1, self.total_steps - warmup))
+            return self.floor + (1 - self.floor) * decay
         if self.name != "onecycle" and step < self.warmup:
             return (step + 1) / self.warmup
         epoch = step // max(1, self.steps_per_epoch)
@@ -116,17 +125,19 @@ def check_schedule(config: TrainConfig, watched_metric: str | None, has_evaluati
         raise UserError("--lr-schedule multistep needs --lr-milestones (epochs, e.g. 30 60 80)")
     if config.lr_schedule == "plateau" and not (watched_metric and has_evaluation):
         raise UserError("--lr-schedule plateau watches an evaluation metric: an eval loader and --best-metric")
-    if config.min_lr >= config.lr and config.lr_schedule in ("cosine", "onecycle"):
+    if config.min_lr >= config.lr and config.lr_schedule in ("cosine", "onecycle", "linear"):
         raise UserError(f"--min-lr {config.min_lr:g} must be below --lr {config.lr:g}")
 
 
 class PlateauFeed(Callback):
     """Gives each evaluation's watched metric to the reduce-on-plateau schedule."""
 
+    state_key = "lr_plateau"
+
     def __init__(self, schedule: LearningRateSchedule, metric: str) -> None:
         self.schedule, self.metric = schedule, metric
 
-    def on_evaluate(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
+    def on_evaluate(self, run: RunContext, metrics: dict[str, Any]) -> None:
         if self.metric in metrics and math.isfinite(metrics[self.metric]):
             self.schedule.observe(self.metric, metrics[self.metric])
 

@@ -95,6 +95,31 @@ class TrainState:
         in_epoch = self.samples_in_epoch
         return self.epoch * self.epoch_samples + (min(in_epoch, self.epoch_samples) if self.epoch_samples else in_epoch)
 
+    def progress(self) -> dict[str, int]:
+        """How far training got, in a unit that does not change with the world size, batch size or accumulation
+        (metrics.json's `progress`)."""
+        return {"epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch, "samples": self.samples_trained}
+
+    def end_reason(self) -> str:
+        """metrics.json's `end_reason`: early stopping (by `best_metric_name`), or the run's length."""
+        if self.stopped_early:
+            return (
+                f"early stopping: {self.best_metric_name} did not improve for {self.evaluations_without_improvement} "
+                "evaluations"
+            )
+        return "completed"
+
+    def switch_best_metric(self, name: str | None) -> str | None:
+        """A resume under another --best-metric: the best so far was another metric's value (a loss of 2.3 is no
+        top-1 to beat), so the best model and early stopping's count start again. Returns the checkpoint's metric
+        when it was another one."""
+        saved, self.best_metric_name = self.best_metric_name, name
+        if saved is None or saved == name:
+            return None
+        self.best_metric = self.best_step = self.early_stopping_best = None
+        self.evaluations_without_improvement = 0
+        return saved
+
     def state_dict(self) -> dict[str, Any]:
         return {**asdict(self), "samples_in_epoch": self.samples_in_epoch}
 

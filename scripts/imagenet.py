@@ -58,6 +58,7 @@ from ddp_accel.vision import (
     SyntheticImages,
     build_model,
     image_folders,
+    image_transforms,
     list_archs,
 )
 
@@ -184,17 +185,10 @@ def datasets_for(args):
             SyntheticImages(10 * args.batch_size, args.image_size, args.dummy_classes, args.uint8),
             [str(i) for i in range(args.dummy_classes)],
         )
-    return image_folders(
-        args.data,
-        args.image_size,
-        args.mean,
-        args.std,
-        args.augment,
-        args.uint8,
-        args.seed,
-        args.auto_augment,
-        args.random_erasing,
+    transform_pair = image_transforms(
+        args.image_size, args.mean, args.std, args.augment, args.uint8, args.auto_augment, args.random_erasing
     )
+    return image_folders(args.data, transform_pair, args.seed)
 
 
 def loader(dataset, args, shuffle: bool) -> DataLoader:

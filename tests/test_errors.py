@@ -125,7 +125,11 @@ def test_world_size_guard(monkeypatch):
             "--compile-backend foo is not one of torch's",
         ),
         ("scripts/template.py", ["--warmup-epochs", "1"], "--warmup-epochs warms up the shared --lr-schedule"),
-        ("scripts/template.py", ["--lr-schedule", "step", "--min-lr", "0.01"], "--min-lr is where cosine and onecycle"),
+        (
+            "scripts/template.py",
+            ["--lr-schedule", "step", "--min-lr", "0.01"],
+            "--min-lr is where cosine, onecycle and linear end",
+        ),
         ("scripts/template.py", ["--lr-milestones", "3"], "--lr-milestones are multistep's"),
         ("scripts/template.py", ["--lr-schedule", "multistep", "--lr-milestones", "3", "2"], "in increasing order"),
         ("scripts/template.py", ["--lr-schedule", "multistep", "--lr-milestones", "50"], "past --epochs 10 never"),
@@ -135,7 +139,8 @@ def test_world_size_guard(monkeypatch):
         (
             "scripts/imdb.py",
             ["--warmup", "0.1"],
-            "--warmup 0.1 warms up --schedule linear; the schedule here is constant",
+            "--warmup is now --warmup-epochs, in epochs instead of a share of the steps (--warmup 0.1 with --epochs 3: "
+            "--warmup-epochs 0.3)",
         ),
         (
             "scripts/imagenet.py",
@@ -147,7 +152,8 @@ def test_world_size_guard(monkeypatch):
         ("scripts/imagenet.py", ["--dummy", "--mix-prob", "0.5"], "give --mixup-alpha or --cutmix-alpha"),
         ("scripts/imagenet.py", ["--dummy", "--mixup-alpha", "0.2", "--mix-switch-prob", "0.9"], "give both"),
         ("scripts/imagenet.py", ["--dummy", "--mixup-alpha", "0.2", "--mix-prob", "1.5"], "--mix-prob: must be <= 1"),
-        ("scripts/imdb.py", ["--lr-schedule", "cosine", "--warmup", "0.1"], "which --lr-schedule replaces"),
+        ("scripts/imdb.py", ["--schedule", "linear"], "--schedule is now --lr-schedule linear"),
+        ("scripts/imdb.py", ["--lr-schedule", "cosine", "--warmup", "0.1"], "--warmup is now --warmup-epochs"),
     ],
 )
 def test_bad_option_values_are_refused_before_anything_runs(tmp_path, script, args, fragment):

@@ -12,7 +12,7 @@ from helpers import assert_clean_error, check_ok, launch, load_script, metrics_o
 
 from ddp_accel.errors import UserError
 from ddp_accel.text import sources
-from ddp_accel.text.models import GCNN, NgramBag
+from ddp_accel.text.models import GCNN, NgramBag, TextModelConfig
 from ddp_accel.text.pipeline import BucketBatchSampler
 from ddp_accel.text.tokenizer import basic_english
 from ddp_accel.text.vocab import Vocab
@@ -142,9 +142,47 @@ def test_bad_input_from_the_command_line(tmp_path):
         assert not (tmp_path / "dense").exists()
 
 
+def imdb_own_linear_schedule(step: int, total_steps: int) -> float:
+    """imdb.py's own schedule before the shared --lr-schedule linear replaced it (5% of the steps warming up)."""
+    warmup = max(1, int(0.05 * total_steps))
+    return min((step + 1) / warmup, max(0.0, (total_steps - step) / max(1, total_steps - warmup)))
+
+
+@pytest.mark.inprocess
+def test_gcnn_s_shared_linear_schedule_gives_the_lr_of_imdb_py_s_own_at_every_step():
+    # the IMDB figures of gcnn were measured under imdb.py's own schedule: its default now, --lr-schedule linear with
+    # a warm-up of 5% of --epochs, must give the same float at every step (the step after the last one included)
+    from ddp_accel import TrainConfig
+    from ddp_accel.schedules import LearningRateSchedule
+
+    imdb = load_script("scripts/imdb.py")
+    for epochs, steps_per_epoch in [(1, 1), (1, 7), (2, 10), (3, 352), (4, 57), (5, 20), (10, 391), (40, 97)]:
+        args = imdb.parse_args(["--model", "gcnn", "--epochs", str(epochs)])
+        assert args.lr_schedule == "linear" and args.warmup_epochs > 0
+        total = epochs * steps_per_epoch
+        schedule = LearningRateSchedule(TrainConfig.from_args(args), total, steps_per_epoch)
+        factors = [schedule(step) for step in range(total + 1)]
+        assert factors == [imdb_own_linear_schedule(step, total) for step in range(total + 1)], (epochs, total)
+    # the warm-up's whole steps, over many shapes: the factors where it ends
+    for epochs in range(1, 31):
+        config = TrainConfig.from_args(imdb.parse_args(["--model", "gcnn", "--epochs", str(epochs)]))
+        for steps_per_epoch in range(1, 1001):
+            total = epochs * steps_per_epoch
+            schedule = LearningRateSchedule(config, total, steps_per_epoch)
+            end = max(1, int(0.05 * total))
+            assert [schedule(end - 1), schedule(end)] == [imdb_own_linear_schedule(s, total) for s in (end - 1, end)]
+    # bag's default and --recipe: constant, no warm-up; the old spellings are one line naming the new ones
+    for options in ([], ["--recipe"], ["--recipe", "--model", "gcnn"]):
+        args = imdb.parse_args(options)
+        assert (args.lr_schedule, args.warmup_epochs) == ("constant", 0.0)
+        assert not hasattr(args, "schedule") and not hasattr(args, "warmup")  # not in args.json
+    assert imdb.parse_args(["--lr-schedule", "linear"]).warmup_epochs == 0.05 * 3  # linear's default warm-up
+    assert imdb.parse_args(["--model", "gcnn", "--warmup-epochs", "0"]).warmup_epochs == 0.0  # given: kept
+
+
 @pytest.mark.inprocess
 def test_ngram_hashing_ignores_padding():
-    bag = NgramBag(vocab_size=10, pad_id=1, dim=4, ngrams=2, buckets=7)
+    bag = NgramBag(vocab_size=10, pad_id=1, config=TextModelConfig("bag", dim=4, ngrams=2, buckets=7))
     ids = bag.ngram_ids(torch.tensor([[2, 3, 1, 1]]))
     assert ids[0, :4].tolist() == [2, 3, 1, 1]
     bigrams = ids[0, 4:].tolist()
@@ -156,7 +194,7 @@ def test_ngram_hashing_ignores_padding():
 def test_ngram_hash_spreads_bigrams_over_the_buckets():
     # 200k distinct bigrams of a 50k vocabulary into 1M buckets: a uniform hash fills ~18% of them;
     # the old multiplier (1,000,003, i.e. 3 mod 10**6) squeezed them into 3a+b < 200k and collided far more
-    bag = NgramBag(vocab_size=50_000, pad_id=1, dim=2, ngrams=2, buckets=1_000_000)
+    bag = NgramBag(vocab_size=50_000, pad_id=1, config=TextModelConfig("bag", dim=2, ngrams=2, buckets=1_000_000))
     pairs = torch.unique(torch.randint(2, 50_000, (200_000, 2), generator=torch.Generator().manual_seed(0)), dim=0)
     buckets = bag.ngram_ids(pairs)[:, 2]
     assert buckets.min() >= 50_000 and buckets.max() < 1_050_000
@@ -168,7 +206,7 @@ def test_ngram_hash_spreads_bigrams_over_the_buckets():
 def test_arrow_encoding_matches_the_python_tokenizer_and_vocab(tmp_path, max_length):
     from accelerate import Accelerator
 
-    from ddp_accel.text.pipeline import prepare_text_data
+    from ddp_accel.text.pipeline import TextOptions, TextSource, prepare_text_data
 
     texts = [
         "Great movie!<br />I LOVED it.",
@@ -180,11 +218,8 @@ def test_arrow_encoding_matches_the_python_tokenizer_and_vocab(tmp_path, max_len
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     text = prepare_text_data(
         Accelerator(cpu=True),
-        cache_dir=str(tmp_path / "cache"),
-        val_fraction=0.2,
-        min_freq=2,
-        train_file=str(tmp_path / "train.jsonl"),
-        max_length=max_length,
+        TextSource(train_file=str(tmp_path / "train.jsonl")),
+        TextOptions(cache_dir=str(tmp_path / "cache"), val_fraction=0.2, min_freq=2, max_length=max_length),
     )
     split = sources.load_file(str(tmp_path / "train.jsonl")).train_test_split(test_size=0.2, seed=0)
     vocab = Vocab.build([basic_english(t) for t in split["train"]["text"]], min_freq=2)
@@ -326,7 +361,7 @@ def test_nb_weighted_bag_on_real_imdb_reaches_92_percent_held_out(tmp_path):
 @pytest.mark.inprocess
 def test_nb_weights_favour_the_features_that_tell_the_classes_apart():
     # token 2 only in positive reviews, 3 only in negative ones, 4 in both; padding (1) is no feature
-    bag = NgramBag(vocab_size=6, pad_id=1, dim=4, ngrams=1, nb_weights=True)
+    bag = NgramBag(vocab_size=6, pad_id=1, config=TextModelConfig("bag", dim=4, ngrams=1, nb_weights=True))
     reviews = torch.tensor([[2, 4, 1], [2, 4, 4], [3, 4, 1], [3, 4, 1]])
     bag.fit_nb_weights([(reviews[:2], torch.tensor([1, 1])), (reviews[2:], torch.tensor([0, 0]))])
     weights = bag.nb_weights
@@ -341,7 +376,7 @@ def test_nb_weights_favour_the_features_that_tell_the_classes_apart():
     # add-alpha smoothing: a feature in one review (a movie's name) loses weight against one in many as alpha grows
     rare_vs_common = []
     for alpha in (1.0, 16.0):
-        bag = NgramBag(vocab_size=7, pad_id=1, dim=4, ngrams=1, nb_weights=True)
+        bag = NgramBag(vocab_size=7, pad_id=1, config=TextModelConfig("bag", dim=4, ngrams=1, nb_weights=True))
         reviews = torch.tensor([[2, 5], [2, 4], [2, 4], [3, 4], [3, 4], [3, 4]])  # 5: one positive review
         bag.fit_nb_weights([(reviews, torch.tensor([1, 1, 1, 0, 0, 0]))], alpha=alpha)
         rare_vs_common.append((bag.nb_weights[5] / bag.nb_weights[2]).item())
@@ -354,7 +389,7 @@ def test_nb_weights_are_fitted_on_the_training_part_only(tmp_path):
     from accelerate import Accelerator
     from safetensors.torch import load_file
 
-    from ddp_accel.text.pipeline import make_loader, prepare_text_data
+    from ddp_accel.text.pipeline import TextOptions, TextSource, make_loader, prepare_text_data
 
     rows = [
         {"text": f"{'great fun' if i % 2 else 'awful mess'} film {i} word{i % 7}", "label": i % 2} for i in range(80)
@@ -367,8 +402,10 @@ def test_nb_weights_are_fitted_on_the_training_part_only(tmp_path):
         run_script("scripts/imdb.py", "--train-file", train_file, *options, "--nb-alpha", 2.5, "--output-dir", out)
     )
     trained = load_file(str(out / "model.safetensors"))["nb_weights"]
-    text = prepare_text_data(Accelerator(cpu=True), train_file=str(train_file), val_fraction=0.25, min_freq=1)
-    bag = NgramBag(len(text.vocab), text.vocab.pad_id, dim=64, ngrams=2, buckets=500, nb_weights=True)
+    text = prepare_text_data(
+        Accelerator(cpu=True), TextSource(train_file=str(train_file)), TextOptions(val_fraction=0.25, min_freq=1)
+    )
+    bag = NgramBag(len(text.vocab), text.vocab.pad_id, TextModelConfig("bag", ngrams=2, buckets=500, nb_weights=True))
     bag.fit_nb_weights(make_loader(text.train, 64, text.vocab.pad_id, shuffle=False, seed=0), alpha=2.5)
     assert torch.equal(trained, bag.nb_weights)
     # the smoothing shapes the model: a resume under another one is refused, and where no NB weights are fitted
@@ -419,7 +456,7 @@ def test_k_folds_hold_out_every_review_exactly_once(tmp_path):
     import datasets
     from accelerate import Accelerator
 
-    from ddp_accel.text.pipeline import _fold_split, _group_split, prepare_text_data
+    from ddp_accel.text.pipeline import TextOptions, TextSource, _fold_split, _group_split, prepare_text_data
 
     reviews = datasets.Dataset.from_dict({"number": list(range(31))})
     held_out, trained = [], []
@@ -444,8 +481,11 @@ def test_k_folds_hold_out_every_review_exactly_once(tmp_path):
     rows = [{"text": f"{'good' if i % 2 else 'bad'} review number {i}", "label": i % 2} for i in range(31)]
     train_file = tmp_path / "train.jsonl"
     train_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    text = prepare_text_data(Accelerator(cpu=True), train_file=str(train_file), fold="3/3", min_freq=1,
-                             cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    text = prepare_text_data(
+        Accelerator(cpu=True),
+        TextSource(train_file=str(train_file)),
+        TextOptions(fold="3/3", min_freq=1, cache_dir=str(tmp_path / "cache")),
+    )
     assert (len(text.train), len(text.val)) == (20, 11)
     result = run_script("scripts/imdb.py", "--train-file", train_file, "--fold", "4/3", "--output-dir", tmp_path / "x")
     assert_clean_error(result, "--fold", "I/K needs K of at least 2 and I from 1 to K")

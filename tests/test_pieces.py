@@ -279,12 +279,47 @@ def small_task() -> Task:
     return Task(model, optimizer, DataLoader(data, batch_size=8, shuffle=True), loss_fn, DataLoader(data), eval_fn)
 
 
-def fit_small(output_dir: Path, callback: Callback, **options) -> dict:
+def fit_small(output_dir: Path, *callbacks: Callback, **options) -> dict:
     config = TrainConfig(output_dir=str(output_dir), epochs=2, log_steps=4, **options)
     try:
-        return fit(make_accelerator(config), config, small_task(), callbacks=[callback])
+        return fit(make_accelerator(config), config, small_task(), callbacks=list(callbacks))
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+class StepCounter(Callback):
+    state_key = "counter"
+
+    def __init__(self):
+        self.count = 0
+
+    def on_step_end(self, run):
+        self.count += 1
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+def test_callback_states_are_saved_by_name_so_removing_or_adding_one_shifts_no_other(tmp_path, capsys):
+    # saved by position (Accelerate's custom_checkpoint_N), a Recorder's state went to the counter once the
+    # Recorder was removed
+    fit_small(tmp_path / "run", Recorder(), StepCounter(), checkpointing_steps=3)
+    for name in ("model.safetensors", "metrics.json"):
+        os.remove(tmp_path / "run" / name)
+    counter = StepCounter()
+    fit_small(tmp_path / "run", counter, checkpointing_steps=3, resume_from_checkpoint="latest")
+    assert counter.count == 6 + 2
+    assert "holds the state of a callback this run does not have (Recorder): left unused" in capsys.readouterr().out
+    for name in ("model.safetensors", "metrics.json"):
+        os.remove(tmp_path / "run" / name)
+    recorder, counter, fresh = Recorder(), StepCounter(), StepCounter()  # another order, and a new callback
+    fresh.state_key = "fresh"
+    fit_small(tmp_path / "run", counter, fresh, recorder, checkpointing_steps=3, resume_from_checkpoint="latest")
+    assert (counter.count, recorder.steps_seen, fresh.count) == (6 + 2, 6 + 2, 2)
+    assert "holds no state of the callback fresh: it starts afresh" in capsys.readouterr().out
 
 
 def test_callbacks_see_every_hook_in_order_and_their_state_resumes(tmp_path):
@@ -452,7 +487,7 @@ def test_a_closed_terminal_sighup_stops_like_a_preemption_unless_started_under_n
 def test_the_padding_of_an_epochs_last_round_is_counted():
     # 18 samples, 2 processes x 8: the second round holds 2 real samples and 14 from the epoch's start (measured
     # with tests/probe.py: 64 ids consumed in 2 epochs, 18 distinct); one process has a short last batch instead
-    from ddp_accel.training import padded_samples
+    from ddp_accel.run_setup import padded_samples
 
     assert padded_samples(18, 16, 2) == 14 and padded_samples(18, 16, 1) == 0
     assert padded_samples(40, 8, 2) == 0 and padded_samples(0, 8, 2) == 0  # a dataset without a length: unknown
@@ -539,8 +574,9 @@ def test_each_lr_schedule_has_its_shape_and_the_image_scripts_schedules_are_unch
 
 def test_a_time_budget_counts_the_epochs_whose_training_evaluations_and_test_fit():
     import argparse
+    from dataclasses import replace
 
-    from ddp_accel.budget import Costs, plan_epochs
+    from ddp_accel.budget import Costs, RunShape, plan_epochs
     from ddp_accel.cli import duration, format_duration
 
     assert [duration(text) for text in ("900", "900s", "15m", "15min", "1h30m", "2.5h", "1h0m5s")] == [
@@ -567,19 +603,19 @@ def test_a_time_budget_counts_the_epochs_whose_training_evaluations_and_test_fit
     # 1000 s; 100 s spent; reserve 3% + 5 s = 35 s; an epoch: 2 s to start + 40 batches x 2 s = 82 s; an
     # evaluation: 1 s + 10 x 0.5 s = 6 s (x2 with the EMA's); a test of 40 batches: 1 s + 40 x 0.5 s = 21 s
     costs = Costs(train_batch_s=2.0, train_start_s=2.0, eval_batch_s=0.5, eval_start_s=1.0, spent_s=100.0)
-    shape = dict(batches_per_epoch=40, max_epochs=40, eval_batches=10, steps_per_epoch=40)
-    plan = plan_epochs(1000, costs, **shape)
+    shape = RunShape(batches_per_epoch=40, max_epochs=40, eval_batches=10, steps_per_epoch=40)
+    plan = plan_epochs(1000, costs, shape)
     assert (plan.epochs, plan.epoch_s, plan.evaluation_s) == (9, 82.0, 6.0)  # 100 + 9 x 88 + 35 = 927; 10: 1015
     assert plan.estimated_s == pytest.approx(892 + 9 * 0.015) and plan.reserve_s == pytest.approx(35)  # + bookkeeping
     assert "9 epochs of 40 fit" in plan.describe()
-    assert plan_epochs(1000, costs, **shape, evaluations_per_eval=2).epochs == 9  # 100 + 9 x 94 + 35 = 981
-    assert plan_epochs(1000, costs, **shape, evaluations_per_eval=2, test_batches=40).epochs == 8  # 981 + 21
-    assert plan_epochs(1000, costs, **{**shape, "eval_batches": 0}).epochs == 10  # 100 + 10 x 82 + 35 = 955
-    assert plan_epochs(1000, costs, **shape, eval_every_epochs=4).epochs == 10  # 3 evaluations: 100+820+18+35
-    assert plan_epochs(1000, costs, **shape, eval_every_steps=20).epochs == 8  # 3 an epoch: 100 + 8 x 100 + 35
-    assert plan_epochs(10**6, costs, **shape).epochs == 40  # never past --epochs
-    assert plan_epochs(199, costs, **shape).epochs == 1  # 100 + 88 + 11 (5 s + 3% of 199 s, rounded up)
-    assert plan_epochs(198, costs, **shape).epochs == 0  # not even one: the caller says so in one line
+    assert plan_epochs(1000, costs, replace(shape, evaluations_per_eval=2)).epochs == 9  # 100 + 9 x 94 + 35 = 981
+    assert plan_epochs(1000, costs, replace(shape, evaluations_per_eval=2, test_batches=40)).epochs == 8  # 981 + 21
+    assert plan_epochs(1000, costs, replace(shape, eval_batches=0)).epochs == 10  # 100 + 10 x 82 + 35 = 955
+    assert plan_epochs(1000, costs, replace(shape, eval_every_epochs=4)).epochs == 10  # 3 evaluations: 100+820+18+35
+    assert plan_epochs(1000, costs, replace(shape, eval_every_steps=20)).epochs == 8  # 3 an epoch: 100 + 8 x 100 + 35
+    assert plan_epochs(10**6, costs, shape).epochs == 40  # never past --epochs
+    assert plan_epochs(199, costs, shape).epochs == 1  # 100 + 88 + 11 (5 s + 3% of 199 s, rounded up)
+    assert plan_epochs(198, costs, shape).epochs == 0  # not even one: the caller says so in one line
 
 
 def test_a_time_budget_counts_from_the_process_start_a_launchers_start_or_now(monkeypatch):

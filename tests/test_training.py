@@ -378,6 +378,32 @@ def test_a_checkpoint_of_729a739_still_resumes_bitwise_with_a_warning(tmp_path):
     assert_same_weights(tmp_path / "new", tmp_path / "old", atol=1e-6)
 
 
+@inprocess
+def test_a_checkpoint_of_af45933_with_positional_callback_states_resumes_into_the_named_ones(tmp_path):
+    # tests/fixtures/checkpoint_af45933/step_6: written by tests/probe.py of ddp_accel af45933 (the stateful
+    # callbacks saved by position: custom_checkpoint_0.pkl the EMA, _1 the plateau schedule) with `common` below.
+    # Resumed now (saved by name), it ends where a run of today does: both states went to their owners
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    common = ["--batch-size", 4, "--epochs", 2, "--dropout", "0.3", "--ema-decay", "0.9", "--ema-warmup"]
+    common += ["--lr-schedule", "plateau", "--plateau-patience", 1, "--lr-gamma", "0.5", "--best-metric"]
+    common += ["ema_accuracy", "--eval-steps", 4, "--checkpointing-steps", 6]
+    fixture = Path(__file__).parent / "fixtures" / "checkpoint_af45933" / "step_6"
+    shutil.copytree(fixture, tmp_path / "old" / "checkpoints" / "step_6")
+    output = check_ok(
+        run_script(PROBE, "--output-dir", tmp_path / "old", *common, "--resume-from-checkpoint", "latest")
+    )
+    assert "resumed from" in output and "step 6, epoch 0" in output, output[-2000:]
+    check_ok(run_script(PROBE, "--output-dir", tmp_path / "new", *common))
+    assert (tmp_path / "new" / "checkpoints" / "step_6" / "callback_states.pt").is_file()
+    assert metrics_of(tmp_path / "old")["final_lr"] == metrics_of(tmp_path / "new")["final_lr"]
+    for name in ("model.safetensors", "model_ema.safetensors"):  # (another CPU rounds the first 6 steps otherwise)
+        old, new = (load_file(str(tmp_path / run / name)) for run in ("old", "new"))
+        assert all(torch.allclose(old[key], new[key], atol=1e-6, rtol=1e-5) for key in old), name
+
+
 def samples_of(output_dir) -> list[int]:
     """The training sample ids rank 0 consumed in its last run, in order."""
     return [i for batch in json.loads((output_dir / "seen_rank0.json").read_text()) for i in batch]
@@ -677,7 +703,7 @@ def test_a_time_budget_plans_on_batches_that_change_nothing_and_a_resume_keeps_t
     # the plan from given costs: 100 s, 2 s of it spent, an epoch 10 batches x 2 s, an evaluation 6 x 0.5 s, a
     # reserve of 8 s: 3 of the 10 epochs asked fit (2 + 3 x 23 + 8 = 79; 4 would need 102)
     costs = Costs(train_batch_s=2.0, train_start_s=0.0, eval_batch_s=0.5, eval_start_s=0.0, spent_s=2.0)
-    monkeypatch.setattr("ddp_accel.training.measure_costs", lambda *args: Costs(**vars(costs)))
+    monkeypatch.setattr("ddp_accel.budget.measure_costs", lambda *args: Costs(**vars(costs)))
     planned = [*common, "--epochs", 10, "--time-budget", "100s"]
     output = probe(tmp_path / "full", *planned, nproc=1)
     assert re.search(r"time_budget\s+1 min 40 s: 3 epochs of 10 fit", output), output
@@ -687,7 +713,7 @@ def test_a_time_budget_plans_on_batches_that_change_nothing_and_a_resume_keeps_t
     def measured(*args):
         raise AssertionError("a resumed run must keep its plan, not time batches again")
 
-    monkeypatch.setattr("ddp_accel.training.measure_costs", measured)
+    monkeypatch.setattr("ddp_accel.budget.measure_costs", measured)
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step_5", tmp_path / "cut" / "checkpoints" / "step_5")
     output = probe(tmp_path / "cut", *planned, "--resume-from-checkpoint", "latest", nproc=1)
     assert re.search(r"3 epochs of 10 fit .*\(the run's plan, kept", output), output
@@ -706,10 +732,10 @@ def test_a_time_budget_plans_on_batches_that_change_nothing_and_a_resume_keeps_t
         tmp_path / "cut", *common, "--epochs", 10, "--time-budget", "5m", "--resume-from-checkpoint", "latest"
     )
     assert "the run was planned for 1 min 40 s (3 epochs), and a resume keeps its plan" in error, error
-    monkeypatch.setattr("ddp_accel.training.measure_costs", lambda *args: Costs(**{**vars(costs), "spent_s": 90.0}))
+    monkeypatch.setattr("ddp_accel.budget.measure_costs", lambda *args: Costs(**{**vars(costs), "spent_s": 90.0}))
     error = error_of(tmp_path / "short", *planned)
     assert "--time-budget 1 min 40 s: not even one epoch fits on this machine" in error, error
-    monkeypatch.setattr("ddp_accel.training.measure_costs", lambda *args: Costs(**vars(costs)))
+    monkeypatch.setattr("ddp_accel.budget.measure_costs", lambda *args: Costs(**vars(costs)))
     error = error_of(tmp_path / "warm", *planned, "--lr-schedule", "cosine", "--warmup-epochs", 4)
     assert "leaves 3 epochs here, within --warmup-epochs 4" in error, error
     error = error_of(tmp_path / "profile", *planned, "--profile-steps", "40:45")
@@ -720,7 +746,7 @@ def test_a_time_budget_plans_on_batches_that_change_nothing_and_a_resume_keeps_t
     error = error_of(tmp_path / "plain", *planned, "--resume-from-checkpoint", "latest")
     assert "--time-budget plans a run from its start, and " in error and "was trained without one" in error, error
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step_5", tmp_path / "lower" / "checkpoints" / "step_5")
-    monkeypatch.setattr("ddp_accel.training.measure_costs", measured)
+    monkeypatch.setattr("ddp_accel.budget.measure_costs", measured)
     probe(
         tmp_path / "lower",
         *common,

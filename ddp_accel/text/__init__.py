@@ -1,7 +1,7 @@
 """Text pipeline: a basic_english-compatible tokenizer, a vocabulary, data sources, length bucketing, models."""
 
 from ddp_accel.text.models import KERNEL_SIZE, STRIDE, TextModelConfig
-from ddp_accel.text.pipeline import make_loader, prepare_text_data
+from ddp_accel.text.pipeline import TextOptions, TextSource, make_loader, prepare_text_data
 from ddp_accel.text.tokenizer import basic_english
 from ddp_accel.text.vocab import Vocab
 
@@ -9,6 +9,8 @@ __all__ = [
     "KERNEL_SIZE",
     "STRIDE",
     "TextModelConfig",
+    "TextOptions",
+    "TextSource",
     "Vocab",
     "basic_english",
     "make_loader",

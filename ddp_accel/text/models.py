@@ -28,6 +28,34 @@ class GatedBlock(nn.Module):
 KERNEL_SIZE, STRIDE = 15, 7
 
 
+@dataclass(frozen=True)
+class TextModelConfig:
+    """A text model's hyper-parameters as one typed object, from the command line to the model and to the run's
+    identity (`options()`). `name`: bag (NgramBag) or gcnn (GCNN); each model takes the fields it has (the
+    defaults are the recipe's)."""
+
+    name: str
+    dim: int = 64
+    ngrams: int = 1
+    buckets: int = 2_000_000
+    pool: str = "mean"
+    dropout: float = 0.0
+    kernel_size: int = KERNEL_SIZE
+    stride: int = STRIDE
+    nb_weights: bool = False
+
+    def options(self) -> dict[str, Any]:
+        """Every hyper-parameter but the name (what shapes the model, compared on resume)."""
+        return {key: value for key, value in asdict(self).items() if key != "name"}
+
+    def build(self, vocab_size: int, pad_id: int, sparse: bool = False) -> nn.Module:
+        if self.name == "gcnn":
+            return GCNN(vocab_size, pad_id, self)
+        if self.name == "bag":
+            return NgramBag(vocab_size, pad_id, self, sparse=sparse)
+        raise UserError(f"unknown --model {self.name}; choose gcnn or bag")
+
+
 class GCNN(nn.Module):
     """Embedding -> 2 gated conv blocks -> pooling over time -> Linear -> Linear.
 
@@ -39,21 +67,18 @@ class GCNN(nn.Module):
         self,
         vocab_size: int,
         pad_id: int = 1,
-        dim: int = 64,
-        kernel_size: int = KERNEL_SIZE,
-        stride: int = STRIDE,
+        config: TextModelConfig = TextModelConfig("gcnn"),
         hidden: int = 128,
-        pool: str = "mean",
-        dropout: float = 0.0,
         num_classes: int = 2,
     ):
         super().__init__()
+        dim, kernel_size, stride = config.dim, config.kernel_size, config.stride
         self.embedding = nn.Embedding(vocab_size, dim, padding_idx=pad_id)
         nn.init.xavier_uniform_(self.embedding.weight)
         with torch.no_grad():
             self.embedding.weight[pad_id].zero_()
         self.blocks = nn.Sequential(GatedBlock(dim, kernel_size, stride), GatedBlock(dim, kernel_size, stride))
-        self.pool, self.dropout = pool, nn.Dropout(dropout)
+        self.pool, self.dropout = config.pool, nn.Dropout(config.dropout)
         self.head = nn.Sequential(nn.Linear(dim, hidden), nn.Linear(hidden, num_classes))
         # shortest input both convolutions accept: pad batches to at least this many tokens
         self.min_length = kernel_size + (kernel_size - 1) * stride
@@ -80,17 +105,14 @@ class NgramBag(nn.Module):
         self,
         vocab_size: int,
         pad_id: int = 1,
-        dim: int = 64,
-        ngrams: int = 1,
-        buckets: int = 2_000_000,
-        dropout: float = 0.0,
-        num_classes: int = 2,
+        config: TextModelConfig = TextModelConfig("bag"),
         sparse: bool = False,
-        nb_weights: bool = False,
+        num_classes: int = 2,
     ):
         super().__init__()
+        dim, ngrams, nb_weights = config.dim, config.ngrams, config.nb_weights
         self.vocab_size, self.pad_id, self.ngrams, self.sparse = vocab_size, pad_id, ngrams, sparse
-        self.buckets = buckets if ngrams > 1 else 0
+        self.buckets = config.buckets if ngrams > 1 else 0
         rows = vocab_size + self.buckets
         # sparse: the gradient holds only the rows of the batch (about 21,000 of 1.05M for 128 reviews)
         self.embedding = nn.EmbeddingBag(
@@ -100,7 +122,7 @@ class NgramBag(nn.Module):
         # classes, fitted on the training part (fit_nb_weights). A frozen parameter, not a buffer: saved with the
         # model, but DDP does not broadcast it every step as it would a buffer.
         self.nb_weights = nn.Parameter(torch.ones(rows), requires_grad=False) if nb_weights else None
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(config.dropout)
         self.fc = nn.Linear(dim, num_classes)
         nn.init.uniform_(self.embedding.weight, -0.5 / dim, 0.5 / dim)  # fastText's init
         with torch.no_grad():
@@ -157,41 +179,3 @@ class NgramBag(nn.Module):
         vectors = nn.functional.embedding(rows, self.embedding.weight, padding_idx=self.pad_id, sparse=True)
         bags = nn.functional.embedding_bag(position, vectors, per_sample_weights=weights.to(vectors.dtype), mode="sum")
         return self.fc(self.dropout(bags))
-
-
-@dataclass(frozen=True)
-class TextModelConfig:
-    """A text model's hyper-parameters as one typed object, from the command line to the model and to the run's
-    identity (`options()`). `name`: bag (NgramBag) or gcnn (GCNN); each takes the fields it has."""
-
-    name: str
-    dim: int = 64
-    ngrams: int = 1
-    buckets: int = 2_000_000
-    pool: str = "mean"
-    dropout: float = 0.0
-    kernel_size: int = KERNEL_SIZE
-    stride: int = STRIDE
-    nb_weights: bool = False
-
-    def options(self) -> dict[str, Any]:
-        """Every hyper-parameter but the name (what shapes the model, compared on resume)."""
-        return {key: value for key, value in asdict(self).items() if key != "name"}
-
-    def build(self, vocab_size: int, pad_id: int, sparse: bool = False) -> nn.Module:
-        if self.name == "gcnn":
-            return GCNN(
-                vocab_size, pad_id, self.dim, self.kernel_size, self.stride, pool=self.pool, dropout=self.dropout
-            )
-        if self.name == "bag":
-            return NgramBag(
-                vocab_size,
-                pad_id,
-                self.dim,
-                self.ngrams,
-                self.buckets,
-                dropout=self.dropout,
-                sparse=sparse,
-                nb_weights=self.nb_weights,
-            )
-        raise UserError(f"unknown --model {self.name}; choose gcnn or bag")

@@ -103,22 +103,32 @@ def _split_runs(
     return reviews.select(np.flatnonzero(~held)), reviews.select(np.flatnonzero(held))
 
 
-def prepare_text_data(
-    accelerator: Accelerator,
-    *,
-    dataset: str = "imdb",
-    data_dir: str | None = None,
-    train_file: str | None = None,
-    test_file: str | None = None,
-    val_fraction: float = 0.1,
-    fold: str | None = None,
-    group_size: int = 1,
-    min_freq: int = 20,
-    max_vocab: int | None = None,
-    max_length: int | None = None,
-    seed: int = 0,
-    cache_dir: str | None = None,
-) -> TextData:
+@dataclass(frozen=True)
+class TextSource:
+    """Where the reviews come from: `dataset` ("imdb" from the hub, "synthetic"), or an aclImdb folder, or files
+    (jsonl/csv/parquet with text and label columns; a test file is evaluated at the end)."""
+
+    dataset: str = "imdb"
+    data_dir: str | None = None
+    train_file: str | None = None
+    test_file: str | None = None
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """How the training reviews are split, and how all of them are encoded (each an imdb.py option)."""
+
+    val_fraction: float = 0.1
+    fold: str | None = None  # "I/K": the I-th of K parts held out instead of val_fraction
+    group_size: int = 1  # hold out whole runs of this many consecutive reviews
+    min_freq: int = 20
+    max_vocab: int | None = None
+    max_length: int | None = None
+    seed: int = 0
+    cache_dir: str | None = None
+
+
+def prepare_text_data(accelerator: Accelerator, source: TextSource, options: TextOptions) -> TextData:
     """Load, split, tokenise, build the vocabulary (main process first) and encode, with an on-disk cache.
 
     The second run with the same inputs reads the encoded arrow files instead of tokenising again. `fold` "I/K":
@@ -128,54 +138,119 @@ def prepare_text_data(
     together, and a movie on both sides of a split overstates the held-out accuracy).
     """
     start = time.perf_counter()
-    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    cache = Path(options.cache_dir) if options.cache_dir else default_cache_dir()
     check_cache_dir(cache)
-    train, test, source, synthetic = sources.load_sources(dataset, data_dir, train_file, test_file, accelerator)
-    data_paths = {"train data": train_file or data_dir or source, "test data": test_file}  # a --data-dir has test/
+    train, test, name, synthetic = sources.load_sources(
+        source.dataset, source.data_dir, source.train_file, source.test_file, accelerator
+    )
+    # a --data-dir has test/
+    data_paths = {"train data": source.train_file or source.data_dir or name, "test data": source.test_file}
     fingerprints = fingerprint_sources(data_paths, accelerator=accelerator)
-    if fold is not None:
-        train, val = _fold_split(train, fold, seed, source, group_size)
-        held_out: Any = f"fold {fold}" + (f" in runs of {group_size}" if group_size > 1 else "")
-    elif group_size > 1:
-        train, val = _group_split(train, val_fraction, seed, source, group_size)
-        held_out = f"{val_fraction} in runs of {group_size}"
-    else:
-        try:
-            split = train.train_test_split(test_size=val_fraction, seed=seed, stratify_by_column=None)
-        except ValueError:  # too few reviews for a held-out part
-            raise UserError(
-                f"{source}: {len(train)} review(s) cannot be split into training and validation parts "
-                f"with --val-fraction {val_fraction}; give more reviews"
-            ) from None
-        train, val, held_out = split["train"], split["test"], val_fraction
-    key = cache_key(fingerprints["train data"], len(train), held_out, seed, PIPELINE_VERSION)
+    train, val, held_out = _hold_out(train, options, name)
+    key = cache_key(fingerprints["train data"], len(train), held_out, options.seed, PIPELINE_VERSION)
     num_proc = min(4, os.cpu_count() or 1) if len(train) > 5000 else None
-
-    def tokenize(batch: dict[str, list[str]]) -> dict[str, list[list[str]]]:
-        return {"tokens": [basic_english(text) for text in batch["text"]]}
-
-    vocab_path = cache / f"vocab-{cache_key(key, min_freq, max_vocab)}.json"
+    encoding = _Encoding(cache, key, num_proc, options.max_length, fingerprints["test data"])
+    vocab_path = cache / f"vocab-{cache_key(key, options.min_freq, options.max_vocab)}.json"
     with accelerator.main_process_first():
-        tokens = cached_map(
-            train,
-            tokenize,
-            batched=True,
-            num_proc=num_proc,
-            remove_columns=["text"],
-            desc="tokenize",
-            cache_file_name=str(cache / f"train-{key}-tokens.arrow"),
-        )
+        tokens = encoding.tokenized(train, "tokenize", f"train-{key}")
         if accelerator.is_main_process:
             try:  # cached with the encoded data it indexes
                 Vocab.load(vocab_path)
             except (OSError, ValueError, KeyError, TypeError):  # missing, or damaged: built again
-                Vocab.from_counts(_token_counts(tokens), min_freq, max_vocab).save(vocab_path)
+                Vocab.from_counts(_token_counts(tokens), options.min_freq, options.max_vocab).save(vocab_path)
     vocab = Vocab.load(vocab_path)
     if len(vocab) <= 2:  # every rank raises: the vocabulary is read by all of them
         raise UserError(
-            f"the vocabulary is empty: no token occurs at least --min-freq {min_freq} times in the "
+            f"the vocabulary is empty: no token occurs at least --min-freq {options.min_freq} times in the "
             f"{len(train)} training reviews; lower --min-freq"
         )
+    with accelerator.main_process_first():
+        train_ids = encoding.encoded(train, "train", vocab, tokenized=tokens)
+        val_ids = encoding.encoded(val, "val", vocab)
+        test_ids = encoding.encoded(test, "test", vocab) if test is not None else None
+    full_lengths = train_ids.data.table.column("full_length").to_numpy()
+    truncated = int((full_lengths > options.max_length).sum()) if options.max_length else 0
+    return TextData(
+        train_ids,
+        val_ids,
+        test_ids,
+        vocab,
+        name,
+        synthetic,
+        truncated,
+        time.perf_counter() - start,
+        vocab_path,
+        fingerprints,
+    )
+
+
+def _hold_out(
+    train: datasets.Dataset, options: TextOptions, source: str
+) -> tuple[datasets.Dataset, datasets.Dataset, Any]:
+    """The training part, the held-out part, and what was held out (a part of the encoded data's cache key)."""
+    fold, group_size, seed = options.fold, options.group_size, options.seed
+    if fold is not None:
+        train, val = _fold_split(train, fold, seed, source, group_size)
+        return train, val, f"fold {fold}" + (f" in runs of {group_size}" if group_size > 1 else "")
+    if group_size > 1:
+        train, val = _group_split(train, options.val_fraction, seed, source, group_size)
+        return train, val, f"{options.val_fraction} in runs of {group_size}"
+    try:
+        split = train.train_test_split(test_size=options.val_fraction, seed=seed, stratify_by_column=None)
+    except ValueError:  # too few reviews for a held-out part
+        raise UserError(
+            f"{source}: {len(train)} review(s) cannot be split into training and validation parts "
+            f"with --val-fraction {options.val_fraction}; give more reviews"
+        ) from None
+    return split["train"], split["test"], options.val_fraction
+
+
+def _tokenize(batch: dict[str, list[str]]) -> dict[str, list[list[str]]]:
+    return {"tokens": [basic_english(text) for text in batch["text"]]}
+
+
+@dataclass(frozen=True)
+class _Encoding:
+    """Tokenising and encoding the splits of one run into the cache: the files are named by a key of everything
+    they depend on (`key`: the training data, its split, the seed, the pipeline version)."""
+
+    cache: Path
+    key: str
+    num_proc: int | None
+    max_length: int | None
+    test_fingerprint: str | None  # train and val: in `key`
+
+    def tokenized(self, reviews: datasets.Dataset, desc: str, file_key: str) -> datasets.Dataset:
+        return cached_map(
+            reviews,
+            _tokenize,
+            batched=True,
+            num_proc=self.num_proc,
+            remove_columns=["text"],
+            desc=desc,
+            cache_file_name=str(self.cache / f"{file_key}-tokens.arrow"),
+        )
+
+    def encoded(
+        self, reviews: datasets.Dataset, name: str, vocab: Vocab, tokenized: datasets.Dataset | None = None
+    ) -> datasets.Dataset:
+        """`reviews` as token ids (`tokenized`: their tokens, when already made)."""
+        source_key = self.test_fingerprint if name == "test" else None
+        split_key = cache_key(self.key, name, source_key, vocab.itos, self.max_length)
+        if tokenized is None:
+            tokenized = self.tokenized(reviews, f"tokenize {name}", f"{name}-{split_key}")
+        return cached_map(
+            tokenized.with_format("arrow"),
+            _encoder(vocab, self.max_length),
+            batched=True,
+            batch_size=5000,
+            remove_columns=["tokens"],
+            desc=f"encode {name}",
+            cache_file_name=str(self.cache / f"{name}-{split_key}-ids.arrow"),
+        ).with_format(None)
+
+
+def _encoder(vocab: Vocab, max_length: int | None) -> Any:
     vocab_tokens = pa.array(vocab.itos)
 
     def encode(batch: pa.Table) -> pa.Table:
@@ -196,49 +271,7 @@ def prepare_text_data(
             }
         )
 
-    def encode_split(split_data: datasets.Dataset, name: str) -> datasets.Dataset:
-        source_key = fingerprints["test data"] if name == "test" else None  # train and val: in `key`
-        split_key = cache_key(key, name, source_key, vocab.itos, max_length)
-        tokenized = (
-            tokens
-            if name == "train"
-            else cached_map(
-                split_data,
-                tokenize,
-                batched=True,
-                num_proc=num_proc,
-                remove_columns=["text"],
-                desc=f"tokenize {name}",
-                cache_file_name=str(cache / f"{name}-{split_key}-tokens.arrow"),
-            )
-        )
-        return cached_map(
-            tokenized.with_format("arrow"),
-            encode,
-            batched=True,
-            batch_size=5000,
-            remove_columns=["tokens"],
-            desc=f"encode {name}",
-            cache_file_name=str(cache / f"{name}-{split_key}-ids.arrow"),
-        ).with_format(None)
-
-    with accelerator.main_process_first():
-        train_ids, val_ids = encode_split(train, "train"), encode_split(val, "val")
-        test_ids = encode_split(test, "test") if test is not None else None
-    full_lengths = train_ids.data.table.column("full_length").to_numpy()
-    truncated = int((full_lengths > max_length).sum()) if max_length else 0
-    return TextData(
-        train_ids,
-        val_ids,
-        test_ids,
-        vocab,
-        source,
-        synthetic,
-        truncated,
-        time.perf_counter() - start,
-        vocab_path,
-        fingerprints,
-    )
+    return encode
 
 
 def cached_map(dataset: datasets.Dataset, function: Any, *, cache_file_name: str, **options: Any) -> datasets.Dataset:

@@ -199,20 +199,12 @@ def image_transforms(
 
 
 def image_folders(
-    data_dir: str,
-    image_size: int,
-    mean: Sequence[float],
-    std: Sequence[float],
-    augment: str,
-    uint8: bool = False,
-    seed: int = 0,
-    auto_augment: str = "none",
-    random_erasing: float = 0.0,
+    data_dir: str, transform_pair: tuple[transforms.Compose, transforms.Compose], seed: int = 0
 ) -> tuple[Dataset, Dataset, list[str]]:
+    """DATA_DIR's train/ and val/ folders under `transform_pair` (training, validation: what `image_transforms`
+    returns), and the class names."""
     train_dir, val_dir = check_image_folder(data_dir)
-    train_transform, val_transform = image_transforms(
-        image_size, mean, std, augment, uint8, auto_augment, random_erasing
-    )
+    train_transform, val_transform = transform_pair
     train = CheckedImageFolder(train_dir, train_transform, seed=seed)
     val = CheckedImageFolder(val_dir, val_transform, class_to_idx=train.class_to_idx)
     return train, val, train.classes

@@ -17,7 +17,7 @@ from torchvision.transforms import v2
 from ddp_accel.callbacks import Callback
 
 if TYPE_CHECKING:
-    from ddp_accel.training import TrainingRun
+    from ddp_accel.context import RunContext
 
 
 class BatchMixing(Callback):
@@ -45,13 +45,13 @@ class BatchMixing(Callback):
             weights.append(switch_probability if mixup_alpha > 0 else 1.0)
         self.mix = v2.RandomChoice(choices, p=weights) if choices else None
         self.step, self.micro_batch = 0, 0
-        self._run: TrainingRun | None = None
+        self._run: RunContext | None = None
 
     @property
     def active(self) -> bool:
         return self.mix is not None
 
-    def on_start(self, run: TrainingRun) -> None:
+    def on_start(self, run: RunContext) -> None:
         self._run, self.step, self.micro_batch = run, run.state.step, 0  # a trial batch (--auto-batch-size) before
 
     def position(self) -> tuple[int, int]:

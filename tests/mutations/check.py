@@ -136,13 +136,14 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     # issue 43's silently wrong pair: a stop saved the step without its EMA update; a recount left the schedule behind
     "ema_updated_after_the_stop_agreement": (
         "ddp_accel/training.py",
-        "        self.callbacks.on_step_end(self)\n"
+        '        self.callbacks.call("on_step_end", self.context)\n'
         "        verdict = self.agreement.step_done(state.step, self.signals.received, "
         "wait=eval_due or checkpoint_due)\n"
         "        if verdict:\n            raise StopTraining(verdict)\n",
         "        verdict = self.agreement.step_done(state.step, self.signals.received, "
         "wait=eval_due or checkpoint_due)\n"
-        "        if verdict:\n            raise StopTraining(verdict)\n        self.callbacks.on_step_end(self)\n",
+        "        if verdict:\n            raise StopTraining(verdict)\n"
+        '        self.callbacks.call("on_step_end", self.context)\n',
     ),
     "schedule_left_at_the_saved_step": (
         "ddp_accel/schedules.py",

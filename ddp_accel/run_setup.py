@@ -1,0 +1,195 @@
+"""What `fit` builds before its first step, each from the options and the script's `Task`: the prepared objects
+(`prepare_task`: --auto-batch-size, --compile, Accelerate's prepare), the options checked against what the script
+gives, the LR scheduler, the run's own features as callbacks, and --time-budget's plan."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from ddp_accel.batch_size import find_micro_batch, with_batch_size
+from ddp_accel.budget import BudgetPlan, RunShape, Timing, plan_run
+from ddp_accel.callbacks import BestModel, Callback, EarlyStopping, ProgressBar, Trackers
+from ddp_accel.checkpoint import Checkpoints
+from ddp_accel.config import TrainConfig
+from ddp_accel.ema import WeightAverage
+from ddp_accel.errors import UserError
+from ddp_accel.profiling import ProfilerWindow
+from ddp_accel.run_folder import RunFolder
+from ddp_accel.schedules import PlateauFeed, check_schedule, make_schedule
+from ddp_accel.stopping import StepAgreement
+from ddp_accel.task import Task
+from ddp_accel.train_step import TrainStep
+
+
+def epoch_samples(loader: Any) -> int:
+    """The samples of an epoch: the training set's length (0 for a dataset without one)."""
+    try:
+        return len(loader.dataset)
+    except TypeError:
+        return 0
+
+
+def padded_samples(epoch_samples: int, per_round: int, processes: int) -> int:
+    """The samples an epoch's last round repeats to fill every process's batch (none on one process, whose last
+    batch is short instead)."""
+    return -epoch_samples % per_round if epoch_samples and processes > 1 else 0
+
+
+def seed_loader_generators(seed: int, *loaders_: Any) -> None:
+    """Creating a DataLoader iterator draws a worker seed from the global RNG unless the loader has a generator
+    of its own. On a mid-epoch resume that draw would land after the restored RNG state (at epoch start in the
+    uninterrupted run), and dropout masks would differ after the resume."""
+    for loader in loaders_:
+        if loader is not None and loader.generator is None:
+            loader.generator = torch.Generator().manual_seed(seed)
+
+
+@dataclass
+class Prepared:
+    """The objects fit trains with, prepared by the Accelerator, and the batch they were prepared for."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    train_loader: Any
+    eval_loader: Any
+    test_loader: Any
+    micro_batch: int  # per process (--auto-batch-size may have chosen a divisor of --batch-size)
+    accumulation: int
+    epoch_samples: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(len(self.train_loader) / self.accumulation)
+
+    def epoch_padding(self, processes: int) -> dict[str, str]:
+        """On several processes an epoch's last round is filled up with samples from its start (Accelerate's
+        even_batches), so that every process steps together: said in the banner, as it makes 1 x 2B and 2 x B
+        differ in each epoch's last step."""
+        per_round = self.micro_batch * processes
+        padding = padded_samples(self.epoch_samples, per_round, processes)
+        if not padding:
+            return {}
+        return {"epoch_padding": f"{padding} samples seen twice per epoch (the last round of {per_round})"}
+
+
+def prepare_task(accelerator: Accelerator, config: TrainConfig, task: Task) -> Prepared:
+    """--auto-batch-size (before prepare: the loader is rebuilt with the size that fits, the global batch kept by
+    more accumulation), the loaders' own generators, --compile in place, then Accelerate's prepare. The task
+    itself is not changed."""
+    micro_batch, accumulation, train_loader = config.batch_size, config.gradient_accumulation_steps, task.train_loader
+    if config.auto_batch_size:
+        micro_batch = find_micro_batch(accelerator, task.model, task.loss_fn, train_loader, config.batch_size)
+        if micro_batch != config.batch_size:
+            train_loader = with_batch_size(train_loader, micro_batch)
+            accumulation *= config.batch_size // micro_batch
+            accelerator.gradient_accumulation_steps = accumulation
+    seed_loader_generators(config.seed, train_loader, task.eval_loader, task.test_loader)
+    if config.compile:  # in place: the module, its class and its state dict's names stay what they were
+        mode = None if config.compile == "default" or config.compile_backend != "inductor" else config.compile
+        task.model.compile(mode=mode, backend=config.compile_backend)
+    model, optimizer, prepared_train = accelerator.prepare(task.model, task.optimizer, train_loader)
+    eval_loader = accelerator.prepare(task.eval_loader) if task.eval_loader is not None else None
+    test_loader = accelerator.prepare(task.test_loader) if task.test_loader is not None else None
+    samples = epoch_samples(train_loader)
+    return Prepared(model, optimizer, prepared_train, eval_loader, test_loader, micro_batch, accumulation, samples)
+
+
+def check_run_options(config: TrainConfig, accelerator: Accelerator, best_metric: str | None, evaluated: bool) -> None:
+    """The options whose sense depends on what the script gives fit (an evaluation, its metric) or on the
+    strategy: one line each, before anything is trained or written."""
+    if config.lr_schedule:
+        check_schedule(config, best_metric, evaluated)
+    if config.early_stopping_patience and (not evaluated or not best_metric):
+        raise UserError(
+            "--early-stopping-patience needs an evaluation to watch: an eval loader and a metric (--best-metric, "
+            "e.g. eval_loss)"
+        )
+    if config.ema_decay and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise UserError("--ema-decay averages whole weights on every rank: not with FSDP or DeepSpeed shards")
+    if best_metric and best_metric.startswith("ema_") and not config.ema_decay:
+        raise UserError(f"--best-metric {best_metric} is a metric of the weights' average: add --ema-decay")
+
+
+def build_scheduler(
+    accelerator: Accelerator, config: TrainConfig, task: Task, optimizer: torch.optim.Optimizer, total_steps: int,
+    steps_per_epoch: int, best_metric: str | None,
+) -> tuple[Any, list[Callback]]:  # fmt: skip
+    """The shared --lr-schedule (it replaces the script's own), else the script's, prepared; and the plateau
+    schedule's feed of evaluations."""
+    scheduler: Any = None
+    feed: list[Callback] = []
+    if config.lr_schedule:
+        scheduler, schedule = make_schedule(config, optimizer, total_steps, steps_per_epoch)
+        if config.lr_schedule == "plateau" and best_metric:
+            feed.append(PlateauFeed(schedule, best_metric))
+    elif task.make_scheduler:
+        scheduler = task.make_scheduler(optimizer, total_steps, steps_per_epoch)
+    return (accelerator.prepare(scheduler) if scheduler is not None else None), feed
+
+
+@dataclass
+class Features:
+    """fit's own features as callbacks, in the order they are called: the progress bar and trackers, the weights'
+    average, the best model, the profiler window, the plateau schedule, the script's callbacks, early stopping
+    (last: it counts an evaluation the others have seen)."""
+
+    ema: WeightAverage | None
+    callbacks: list[Callback]
+
+
+def standard_callbacks(
+    config: TrainConfig, best_metric: str | None, total_steps: int, length_chosen_by: str, given: list[Callback]
+) -> Features:
+    ema = WeightAverage(config.ema_decay, config.ema_warmup) if config.ema_decay else None
+    profiler = [ProfilerWindow(*config.profile_steps)] if config.profile_steps else []  # off: no callback
+    for window in profiler:
+        window.check(total_steps, length_chosen_by)
+    early = (
+        [EarlyStopping(best_metric, config.early_stopping_patience, config.early_stopping_min_delta)]
+        if config.early_stopping_patience and best_metric
+        else []
+    )
+    average = [ema] if ema else []
+    return Features(ema, [ProgressBar(), Trackers(), *average, BestModel(best_metric, ema), *profiler, *given, *early])
+
+
+def plan_time_budget(
+    accelerator: Accelerator, config: TrainConfig, task: Task, prepared: Prepared, checkpoints: Checkpoints,
+    folder: RunFolder, started: float,
+) -> tuple[BudgetPlan, bool]:  # fmt: skip
+    """--time-budget: the plan the run made at its start (kept by a resume, or a rerun of the complete run), else
+    a new one from batches timed here on the prepared objects. Returns (plan, kept?)."""
+    kept_state, trained_without = checkpoints.saved_plan(config.resume_from_checkpoint)
+    if kept_state is None and trained_without is None and config.resume_from_checkpoint == "latest":
+        kept_state = (folder.read_committed() or {}).get("time_budget")  # a rerun of the complete run
+    try:
+        kept = BudgetPlan.from_state(kept_state) if kept_state else None
+    except (KeyError, TypeError, ValueError):  # unreadable: planned again
+        kept = None
+    probe = TrainStep(
+        accelerator, prepared.model, prepared.optimizer, task.loss_fn, config.max_grad_norm, StepAgreement(accelerator)
+    )
+    eval_loader = prepared.eval_loader if prepared.eval_loader is not None else prepared.test_loader
+    timing = Timing(
+        accelerator, probe, prepared.model, prepared.optimizer, prepared.train_loader, task.eval_fn, eval_loader,
+        prepared.accumulation, started,
+    )  # fmt: skip
+    steps_per_epoch = prepared.steps_per_epoch
+    most = -(-config.max_steps // steps_per_epoch) if config.max_steps else config.epochs
+    shape = RunShape(
+        batches_per_epoch=len(prepared.train_loader),
+        max_epochs=min(config.epochs, most),
+        eval_batches=len(prepared.eval_loader) if prepared.eval_loader is not None else 0,
+        evaluations_per_eval=2 if config.ema_decay else 1,  # the raw weights and their average
+        eval_every_epochs=config.eval_every_epochs,
+        eval_every_steps=config.eval_steps,
+        steps_per_epoch=steps_per_epoch,
+        test_batches=len(prepared.test_loader) if prepared.test_loader is not None else 0,
+    )
+    return plan_run(config, kept, trained_without, timing, shape)
