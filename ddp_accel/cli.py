@@ -1,4 +1,4 @@
-"""Command-line options shared by every script.
+"""The command line every script shares: `ArgumentParser` (one `error:` line under a launcher, "did you mean").
 
 Options are spelled with dashes (`--output-dir`, pytorch/examples style) and also
 accepted with underscores (`--output_dir`, Hugging Face examples style).
@@ -8,13 +8,48 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import math
-import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from ddp_accel.config import (
+    chance,
+    checkpointing_steps,
+    duration,
+    fold,
+    fraction,
+    nonnegative,
+    nonnegative_int,
+    number,
+    positive,
+    positive_int,
+    probability,
+    seed_value,
+    step_range,
+    timeout_seconds,
+)
 from ddp_accel.elastic import process_rank, report_to_launcher, stop_restarts, wait_for_a_stop_signal
+
+# the value types of every option live with the options (ddp_accel.config); scripts reach them as cli.positive_int
+__all__ = [
+    "ArgumentParser",
+    "HelpFormatter",
+    "chance",
+    "checkpointing_steps",
+    "duration",
+    "fold",
+    "format_duration",
+    "fraction",
+    "nonnegative",
+    "nonnegative_int",
+    "number",
+    "positive",
+    "positive_int",
+    "probability",
+    "seed_value",
+    "step_range",
+    "timeout_seconds",
+]
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -67,104 +102,6 @@ class ArgumentParser(argparse.ArgumentParser):
         name, sep, value = arg.partition("=")
         dashed = "--" + name[2:].replace("_", "-")
         return dashed + sep + value if dashed in known and name not in known else arg
-
-
-def step_range(text: str) -> tuple[int, int]:
-    """START:END with 0 <= START < END (--profile-steps)."""
-    try:
-        start, end = (int(part) for part in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected START:END (e.g. 10:15), got {text!r}") from None
-    if not 0 <= start < end:
-        raise argparse.ArgumentTypeError(f"needs 0 <= START < END, got {text}")
-    return start, end
-
-
-def checkpointing_steps(value: str) -> int | str:
-    if value == "epoch":
-        return value
-    try:
-        steps = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of steps or 'epoch', got {value!r}") from None
-    if steps <= 0:
-        raise argparse.ArgumentTypeError("must be a positive number of steps")
-    return steps
-
-
-def number(
-    cast: type = float,
-    *,
-    low: float | None = None,
-    high: float | None = None,
-    low_open: bool = False,
-    high_open: bool = False,
-) -> Callable[[str], Any]:
-    """An argparse type: an int or a finite float within [low, high] (open ends where asked). Every numeric
-    option of every script is checked by one of these, before anything runs."""
-
-    def convert(text: str) -> Any:
-        try:
-            value = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected {'an integer' if cast is int else 'a number'}, got {text!r}"
-            ) from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-        if low is not None and (value < low or low_open and value == low):
-            raise argparse.ArgumentTypeError(f"must be {'>' if low_open else '>='} {low}, got {text}")
-        if high is not None and (value > high or high_open and value == high):
-            raise argparse.ArgumentTypeError(f"must be {'<' if high_open else '<='} {high}, got {text}")
-        return value
-
-    convert.__name__ = cast.__name__
-    return convert
-
-
-positive_int = number(int, low=1)
-nonnegative_int = number(int, low=0)
-positive = number(float, low=0, low_open=True)
-nonnegative = number(float, low=0)
-fraction = number(float, low=0, high=1, low_open=True, high_open=True)  # strictly between 0 and 1
-probability = number(float, low=0, high=1, high_open=True)  # dropout, label smoothing: 0 allowed, 1 not
-chance = number(float, low=0, high=1)  # how often something happens: never (0) to always (1)
-
-
-def fold(text: str) -> str:
-    """`I/K`: the I-th of K parts (1 <= I <= K, K >= 2), e.g. `2/5`; kept as text (a run's identity is JSON)."""
-    try:
-        index, count = (int(part) for part in text.split("/"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not I/K (e.g. 2/5: the second of 5 parts)") from None
-    if count < 2 or not 1 <= index <= count:
-        raise argparse.ArgumentTypeError(f"{text!r}: I/K needs K of at least 2 and I from 1 to K")
-    return f"{index}/{count}"
-
-
-seed_value = number(int, low=0, high=2**32 - 1)  # numpy's seed range (accelerate's set_seed seeds numpy too)
-timeout_seconds = number(int, low=1, high=365 * 24 * 3600)  # torch's timedelta for collectives overflows far above
-
-
-DURATION = re.compile(r"(?:(?P<h>\d+(?:\.\d+)?)h)?(?:(?P<m>\d+(?:\.\d+)?)m(?:in)?)?(?:(?P<s>\d+(?:\.\d+)?)s)?")
-LONGEST = 365 * 24 * 3600.0
-
-
-def duration(text: str) -> float:
-    """Seconds of a duration: `900` (seconds), `900s`, `15m`, `1h30m`, `2.5h` (--time-budget). Every number after
-    the first needs its unit: `1h30` is refused, not read as 1 h 0 min 30 s."""
-    plain = text.strip().lower()
-    if plain.replace(".", "", 1).isdigit():
-        total = float(plain)
-    else:
-        match = DURATION.fullmatch(plain)
-        if not plain or match is None:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 15m, 1h30m, 900s)")
-        hours, minutes, seconds = (float(match[unit] or 0) for unit in "hms")
-        total = hours * 3600 + minutes * 60 + seconds
-    if not 0 < total <= LONGEST:
-        raise argparse.ArgumentTypeError(f"{text!r}: a duration must be above 0 and at most a year")
-    return total
 
 
 def format_duration(seconds: float) -> str:

@@ -5,22 +5,113 @@ Accelerator is made from it by `ddp_accel.make_accelerator`."""
 from __future__ import annotations
 
 import argparse
+import math
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ddp_accel.cli import (
-    checkpointing_steps,
-    duration,
-    nonnegative,
-    number,
-    positive,
-    positive_int,
-    probability,
-    seed_value,
-    step_range,
-    timeout_seconds,
-)
 from ddp_accel.errors import UserError
+
+
+# --- the values an option takes: argparse types, so that every option is checked before anything runs ---
+def step_range(text: str) -> tuple[int, int]:
+    """START:END with 0 <= START < END (--profile-steps)."""
+    try:
+        start, end = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:END (e.g. 10:15), got {text!r}") from None
+    if not 0 <= start < end:
+        raise argparse.ArgumentTypeError(f"needs 0 <= START < END, got {text}")
+    return start, end
+
+
+def checkpointing_steps(value: str) -> int | str:
+    if value == "epoch":
+        return value
+    try:
+        steps = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of steps or 'epoch', got {value!r}") from None
+    if steps <= 0:
+        raise argparse.ArgumentTypeError("must be a positive number of steps")
+    return steps
+
+
+def number(
+    cast: type = float,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> Callable[[str], Any]:
+    """An argparse type: an int or a finite float within [low, high] (open ends where asked). Every numeric
+    option of every script is checked by one of these, before anything runs."""
+
+    def convert(text: str) -> Any:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if cast is int else 'a number'}, got {text!r}"
+            ) from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if low is not None and (value < low or low_open and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if low_open else '>='} {low}, got {text}")
+        if high is not None and (value > high or high_open and value == high):
+            raise argparse.ArgumentTypeError(f"must be {'<' if high_open else '<='} {high}, got {text}")
+        return value
+
+    convert.__name__ = cast.__name__
+    return convert
+
+
+positive_int = number(int, low=1)
+nonnegative_int = number(int, low=0)
+positive = number(float, low=0, low_open=True)
+nonnegative = number(float, low=0)
+fraction = number(float, low=0, high=1, low_open=True, high_open=True)  # strictly between 0 and 1
+probability = number(float, low=0, high=1, high_open=True)  # dropout, label smoothing: 0 allowed, 1 not
+chance = number(float, low=0, high=1)  # how often something happens: never (0) to always (1)
+
+
+def fold(text: str) -> str:
+    """`I/K`: the I-th of K parts (1 <= I <= K, K >= 2), e.g. `2/5`; kept as text (a run's identity is JSON)."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not I/K (e.g. 2/5: the second of 5 parts)") from None
+    if count < 2 or not 1 <= index <= count:
+        raise argparse.ArgumentTypeError(f"{text!r}: I/K needs K of at least 2 and I from 1 to K")
+    return f"{index}/{count}"
+
+
+seed_value = number(int, low=0, high=2**32 - 1)  # numpy's seed range (accelerate's set_seed seeds numpy too)
+timeout_seconds = number(int, low=1, high=365 * 24 * 3600)  # torch's timedelta for collectives overflows far above
+
+
+DURATION = re.compile(r"(?:(?P<h>\d+(?:\.\d+)?)h)?(?:(?P<m>\d+(?:\.\d+)?)m(?:in)?)?(?:(?P<s>\d+(?:\.\d+)?)s)?")
+LONGEST = 365 * 24 * 3600.0
+
+
+def duration(text: str) -> float:
+    """Seconds of a duration: `900` (seconds), `900s`, `15m`, `1h30m`, `2.5h` (--time-budget). Every number after
+    the first needs its unit: `1h30` is refused, not read as 1 h 0 min 30 s."""
+    plain = text.strip().lower()
+    if plain.replace(".", "", 1).isdigit():
+        total = float(plain)
+    else:
+        match = DURATION.fullmatch(plain)
+        if not plain or match is None:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 15m, 1h30m, 900s)")
+        hours, minutes, seconds = (float(match[unit] or 0) for unit in "hms")
+        total = hours * 3600 + minutes * 60 + seconds
+    if not 0 < total <= LONGEST:
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration must be above 0 and at most a year")
+    return total
+
 
 OPTIMIZERS = ("sgd", "adamw", "adam", "rmsprop")  # --optimizer; ddp_accel.optim.make_optimizer builds each
 
@@ -167,18 +258,46 @@ class TrainConfig:
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         return cls(**{**values, "hparams": dict(vars(args)), **overrides})
 
+    def check(self) -> None:
+        """Every section's own check (what the script gives fit is checked by fit: `check_evaluation`)."""
+        for check in SECTION_CHECKS:
+            check(self)
+
     def hyperparameters(self) -> dict[str, Any]:
         if self.hparams is not None:
             return self.hparams
         return {key: getattr(self, key) for key in (f.name for f in fields(self)) if key != "hparams"}
 
 
-def check_options_are_used(config: TrainConfig) -> None:
-    """An option given that nothing reads would leave the run other than asked, without a word: one line each."""
-    if config.optimizer and tuple(config.betas) != (0.9, 0.999) and config.optimizer not in ("adam", "adamw"):
-        raise UserError(f"--betas are Adam's and AdamW's: --optimizer {config.optimizer} has none")
+# --- each section of the options checks itself, in one place: an option given that nothing reads, or that
+# contradicts another, is one line, before anything runs ---
+def check_optimization(options: Any) -> None:
+    """--optimizer, --momentum, --nesterov, --betas (a TrainConfig or a parsed command line). Without --optimizer
+    the script builds its own optimizer and reads none of them."""
+    if options.optimizer is None:
+        return
+    check_momentum(options)
+    if tuple(options.betas) != (0.9, 0.999) and options.optimizer not in ("adam", "adamw"):
+        raise UserError(f"--betas are Adam's and AdamW's: --optimizer {options.optimizer} has none")
+
+
+def check_momentum(options: Any) -> None:
+    """--nesterov needs SGD's momentum (make_optimizer checks it too: a script may build from its own namespace)."""
+    if options.nesterov and (options.optimizer != "sgd" or options.momentum == 0):
+        raise UserError(
+            f"--nesterov is SGD's, with momentum: it needs --optimizer sgd and --momentum above 0 (here "
+            f"--optimizer {options.optimizer}, --momentum {options.momentum:g})"
+        )
+
+
+def check_averaging(config: TrainConfig) -> None:
+    """--ema-decay, --ema-warmup."""
     if config.ema_warmup and not config.ema_decay:
         raise UserError("--ema-warmup shapes the average of --ema-decay: add --ema-decay (e.g. 0.999)")
+
+
+def check_compilation(config: TrainConfig) -> None:
+    """--compile, --compile-backend."""
     if config.compile_backend != "inductor" and not config.compile:
         raise UserError(f"--compile-backend {config.compile_backend} is --compile's: add --compile")
     if config.compile:
@@ -189,6 +308,10 @@ def check_options_are_used(config: TrainConfig) -> None:
             raise UserError(
                 f"--compile-backend {config.compile_backend} is not one of torch's: {names}, eager, aot_eager"
             )
+
+
+def check_schedule(config: TrainConfig) -> None:
+    """--lr-schedule and the options of each schedule, against --lr and --epochs."""
     schedule = config.lr_schedule
     if config.warmup_epochs and not schedule:
         raise UserError("--warmup-epochs warms up the shared --lr-schedule: give one (e.g. cosine)")
@@ -198,6 +321,18 @@ def check_options_are_used(config: TrainConfig) -> None:
         )
     if config.lr_milestones and schedule != "multistep":
         raise UserError(f"--lr-milestones are multistep's: not used by --lr-schedule {schedule or '(none)'}")
+    check_milestones(config)
+    if schedule and config.warmup_epochs >= config.epochs:
+        raise UserError(
+            f"--warmup-epochs {config.warmup_epochs:g} lasts all --epochs {config.epochs}: --lr is never reached"
+        )
+    if schedule == "multistep" and not config.lr_milestones:
+        raise UserError("--lr-schedule multistep needs --lr-milestones (epochs, e.g. 30 60 80)")
+    if config.min_lr >= config.lr and schedule in ("cosine", "onecycle", "linear"):
+        raise UserError(f"--min-lr {config.min_lr:g} must be below --lr {config.lr:g}")
+
+
+def check_milestones(config: TrainConfig) -> None:
     milestones = config.lr_milestones or []
     if any(later <= earlier for earlier, later in zip(milestones, milestones[1:], strict=False)):
         raise UserError(f"--lr-milestones {' '.join(map(str, milestones))}: give them in increasing order")
@@ -206,10 +341,34 @@ def check_options_are_used(config: TrainConfig) -> None:
             f"--lr-milestones {' '.join(map(str, milestones))}: a decay at or past --epochs {config.epochs} never "
             "happens"
         )
-    if schedule and config.warmup_epochs >= config.epochs:
+
+
+def check_evaluation(config: TrainConfig, best_metric: str | None, evaluated: bool) -> None:
+    """What watches an evaluation (--best-metric, --early-stopping-patience, the plateau schedule), against what
+    the script gives fit: an evaluation and its metric (`best_metric`: --best-metric, else the script's)."""
+    if config.lr_schedule == "plateau" and not (best_metric and evaluated):
+        raise UserError("--lr-schedule plateau watches an evaluation metric: an eval loader and --best-metric")
+    if config.early_stopping_patience and (not evaluated or not best_metric):
         raise UserError(
-            f"--warmup-epochs {config.warmup_epochs:g} lasts all --epochs {config.epochs}: --lr is never reached"
+            "--early-stopping-patience needs an evaluation to watch: an eval loader and a metric (--best-metric, "
+            "e.g. eval_loss)"
         )
+    if best_metric and best_metric.startswith("ema_") and not config.ema_decay:
+        raise UserError(f"--best-metric {best_metric} is a metric of the weights' average: add --ema-decay")
+
+
+def check_strategy(config: TrainConfig, sharded: bool) -> None:
+    """Options that need whole weights on every rank, under a strategy that shards them (FSDP, DeepSpeed)."""
+    if config.ema_decay and sharded:
+        raise UserError("--ema-decay averages whole weights on every rank: not with FSDP or DeepSpeed shards")
+
+
+SECTION_CHECKS: tuple[Callable[[Any], None], ...] = (
+    check_optimization,
+    check_averaging,
+    check_compilation,
+    check_schedule,
+)
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -11,17 +11,8 @@ from typing import Any
 
 import torch
 
-from ddp_accel.config import OPTIMIZERS
+from ddp_accel.config import OPTIMIZERS, check_momentum
 from ddp_accel.errors import UserError
-
-
-def check_optimizer(config: Any) -> None:
-    """What an optimizer would refuse later, or silently ignore: one line each, before anything starts."""
-    if config.nesterov and (config.optimizer != "sgd" or config.momentum == 0):
-        raise UserError(
-            f"--nesterov is SGD's, with momentum: it needs --optimizer sgd and --momentum above 0 (here "
-            f"--optimizer {config.optimizer}, --momentum {config.momentum:g})"
-        )
 
 
 def describe_optimizer(optimizer: Any) -> str:
@@ -48,7 +39,7 @@ def make_optimizer(
 ) -> torch.optim.Optimizer:
     """`config.optimizer` over `parameters` with the shared options (lr, momentum, nesterov, weight_decay, betas)
     of a TrainConfig or a parsed command line; `fused`: one kernel for every parameter where torch has it."""
-    check_optimizer(config)
+    check_momentum(config)
     lr = config.lr if lr is None else lr
     decay = config.weight_decay or 0.0
     speed = {} if fused is None else {"fused": fused}

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 
 from ddp_accel.batch_size import find_micro_batch, with_batch_size
 from ddp_accel.budget import BudgetPlan, RunShape, Timing, plan_run
@@ -18,10 +17,9 @@ from ddp_accel.callbacks import BestModel, Callback, EarlyStopping, ProgressBar,
 from ddp_accel.checkpoint import Checkpoints
 from ddp_accel.config import TrainConfig
 from ddp_accel.ema import WeightAverage
-from ddp_accel.errors import UserError
 from ddp_accel.profiling import ProfilerWindow
 from ddp_accel.run_folder import RunFolder
-from ddp_accel.schedules import PlateauFeed, check_schedule, make_schedule
+from ddp_accel.schedules import PlateauFeed, make_schedule
 from ddp_accel.stopping import StepAgreement
 from ddp_accel.task import Task
 from ddp_accel.train_step import TrainStep
@@ -98,22 +96,6 @@ def prepare_task(accelerator: Accelerator, config: TrainConfig, task: Task) -> P
     test_loader = accelerator.prepare(task.test_loader) if task.test_loader is not None else None
     samples = epoch_samples(train_loader)
     return Prepared(model, optimizer, prepared_train, eval_loader, test_loader, micro_batch, accumulation, samples)
-
-
-def check_run_options(config: TrainConfig, accelerator: Accelerator, best_metric: str | None, evaluated: bool) -> None:
-    """The options whose sense depends on what the script gives fit (an evaluation, its metric) or on the
-    strategy: one line each, before anything is trained or written."""
-    if config.lr_schedule:
-        check_schedule(config, best_metric, evaluated)
-    if config.early_stopping_patience and (not evaluated or not best_metric):
-        raise UserError(
-            "--early-stopping-patience needs an evaluation to watch: an eval loader and a metric (--best-metric, "
-            "e.g. eval_loss)"
-        )
-    if config.ema_decay and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        raise UserError("--ema-decay averages whole weights on every rank: not with FSDP or DeepSpeed shards")
-    if best_metric and best_metric.startswith("ema_") and not config.ema_decay:
-        raise UserError(f"--best-metric {best_metric} is a metric of the weights' average: add --ema-decay")
 
 
 def build_scheduler(

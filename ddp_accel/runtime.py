@@ -25,7 +25,7 @@ from accelerate.utils import DataLoaderConfiguration, DistributedType, ProjectCo
 from accelerate.utils.memory import should_reduce_batch_size
 
 from ddp_accel.budget import note_command_start
-from ddp_accel.config import TrainConfig, check_options_are_used
+from ddp_accel.config import TrainConfig
 from ddp_accel.elastic import (
     START_TIME,
     child_processes,
@@ -37,7 +37,6 @@ from ddp_accel.elastic import (
 )
 from ddp_accel.errors import UserError
 from ddp_accel.loaders import kill_leftover_workers
-from ddp_accel.optim import check_optimizer
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.stopping import PEER_STOPPED_EXIT_CODE, PREEMPTED_EXIT_CODE, Phase, Preempted, StopSignals
 from ddp_accel.tracking import check_trackers, make_trackers, tracker_names
@@ -128,9 +127,7 @@ def make_accelerator(
         folder.check(config.resume_from_checkpoint, config.overwrite_output_dir)
     if signals is not None:
         signals.set_output_dir(folder.path)
-    if config.optimizer is not None:
-        check_optimizer(config)
-    check_options_are_used(config)
+    config.check()
     names = tracker_names(config.report_to, config.with_tracking)
     if process_rank() == 0:  # the main process logs
         check_trackers(names, config.output_dir)
@@ -416,11 +413,16 @@ def print_banner(accelerator: Accelerator, title: str, **extra: Any) -> None:
         print("\n".join(lines), flush=True)
 
 
+def shards_weights(accelerator: Accelerator) -> bool:
+    """Whether no rank holds the whole weights (FSDP, DeepSpeed): the full ones are gathered on demand."""
+    return accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+
+
 def exported_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
     """The model whose weights users read: without DDP's `module.` and without `_orig_mod.` where the accelerate
     config's dynamo_config wrapped it in torch.compile (--compile compiles in place: no wrapper); under
     FSDP/DeepSpeed the prepared model, from which the full weights are gathered."""
-    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+    if shards_weights(accelerator):
         return model
     return accelerator.unwrap_model(model, keep_torch_compile=False)
 

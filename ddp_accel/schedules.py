@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ddp_accel.callbacks import Callback
-from ddp_accel.errors import UserError
 from ddp_accel.meters import improves
 
 if TYPE_CHECKING:
@@ -118,15 +117,6 @@ def move_to_step(scheduler: Any, step: int) -> bool:
             warnings.simplefilter("ignore")
             inner.step(step)
     return True
-
-
-def check_schedule(config: TrainConfig, watched_metric: str | None, has_evaluation: bool) -> None:
-    if config.lr_schedule == "multistep" and not config.lr_milestones:
-        raise UserError("--lr-schedule multistep needs --lr-milestones (epochs, e.g. 30 60 80)")
-    if config.lr_schedule == "plateau" and not (watched_metric and has_evaluation):
-        raise UserError("--lr-schedule plateau watches an evaluation metric: an eval loader and --best-metric")
-    if config.min_lr >= config.lr and config.lr_schedule in ("cosine", "onecycle", "linear"):
-        raise UserError(f"--min-lr {config.min_lr:g} must be below --lr {config.lr:g}")
 
 
 class PlateauFeed(Callback):

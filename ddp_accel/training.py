@@ -24,7 +24,7 @@ from ddp_accel.budget import BudgetPlan, command_started, epochs_text
 from ddp_accel.callback_state import CallbackStates
 from ddp_accel.callbacks import Callback, Callbacks
 from ddp_accel.checkpoint import Checkpoints, every, model_fingerprint, optimizer_fingerprint
-from ddp_accel.config import TrainConfig
+from ddp_accel.config import TrainConfig, check_evaluation, check_strategy
 from ddp_accel.context import RunContext
 from ddp_accel.errors import UserError
 from ddp_accel.evaluation import evaluate
@@ -32,12 +32,11 @@ from ddp_accel.meters import EvalHistory, numbers
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.run_setup import (
     build_scheduler,
-    check_run_options,
     plan_time_budget,
     prepare_task,
     standard_callbacks,
 )
-from ddp_accel.runtime import exported_model, lost_peers
+from ddp_accel.runtime import exported_model, lost_peers, shards_weights
 from ddp_accel.state import RunIdentity, TrainState
 from ddp_accel.stopping import Phase, Preempted, SaveGrace, StepAgreement, StopFacts, StopSignals, Verdict
 from ddp_accel.task import RunRecord, Task
@@ -83,7 +82,8 @@ class TrainingRun:
             epoch_samples=prepared.epoch_samples,
         )
         self.best_metric = config.best_metric or task.best_metric  # --best-metric, else the script's
-        check_run_options(config, accelerator, self.best_metric, task.eval_loader is not None)
+        check_evaluation(config, self.best_metric, task.eval_loader is not None)
+        check_strategy(config, shards_weights(accelerator))
         self.checkpoints = Checkpoints(
             accelerator, self.folder.checkpoints, config.checkpointing_steps, config.checkpoint_limit
         )

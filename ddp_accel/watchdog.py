@@ -28,9 +28,20 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 HANG_EXIT_CODE = 4  # distinct from a crash (1), a user error (2) and a stop caused by a peer (3)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How long the watchdog waits: `first_s` before the first steps and for long work seen for the first time;
+    then `factor` x the slowest interval between beats (or the longest save of a kind), at least `floor_s`."""
+
+    floor_s: float = 120.0
+    factor: float = 20.0
+    first_s: float = 1800.0
 
 
 class ProgressWatchdog:
@@ -40,14 +51,12 @@ class ProgressWatchdog:
         rank: int,
         timeout_s: float | None = None,
         *,
-        floor_s: float = 120.0,
-        factor: float = 20.0,
-        first_s: float = 1800.0,
+        bounds: Bounds = Bounds(),
         phase: Callable[[], str] = lambda: "train",
         exit: Callable[[int], None] | None = None,
     ):
         self.output_dir, self.rank, self.timeout_s = Path(output_dir), rank, timeout_s
-        self.floor_s, self.factor, self.first_s = floor_s, factor, first_s
+        self.floor_s, self.factor, self.first_s = bounds.floor_s, bounds.factor, bounds.first_s
         self.phase, self._exit = phase, exit
         self.last_beat = time.monotonic()
         self.last_what = "start"

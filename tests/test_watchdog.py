@@ -11,7 +11,7 @@ from helpers import check_ok, launch, weights
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_accel import loaders
-from ddp_accel.watchdog import HANG_EXIT_CODE, ProgressWatchdog
+from ddp_accel.watchdog import HANG_EXIT_CODE, Bounds, ProgressWatchdog
 
 
 class Exits:
@@ -27,7 +27,7 @@ class Exits:
 @pytest.mark.inprocess
 def test_a_progressing_run_never_fires_and_a_stalled_one_fires_within_the_bound(tmp_path, capsys):
     exits = Exits()
-    watchdog = ProgressWatchdog(tmp_path, rank=3, floor_s=0.4, factor=4, first_s=1.5, exit=exits).start()
+    watchdog = ProgressWatchdog(tmp_path, rank=3, bounds=Bounds(floor_s=0.4, factor=4, first_s=1.5), exit=exits).start()
     try:
         time.sleep(1.0)  # a slow first step (compilation, worker start-up): under first_s
         for step in range(8):  # steps of 0.05-0.1 s, a checkpoint save of 0.8 s between two of them
@@ -57,7 +57,7 @@ def test_work_of_a_kind_seen_before_is_bounded_by_its_own_pace_not_the_first_bou
     # a peer stopped while this rank waits in the barrier of its second checkpoint: found within the step bound,
     # not after first_s (which only the first save of a run gets, as compilation and start-up do)
     exits = Exits()
-    watchdog = ProgressWatchdog(tmp_path, rank=0, floor_s=0.4, factor=4, first_s=30, exit=exits).start()
+    watchdog = ProgressWatchdog(tmp_path, rank=0, bounds=Bounds(floor_s=0.4, factor=4, first_s=30), exit=exits).start()
     try:
         for step in range(4):
             time.sleep(0.02)
@@ -95,7 +95,9 @@ class BlocksAt(Dataset):
 def test_a_hung_dataloader_worker_is_named_and_killed(tmp_path, capsys):
     exits = Exits()
     # before its second beat the watchdog waits first_s (the forkserver's start), then 1 s
-    watchdog = ProgressWatchdog(tmp_path, rank=0, floor_s=1.0, factor=2, first_s=60, phase=lambda: "eval", exit=exits)
+    watchdog = ProgressWatchdog(
+        tmp_path, rank=0, bounds=Bounds(floor_s=1.0, factor=2, first_s=60), phase=lambda: "eval", exit=exits
+    )
     watchdog.start()
     loader = DataLoader(BlocksAt(9), batch_size=2, num_workers=1)
     seen = []
@@ -118,7 +120,7 @@ def test_a_hung_dataloader_worker_is_named_and_killed(tmp_path, capsys):
 
 @pytest.mark.inprocess
 def test_a_fixed_bound_and_off(tmp_path):
-    fixed = ProgressWatchdog(tmp_path, 0, timeout_s=7, first_s=100)
+    fixed = ProgressWatchdog(tmp_path, 0, timeout_s=7, bounds=Bounds(first_s=100))
     assert fixed.bound_s() == 100  # before the first steps: compilation, worker start-up
     fixed.beat("step 1")
     fixed.beat("step 2")
