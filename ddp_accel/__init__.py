@@ -11,7 +11,7 @@ from ddp_accel.errors import UserError
 from ddp_accel.evaluation import check_trained_with, evaluate, load_saved_weights, load_weights_file
 from ddp_accel.files import write_json
 from ddp_accel.identity import make_identity
-from ddp_accel.metrics import classification_metrics, classification_values
+from ddp_accel.metrics import classification_metrics, classification_names, classification_values
 from ddp_accel.optim import Optimizers, SparseAdamW, make_optimizer
 from ddp_accel.runtime import (
     build_accelerator,
@@ -44,6 +44,7 @@ __all__ = [
     "check_memory",
     "check_trained_with",
     "classification_metrics",
+    "classification_names",
     "classification_values",
     "cli",
     "convert_sync_batchnorm",

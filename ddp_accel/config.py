@@ -343,9 +343,12 @@ def check_milestones(config: TrainConfig) -> None:
         )
 
 
-def check_evaluation(config: TrainConfig, best_metric: str | None, evaluated: bool) -> None:
+def check_evaluation(
+    config: TrainConfig, best_metric: str | None, evaluated: bool, metric_names: tuple[str, ...] = ()
+) -> None:
     """What watches an evaluation (--best-metric, --early-stopping-patience, the plateau schedule), against what
-    the script gives fit: an evaluation and its metric (`best_metric`: --best-metric, else the script's)."""
+    the script gives fit: an evaluation, its metric (`best_metric`: --best-metric, else the script's) and the
+    names of what it reports (`metric_names`, without `eval_`; unknown when empty)."""
     if config.lr_schedule == "plateau" and not (best_metric and evaluated):
         raise UserError("--lr-schedule plateau watches an evaluation metric: an eval loader and --best-metric")
     if config.early_stopping_patience and (not evaluated or not best_metric):
@@ -355,6 +358,9 @@ def check_evaluation(config: TrainConfig, best_metric: str | None, evaluated: bo
         )
     if best_metric and best_metric.startswith("ema_") and not config.ema_decay:
         raise UserError(f"--best-metric {best_metric} is a metric of the weights' average: add --ema-decay")
+    reported = [f"{prefix}_{name}" for prefix in ("eval", "ema")[: 1 + bool(config.ema_decay)] for name in metric_names]
+    if best_metric and evaluated and reported and best_metric not in reported:
+        raise UserError(f"--best-metric {best_metric} is not a metric of this run's evaluation: {', '.join(reported)}")
 
 
 def check_strategy(config: TrainConfig, sharded: bool) -> None:

@@ -34,6 +34,13 @@ def classification_values(
     return values
 
 
+def classification_names(classes: int, topk: Sequence[int] = ()) -> tuple[str, ...]:
+    """The numbers `classification_metrics` reports for `classification_values(..., topk=topk)` of `classes`
+    classes (a Task's `metric_names`: --best-metric is checked against them before the first step)."""
+    ks = [k for k in topk if k == 1 or k < classes] or [1]
+    return ("loss", *(f"top{k}" if topk else "accuracy" for k in ks))
+
+
 def classification_metrics(values: dict[str, torch.Tensor], classes: Sequence[str] | None = None) -> dict:
     """The mean of every per-sample value, and top-1 of each class (`per_class_accuracy` or `per_class_top1`,
     keyed by class name) when the targets were kept."""

@@ -26,7 +26,10 @@ class Task:
     - `eval_fn(model, batch)`: per-sample values, gathered over ranks; `metrics_fn(values)`: the metrics from all
       of them (default: the mean of each);
     - `make_scheduler(optimizer, total_steps, steps_per_epoch)`: stepped once per optimizer step;
-    - `best_metric`: the evaluation metric (higher is better) that picks model_best.safetensors.
+    - `best_metric`: the evaluation metric (higher is better) that picks model_best.safetensors;
+    - `metric_names`: the numbers the evaluation reports, without their `eval_` prefix (e.g. `loss`, `accuracy`;
+      `ddp_accel.metrics.classification_names`): --best-metric is checked against them before the first step
+      (without them, at the first evaluation).
     """
 
     model: torch.nn.Module
@@ -39,6 +42,7 @@ class Task:
     test_loader: Any = None
     make_scheduler: SchedulerFn | None = None
     best_metric: str | None = None
+    metric_names: tuple[str, ...] = ()
 
 
 @dataclass

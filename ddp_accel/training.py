@@ -82,7 +82,7 @@ class TrainingRun:
             epoch_samples=prepared.epoch_samples,
         )
         self.best_metric = config.best_metric or task.best_metric  # --best-metric, else the script's
-        check_evaluation(config, self.best_metric, task.eval_loader is not None)
+        check_evaluation(config, self.best_metric, task.eval_loader is not None, tuple(task.metric_names))
         check_strategy(config, shards_weights(accelerator))
         self.checkpoints = Checkpoints(
             accelerator, self.folder.checkpoints, config.checkpointing_steps, config.checkpoint_limit

@@ -36,6 +36,7 @@ from ddp_accel import (
     check_memory,
     check_trained_with,
     classification_metrics,
+    classification_names,
     classification_values,
     cli,
     convert_sync_batchnorm,
@@ -316,6 +317,7 @@ def main(signals: StopSignals) -> None:
         eval_fn=eval_fn,
         metrics_fn=metrics_fn,
         best_metric="eval_top1",  # model_best.safetensors, and best_top1 in metrics.json
+        metric_names=classification_names(len(classes), topk=(1, 5)),
     )
     banner = {
         "arch": args.arch,

@@ -38,6 +38,7 @@ from ddp_accel import (
     UserError,
     add_training_args,
     check_memory,
+    classification_names,
     classification_values,
     cli,
     fit,
@@ -368,6 +369,7 @@ def make_task(args: argparse.Namespace, config: TrainConfig, text, model: torch.
         eval_loader=loader(text.val, False),
         eval_fn=eval_fn,
         test_loader=loader(text.test, False) if text.test is not None else None,
+        metric_names=classification_names(2),
     )  # the schedule: the shared --lr-schedule (parse_args settles it)
 
 

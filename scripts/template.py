@@ -30,6 +30,7 @@ from ddp_accel import (
     TrainConfig,
     add_training_args,
     classification_metrics,
+    classification_names,
     classification_values,
     cli,
     convert_sync_batchnorm,
@@ -72,6 +73,8 @@ class Trainer:
     def metrics(self, outputs: dict[str, torch.Tensor]) -> dict[str, float]:
         return classification_metrics(outputs)
 
+    metric_names = classification_names(3)  # what `metrics` reports: --best-metric is checked before training
+
     # --- the run: usually nothing to change below ---
     def run(self) -> dict[str, float]:
         args, accelerator = self.args, self.accelerator
@@ -97,6 +100,7 @@ class Trainer:
             eval_loader=None if args.no_val else loader(val_set, False),
             eval_fn=self.eval_outputs,
             metrics_fn=self.metrics,
+            metric_names=self.metric_names,
             test_loader=loader(test_set, False),  # evaluated once, after training, before the results are written
             make_scheduler=cosine,
         )

@@ -32,6 +32,7 @@ from ddp_accel import (
     TrainConfig,
     add_training_args,
     classification_metrics,
+    classification_names,
     classification_values,
     fit,
     make_accelerator,
@@ -208,6 +209,7 @@ def main(signals: StopSignals | None = None) -> None:
         metrics_fn=metrics_fn,
         test_loader=test,
         make_scheduler=warmup_then_decay,
+        metric_names=(*classification_names(2), "id_sum", "unique_ids"),
     )
     if args.pid_dir:
         Path(args.pid_dir).mkdir(parents=True, exist_ok=True)

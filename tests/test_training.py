@@ -659,6 +659,25 @@ def test_a_resume_at_another_global_batch_keeps_the_lr_schedule_at_its_place_in_
     assert metrics_of(tmp_path / "cut")["final_lr"] == 0.0 == metrics_of(tmp_path / "full")["final_lr"]
 
 
+@pytest.mark.parametrize("metric", ["bogus", "eval_accuracyx", "ema_accuracy"])
+@inprocess
+def test_a_mistyped_best_metric_is_refused_before_the_first_step_leaving_no_file(tmp_path, metric):
+    # the task declares its metric names: a wrong --best-metric was refused only after a whole epoch, with
+    # history.json written
+    result = run_script(PROBE, "--output-dir", tmp_path / "run", "--best-metric", metric, "--epochs", 3)
+    if metric == "ema_accuracy":
+        assert_clean_error(result, "--best-metric ema_accuracy is a metric of the weights' average: add --ema-decay")
+    else:
+        assert_clean_error(
+            result, f"--best-metric {metric} is not a metric of this run's evaluation: eval_loss, eval_accuracy,"
+        )
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+    result = run_script(PROBE, "--output-dir", tmp_path / "ema", "--best-metric", "ema_bogus", "--ema-decay", "0.9")
+    assert_clean_error(
+        result, "--best-metric ema_bogus is not a metric of this run's evaluation: eval_loss,", "ema_loss"
+    )
+
+
 @pytest.mark.inprocess
 def test_auto_batch_size_keeps_the_global_batch_and_trains_as_the_explicit_accumulation(tmp_path, monkeypatch):
     # --batch-size 12 where only 4 samples fit (an injected out-of-memory error above 4): the trial goes 12, 6, 4,

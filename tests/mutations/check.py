@@ -160,6 +160,17 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            self.best_step = rebase.steps_now(self.best_step)",
         "            pass",
     ),
+    # the core's new mechanisms: states by name, the early --best-metric check
+    "callback_states_by_position": (
+        "ddp_accel/callback_state.py",
+        "            if key in states:\n                callback.load_state_dict(states[key])",
+        "            if key in states:\n                callback.load_state_dict(list(states.values())[0])",
+    ),
+    "best_metric_checked_only_at_the_first_evaluation": (
+        "ddp_accel/config.py",
+        "    if best_metric and evaluated and reported and best_metric not in reported:",
+        "    if False:",
+    ),
 }
 
 
