@@ -1,6 +1,7 @@
 """The package's own limits, checked by .ci/check (import-linter checks its layers, pyproject.toml):
 
-- no import cycle among ddp_accel's modules (imports inside functions and for the type checker included);
+- no import cycle among ddp_accel's modules (imports inside functions and for the type checker included), and every
+  module placed in a layer of pyproject.toml's contract (a new module has its place written down);
 - no class over 250 lines, no function over 60 lines or over 7 parameters (self and cls not counted) in ddp_accel/
   and scripts/. Exempt: argparse declarations (`parse_args`, `add_*_args`), whose length is the options' list, and
   a torch.autograd.Function's `forward`, whose parameters torch's `apply` fixes.
@@ -64,10 +65,24 @@ def import_cycles() -> list[str]:
     return found
 
 
+def unplaced_modules() -> list[str]:
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(contract["layers"] for contract in contracts if contract["type"] == "layers")
+    placed = {name.strip() for layer in layers for name in layer.replace("|", ":").split(":")}
+    modules = grimp.build_graph("ddp_accel").modules - {"ddp_accel"}
+    return [
+        f"{module} is in no layer of pyproject.toml's [tool.importlinter] contract"
+        for module in sorted(modules)
+        if not any(module == name or module.startswith(name + ".") for name in placed)
+    ]
+
+
 def main() -> int:
     sys.path.insert(0, str(ROOT))
     files = sorted([*(ROOT / "ddp_accel").rglob("*.py"), *(ROOT / "scripts").glob("*.py")])
-    breaches = [breach for path in files for breach in size_breaches(path)] + import_cycles()
+    breaches = [breach for path in files for breach in size_breaches(path)] + import_cycles() + unplaced_modules()
     for breach in breaches:
         print(breach)
     return 1 if breaches else 0

@@ -29,6 +29,7 @@ from ddp_accel.config import (
     timeout_seconds,
 )
 from ddp_accel.elastic import process_rank, report_to_launcher, stop_restarts, wait_for_a_stop_signal
+from ddp_accel.engines import Outcome, record_outcome
 
 # the value types of every option live with the options (ddp_accel.config); scripts reach them as cli.positive_int
 __all__ = [
@@ -78,6 +79,7 @@ class ArgumentParser(argparse.ArgumentParser):
         # Under a launcher every process parses the same arguments: one of them says it, and torch elastic's
         # failure report shows the message instead of 'To enable traceback see ...'
         report_to_launcher(f"error: {message}")
+        record_outcome(Outcome("user_error", 2, f"error: {message}"))
         if process_rank() != 0:
             # the launcher stops every process once one has ended: let rank 0 end first, having printed (a stop
             # signal, the launcher ending this process, ends the wait)

@@ -3,10 +3,12 @@
     ddp-accel ray --workers 2 scripts/template.py --output-dir runs/ray --epochs 3
     ray job submit --working-dir . -- ddp-accel ray --workers 4 --gpus-per-worker 1 scripts/imagenet.py ...
 
-The driver (this process) first runs the script itself up to its Accelerator (DDP_ACCEL_CHECK_ONLY): a bad option,
+The driver (this process) first runs the script itself up to its Accelerator (engines.CheckOnly): a bad option,
 path or --output-dir is one `error:` line there, exit 2, before any worker starts. Then Ray Train starts the
 workers; each runs the script as `__main__` with the same arguments, and the script makes its process group itself
 (Ray's backend only gives each worker the torch launcher variables), so `--timeout-s` applies as under torchrun.
+
+The script's outcome comes back typed (engines.last_outcome: run_main records it), not read from the output dir.
 
 - Restarts resume: `--resume-from-checkpoint latest` is added unless the command names a checkpoint; a group
   restarted after a failure (a killed worker, a lost node) continues from the newest complete checkpoint.
@@ -23,18 +25,17 @@ installed: a SIGTERM to a worker ends it (Ray's own handler) and the group resta
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import runpy
 import signal
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddp_accel import engines
 from ddp_accel.cli import ArgumentParser
 from ddp_accel.errors import UserError
 
@@ -97,23 +98,22 @@ class ScriptUserError(RuntimeError):
 def check_in_driver(job: RayJob) -> Path | int:
     """Run the script in this process up to its Accelerator: options, --output-dir and trackers are checked as the
     workers will check them. Returns the output dir, or the script's exit status once it printed its error line."""
-    from ddp_accel.runtime import CHECK_ONLY_VARIABLE, OptionsChecked
+    from ddp_accel.runtime import OptionsChecked
     from ddp_accel.stopping import StopSignals
 
     script = Path(job.script)
     argv, path = sys.argv, list(sys.path)
     sys.argv = [str(script), *job.command()]
     sys.path.insert(0, str(script.resolve().parent))
-    os.environ[CHECK_ONLY_VARIABLE] = "1"
     try:
-        runpy.run_path(str(script), run_name="__main__")
+        with engines.use(engines.CheckOnly()):
+            runpy.run_path(str(script), run_name="__main__")
     except OptionsChecked as checked:
         return Path(checked.config.output_dir).resolve()
     except SystemExit as exit:  # an argparse error, run_main's one line for a user error, or --help: nothing to run
         return exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
     finally:
         sys.argv, sys.path[:] = argv, path
-        os.environ.pop(CHECK_ONLY_VARIABLE, None)
         if StopSignals.current is not None:  # run_main's, left installed by the early return
             StopSignals.current.uninstall()
     raise UserError(f"{job.script} does not make its Accelerator with ddp_accel.make_accelerator: it cannot be checked")
@@ -127,7 +127,6 @@ def train_worker(spec: dict[str, Any]) -> None:
     from ray.train.v2._internal.logging import patch_print
 
     from ddp_accel.budget import COMMAND_START_VARIABLE
-    from ddp_accel.runtime import ENGINE_VARIABLE
 
     builtins.print = patch_print._original_print  # Ray Train logs each print, and tees it: every line came twice
 
@@ -138,42 +137,41 @@ def train_worker(spec: dict[str, Any]) -> None:
     nodes = _nodes_of_the_group()
     if isinstance(nodes, int):  # the banner's num_nodes (torchrun's NNODES)
         os.environ["NNODES"] = str(nodes)
-    os.environ[ENGINE_VARIABLE] = (
-        f"ray ({size} workers on {nodes} node{'' if nodes == 1 else 's'}; SIGTERM/SIGUSR1 forwarded from each "
-        "worker's main thread to the training thread)"
-    )
-    error_file = Path(tempfile.mkdtemp(prefix="ddp_accel_ray_")) / "error.json"
-    os.environ["TORCHELASTIC_ERROR_FILE"] = str(error_file)  # where run_main writes the one line of a user error
     sys.argv = [spec["script"], *spec["command"]]
     sys.path.insert(0, str(Path(spec["script"]).resolve().parent))
     os.environ[COMMAND_START_VARIABLE] = str(spec["started"])  # --time-budget counts from the driver's start
     watching = threading.Event()
     threading.Thread(target=_watch_preemption_notice, args=(rank, watching), daemon=True).start()
     _training_ended.clear()
+    engines.forget_outcome()  # (a worker process may have run an earlier attempt)
+    code: Any = 0
     try:
-        runpy.run_path(spec["script"], run_name="__main__")
-        code: Any = 0
+        with engines.use(engines.RayWorker(dict(os.environ), workers=size, nodes=nodes)):
+            runpy.run_path(spec["script"], run_name="__main__")
     except SystemExit as exit:
         code = exit.code
     finally:
         watching.set()
         _training_ended.set()
-    message = json.loads(error_file.read_text())["message"] if error_file.is_file() else None
+    _report_outcome(rank, code, engines.last_outcome(), Path(spec["output_dir"]))
+
+
+def _report_outcome(rank: int, code: Any, outcome: engines.Outcome | None, output_dir: Path) -> None:
+    """The script's outcome in Ray's terms: its metrics reported, or an error Ray's failure policy decides on (a
+    user error ends the run; a stop that saved, or a crash, restarts the group, which resumes)."""
+    message = outcome.message if outcome is not None else None
     if code == USER_ERROR_EXIT_CODE:
         raise ScriptUserError(message or f"rank {rank}: the script ended with a user error (exit 2)")
     if code not in (0, None):
         raise RuntimeError(f"rank {rank}: the script exited with status {code}" + (f": {message}" if message else ""))
-    output_dir = Path(spec["output_dir"])
-    metrics_file, marker = output_dir / "metrics.json", output_dir / "preempted.json"
-    if not metrics_file.is_file() and marker.is_file():  # saved at an agreed step: restart, resume from it
-        facts = json.loads(marker.read_text())
+    if outcome is not None and outcome.kind == "preempted" and outcome.stop is not None:  # saved at an agreed step
         raise RuntimeError(
-            f"rank {rank}: stopped by {facts.get('signal')} in phase {facts.get('phase')} and saved; the group "
-            "restarts and resumes from the saved step"
+            f"rank {rank}: stopped by {outcome.stop.get('signal')} in phase {outcome.stop.get('phase')} and saved; "
+            "the group restarts and resumes from the saved step"
         )
-    if not metrics_file.is_file():
+    if outcome is None or outcome.metrics is None:
         raise RuntimeError(f"rank {rank}: the script stopped before the end of training ({output_dir} has no metrics)")
-    _report_to_ray(output_dir, json.loads(metrics_file.read_text()))
+    _report_to_ray(output_dir, outcome.metrics)
 
 
 def _watch_preemption_notice(rank: int, done: threading.Event) -> None:

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 from accelerate import Accelerator
 
+from ddp_accel import engines
 from ddp_accel.budget import BudgetPlan, budget_line
 from ddp_accel.callbacks import Callbacks
 from ddp_accel.config import TrainConfig
@@ -106,6 +107,7 @@ def commit(run: EndingRun) -> dict[str, Any]:
                 plot_history(run.history.records, folder.staging / "training_curves.png", run.record.title)
             write_json(folder.staging / "args.json", run.hyperparameters)
             folder.commit(final, run.record.artifacts, metrics)
+    engines.note_metrics(metrics)
     run.callbacks.call("on_end", run.context, metrics)
     run.signals.enter(Phase.DONE)
     accelerator.print(summary_line(metrics, folder.path))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import gc
@@ -24,6 +25,7 @@ from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGr
 from accelerate.utils import DataLoaderConfiguration, DistributedType, ProjectConfiguration, set_seed
 from accelerate.utils.memory import should_reduce_batch_size
 
+from ddp_accel import engines
 from ddp_accel.budget import note_command_start
 from ddp_accel.config import TrainConfig
 from ddp_accel.elastic import (
@@ -35,6 +37,7 @@ from ddp_accel.elastic import (
     stat_fields,
     stop_restarts,
 )
+from ddp_accel.engines import Outcome, record_outcome
 from ddp_accel.errors import UserError
 from ddp_accel.loaders import kill_leftover_workers
 from ddp_accel.run_folder import RunFolder
@@ -131,7 +134,7 @@ def make_accelerator(
     names = tracker_names(config.report_to, config.with_tracking)
     if process_rank() == 0:  # the main process logs
         check_trackers(names, config.output_dir)
-    if os.environ.get(CHECK_ONLY_VARIABLE):  # a launcher's driver checks the command before any worker starts
+    if engines.current().checks_only():  # a launcher's driver checks the command before any worker starts
         raise OptionsChecked(config)
     # a tracker run continues only with the checkpoint it logged: `latest` without one starts a new run
     trackers = make_trackers(names, config.output_dir, resuming=folder.resumes(config.resume_from_checkpoint))
@@ -146,14 +149,10 @@ def make_accelerator(
     )
 
 
-CHECK_ONLY_VARIABLE = "DDP_ACCEL_CHECK_ONLY"
-ENGINE_VARIABLE = "DDP_ACCEL_ENGINE"  # set by a launcher that is not torch's, for the banner
-
-
 class OptionsChecked(BaseException):
-    """Raised by make_accelerator under DDP_ACCEL_CHECK_ONLY, once the options, --output-dir and the trackers are
-    checked: the launcher's driver ran the script this far, in its own process (ddp_accel.ray_launch). A
-    BaseException: no `except Exception` of a script takes it for a failure."""
+    """Raised by make_accelerator under the CheckOnly engine (engines.use), once the options, --output-dir and the
+    trackers are checked: the launcher's driver ran the script this far, in its own process (ddp_accel.ray_launch).
+    A BaseException: no `except Exception` of a script takes it for a failure."""
 
     def __init__(self, config: TrainConfig):
         super().__init__("the command's options are checked")
@@ -199,44 +198,8 @@ def launch_key() -> str:
 
 
 def check_launch_environment(env: dict[str, str] | None = None) -> None:
-    """The launcher variables a process starts with must describe one job: mistakes here otherwise end in a hang, a
-    traceback deep in torch, or N duplicate trainings into one folder."""
-    env = dict(os.environ if env is None else env)
-    step_tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1") or 1) if env.get("SLURM_STEP_NUM_TASKS", "1").isdigit() else 1
-    if step_tasks > 1 and "TORCHELASTIC_RUN_ID" not in env and "WORLD_SIZE" not in env:
-        raise UserError(
-            f"SLURM started {step_tasks} tasks of this script without a launcher: each would train alone, into one "
-            "folder. Start one launcher per node (srun --ntasks-per-node=1 accelerate launch ..., as "
-            "slurm/train.sbatch does), or export WORLD_SIZE, RANK, MASTER_ADDR and MASTER_PORT to every task",
-            every_process=True,
-        )
-    if "RANK" in env and "WORLD_SIZE" not in env:
-        if "LOCAL_RANK" in env or "MASTER_ADDR" in env:  # a launcher's variables, half of them
-            raise UserError(
-                f"RANK={env['RANK']} is set but WORLD_SIZE is not: set both (and MASTER_ADDR, MASTER_PORT), or unset "
-                "RANK and let a launcher (accelerate launch, torchrun) set them",
-                every_process=True,
-            )
-        return  # a stray RANK in a shell: a lone process, as if it were not there
-    try:
-        world_size, rank = int(env.get("WORLD_SIZE", "1")), int(env.get("RANK", "0"))
-    except ValueError:
-        raise UserError(
-            f"WORLD_SIZE={env.get('WORLD_SIZE')!r} and RANK={env.get('RANK')!r} must be whole numbers",
-            every_process=True,
-        ) from None
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise UserError(
-            f"RANK={rank} does not fit WORLD_SIZE={world_size}: ranks go from 0 to WORLD_SIZE - 1", every_process=True
-        )
-    if world_size > 1 and "TORCHELASTIC_RUN_ID" not in env:
-        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
-        if missing:
-            raise UserError(
-                f"WORLD_SIZE={world_size} without {' and '.join(missing)}: an env:// launch (srun, mp.spawn) needs "
-                "the address and port of rank 0 in every process",
-                every_process=True,
-            )
+    """The launcher variables a process starts with must describe one job (each engine checks its own)."""
+    engines.current(env).check()
 
 
 def available_memory_bytes() -> int | None:
@@ -305,7 +268,7 @@ def check_processes_per_machine(accelerator: Accelerator) -> None:
     """Every machine runs the same number of processes: accelerate launch with another --num_processes on one
     machine formed a group of 3 from 1 + 2 and trained without a word. Said by every process; under torchrun
     (which allows it) a warning."""
-    if os.environ.get(ENGINE_VARIABLE, "").startswith("ray"):  # Ray places workers on nodes as resources allow
+    if not engines.current().even_placement:  # Ray places workers on nodes as resources allow
         return
     mine = (int(os.environ.get("GROUP_RANK", "0") or 0), int(os.environ["LOCAL_WORLD_SIZE"]))
     gathered: list[Any] = [None] * accelerator.num_processes
@@ -335,8 +298,9 @@ def topology(accelerator: Accelerator, batch_size: int | None = None, accumulati
         "device": str(accelerator.device),
         "mixed_precision": accelerator.mixed_precision,
     }
-    if os.environ.get(ENGINE_VARIABLE):  # a launcher that is not torch's (ddp_accel.ray_launch)
-        info = {"engine": os.environ[ENGINE_VARIABLE], **info}
+    engine = engines.current().banner()  # a launcher that is not torch's (ddp_accel.ray_launch)
+    if engine:
+        info = {"engine": engine, **info}
     if batch_size is not None:
         info["batch_size_per_process"] = batch_size
         info["gradient_accumulation_steps"] = accumulation
@@ -654,60 +618,73 @@ def _first_sentence(error: BaseException) -> str:
 def run_main(main: Callable[..., Any]) -> None:
     """Run a script's main(): user errors as one line (exit 2), a preemption after its checkpoint (exit 0), a clean
     distributed shutdown (exit 0). The process's StopSignals watch SIGTERM/SIGUSR1/SIGHUP from here to the exit; a main
-    that takes one argument receives them (to pass to fit)."""
+    that takes one argument receives them (to pass to fit). How it ended is recorded (engines.last_outcome) for a
+    launcher that ran the script in its own process."""
     signals = StopSignals()
-    exit_code = 0
     note_command_start(started_as_script=getattr(main, "__module__", None) == "__main__")  # --time-budget's clock
     try:
         signals.install()  # a signal that came during the imports is handled here: Preempted (nothing trained yet)
         main(signals) if inspect.signature(main).parameters else main()
         signals.enter(Phase.DONE)
+        outcome = Outcome("completed", 0)
     except UserError as error:
-        signals.enter(Phase.DONE)
-        message = f"error: {_one_line(error)}"
-        if process_rank() == 0 or error.every_process:
-            print(message, file=sys.stderr, flush=True)
-        report_to_launcher(message)
-        stop_restarts()  # a user error fails the same way at every restart of the launcher
-        exit_code = 2
-        error.__traceback__ = None  # drop frames holding models before teardown
+        outcome = _user_error(error, signals)
     except Preempted as preempted:  # every rank saved its part of the checkpoint (or nothing was trained yet)
         signals.enter(Phase.DONE)
         if process_rank() == 0 or preempted.facts.before_training:  # any rank may be the one signalled
             print(preempted.message, file=sys.stderr, flush=True)
-        exit_code = PEER_STOPPED_EXIT_CODE if preempted.by_peer else PREEMPTED_EXIT_CODE
+        code = PEER_STOPPED_EXIT_CODE if preempted.by_peer else PREEMPTED_EXIT_CODE
+        outcome = Outcome("preempted", code, preempted.message, stop=dataclasses.asdict(preempted.facts))
         preempted.__traceback__ = None
     except KeyboardInterrupt:
-        exit_code = _interrupted(signals)
+        outcome = Outcome("interrupted", _interrupted(signals))
     except Exception as error:
         signals.enter(Phase.DONE)
-        exit_code = 1
-        if _while_interrupted(error):  # a library's cleanup failed on the way out of a Ctrl-C (a worker pool's join)
-            exit_code = _interrupted(signals)
-        elif isinstance(error, OSError) and error.filename is not None:  # read-only, full, a file for a folder...
-            message, exit_code = f"error: cannot write or read {error.filename}: {error.strerror}", 2
-            if process_rank() == 0:
-                print(message, file=sys.stderr, flush=True)
-            report_to_launcher(message)
-            stop_restarts()
-        elif should_reduce_batch_size(error):  # a CUDA/cuDNN/CPU allocator's out of memory: what to change
-            message = f"error: process {process_rank()} ran out of memory ({_first_sentence(error)}): "
-            message += OUT_OF_MEMORY_ADVICE
-            print(message, file=sys.stderr, flush=True)
-            report_to_launcher(message)
-        elif lost_peers(error):
-            print(
-                f"error: process {process_rank()} lost contact with the others: another process ended (its own message "
-                f"says why), or no answer came within the collective timeout (--timeout-s): a machine or the network "
-                f"between them is gone ({type(error).__name__})",
-                file=sys.stderr,
-                flush=True,
-            )
-        else:
-            traceback.print_exc()
-            report_to_launcher(f"{type(error).__name__}: {error}")
+        outcome = _failed(error, signals)
+    record_outcome(outcome)
     kill_leftover_workers()
-    shutdown(clean=exit_code in (0, PEER_STOPPED_EXIT_CODE))
+    shutdown(clean=outcome.code in (0, PEER_STOPPED_EXIT_CODE))
     signals.uninstall()
     note_command_start(None)  # a later fit() in this process (a notebook) counts from its own start
-    sys.exit(exit_code)
+    sys.exit(outcome.code)
+
+
+def _user_error(error: UserError, signals: StopSignals) -> Outcome:
+    signals.enter(Phase.DONE)
+    message = f"error: {_one_line(error)}"
+    if process_rank() == 0 or error.every_process:
+        print(message, file=sys.stderr, flush=True)
+    report_to_launcher(message)
+    stop_restarts()  # a user error fails the same way at every restart of the launcher
+    error.__traceback__ = None  # drop frames holding models before teardown
+    return Outcome("user_error", 2, message)
+
+
+def _failed(error: Exception, signals: StopSignals) -> Outcome:
+    """A crash: one line where the cause is known (a file, memory, a lost peer), else the traceback."""
+    if _while_interrupted(error):  # a library's cleanup failed on the way out of a Ctrl-C (a worker pool's join)
+        return Outcome("interrupted", _interrupted(signals))
+    if isinstance(error, OSError) and error.filename is not None:  # read-only, full, a file for a folder...
+        message = f"error: cannot write or read {error.filename}: {error.strerror}"
+        if process_rank() == 0:
+            print(message, file=sys.stderr, flush=True)
+        report_to_launcher(message)
+        stop_restarts()
+        return Outcome("user_error", 2, message)
+    if should_reduce_batch_size(error):  # a CUDA/cuDNN/CPU allocator's out of memory: what to change
+        message = f"error: process {process_rank()} ran out of memory ({_first_sentence(error)}): "
+        message += OUT_OF_MEMORY_ADVICE
+        print(message, file=sys.stderr, flush=True)
+    elif lost_peers(error):
+        message = (
+            f"error: process {process_rank()} lost contact with the others: another process ended (its own message "
+            f"says why), or no answer came within the collective timeout (--timeout-s): a machine or the network "
+            f"between them is gone ({type(error).__name__})"
+        )
+        print(message, file=sys.stderr, flush=True)
+        return Outcome("crashed", 1, message)
+    else:
+        traceback.print_exc()
+        message = f"{type(error).__name__}: {error}"
+    report_to_launcher(message)
+    return Outcome("crashed", 1, message)

@@ -19,7 +19,7 @@ from typing import Any
 
 from accelerate import Accelerator
 
-from ddp_accel import loaders, run_end, run_start
+from ddp_accel import engines, loaders, run_end, run_start
 from ddp_accel.budget import BudgetPlan, command_started, epochs_text
 from ddp_accel.callback_state import CallbackStates
 from ddp_accel.callbacks import Callback, Callbacks
@@ -317,6 +317,7 @@ def fit(
     with run.signals if signals is None else contextlib.nullcontext(), run:
         committed = run.start()
         if committed is not None:
+            engines.note_metrics(committed)
             return committed
         state = run.state
         try:

@@ -171,6 +171,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    if best_metric and evaluated and reported and best_metric not in reported:",
         "    if False:",
     ),
+    "ray_workers_checked_for_even_placement": (
+        "ddp_accel/engines.py",
+        "    @property\n    def even_placement(self) -> bool:\n        return False",
+        "    @property\n    def even_placement(self) -> bool:\n        return True",
+    ),
+    "a_preemption_reported_as_completed": (
+        "ddp_accel/runtime.py",
+        'outcome = Outcome("preempted", code, preempted.message',
+        'outcome = Outcome("completed", code, preempted.message',
+    ),
 }
 
 
