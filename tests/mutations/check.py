@@ -104,7 +104,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "user_error_burns_the_restarts": (
         "ddp_accel/runtime.py",
-        "        stop_restarts()  # a user error fails the same way at every restart of the launcher\n",
+        "    stop_restarts()  # a user error fails the same way at every restart of the launcher\n",
         "",
     ),
     "early_stopping_counter_not_saved": (
