@@ -61,3 +61,14 @@ def test_the_readme_training_script_runs_and_its_callback_is_called(tmp_path, mo
     output = check_ok(run_script(str(tmp_path / "my_train.py")))
     assert "step 10: lr " in output and "step 60: lr " in output, output[-2000:]
     assert (tmp_path / "outputs" / "my_run" / "model.safetensors").is_file()
+
+
+@pytest.mark.inprocess
+def test_the_architecture_page_names_every_module_of_the_package():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    missing = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "ddp_accel").rglob("*.py"))
+        if path.name != "__init__.py" and path.name not in page
+    ]
+    assert not missing, f"docs/architecture.md does not name {missing}"
