@@ -106,18 +106,21 @@ def make_identity(
     exclude: Iterable[str | Path] = (),
     accelerator: Any = None,
     unset: Mapping[str, Any] | None = None,
+    labels: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """`options`: the values that shape the model and the data pipeline; `sources`: the data, fingerprinted by
     `fingerprint_sources` (`exclude`: folders inside them that are not data, such as the run's output dir).
     `unset`: options recorded only when they differ from the value given here (options added after runs were
     saved without them, which then resume): a saved identity that lacks one had it at that value, so turning it on
-    at a resume is a change like any other."""
+    at a resume is a change like any other. `labels`: how a refusal names a value that no single option sets (the
+    options that decide it), instead of `--key`."""
     unset = {key: _plain(value) for key, value in (unset or {}).items()}
     identity: dict[str, Any] = {
         key: _plain(value) for key, value in sorted(options.items()) if key not in unset or _plain(value) != unset[key]
     }
     identity.update(fingerprint_sources(sources or {}, exclude, accelerator))
-    return {"options": identity, "versions": versions(), **({"unset": unset} if unset else {})}
+    extra = {**({"unset": unset} if unset else {}), **({"labels": dict(labels)} if labels else {})}
+    return {"options": identity, "versions": versions(), **extra}
 
 
 def fingerprint_sources(
@@ -154,19 +157,20 @@ def compare_identity(
     older = [key for key, value in saved.get("options", {}).items() if _mtime_fingerprint(value)]
     if older:  # folders fingerprinted by modification times (before 2026-11-27): not comparable with content
         saved = {**saved, "options": {k: v for k, v in saved["options"].items() if k not in older}}
+    labels = current.get("labels", {})
     differences = [
-        f"{_option(key)} was {saved['options'].get(key)!r}, now {value!r}"
+        f"{_option(key, labels)} was {saved['options'].get(key)!r}, now {value!r}"
         for key, value in current["options"].items()
         if key in saved.get("options", {}) and saved["options"][key] != value
     ]
     unset = current.get("unset", {})
     differences += [
-        f"{_option(key)} was {value!r}, now " + (f"{unset[key]!r}" if key in unset else "not given")
+        f"{_option(key, labels)} was {value!r}, now " + (f"{unset[key]!r}" if key in unset else "not given")
         for key, value in saved.get("options", {}).items()
         if key not in current["options"]
     ]
     differences += [
-        f"{_option(key)} was not given ({unset[key]!r}), now {value!r}"
+        f"{_option(key, labels)} was not given ({unset[key]!r}), now {value!r}"
         for key, value in current["options"].items()
         if key in unset and key not in saved.get("options", {})
     ]
@@ -219,5 +223,7 @@ def _mtime_fingerprint(value: Any) -> bool:
     return isinstance(value, str) and re.fullmatch(r"folder [0-9a-f]{24}", value) is not None
 
 
-def _option(key: str) -> str:
+def _option(key: str, labels: Mapping[str, str] | None = None) -> str:
+    if labels and key in labels:
+        return labels[key]
     return key if " " in key else "--" + key.replace("_", "-")

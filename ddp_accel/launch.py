@@ -63,6 +63,7 @@ def machine_setup(accelerate_args: list[str]) -> dict[str, Any]:
         "port": int(pick("main_process_port", None) or DEFAULT_PORT),
         "script": args.training_script,
     }
+    check_address(setup["address"], setup["port"])
     machines, rank, processes = setup["machines"], setup["machine_rank"], setup["processes"]
     if not 0 <= rank < machines:
         raise UserError(
@@ -75,6 +76,20 @@ def machine_setup(accelerate_args: list[str]) -> dict[str, Any]:
             "machines (machines x processes per machine), the same on every machine"
         )
     return setup
+
+
+def check_address(address: str, port: int) -> None:
+    """main_process_ip and main_process_port name a place a machine can reach: a port in range, an IP address or a
+    name this machine resolves (a port of 70000 ended in a traceback; 256.1.1.1 in a wait until the bound)."""
+    if not 1 <= port <= 65535:
+        raise UserError(f"main_process_port {port} is not a port: give one from 1 to 65535 (e.g. {DEFAULT_PORT})")
+    try:
+        socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        raise UserError(
+            f"main_process_ip {address} is neither an IP address nor a name this machine can resolve: give machine "
+            "0's address (the same on every machine)"
+        ) from None
 
 
 def connected_peers(port: int) -> list[str]:
@@ -114,11 +129,8 @@ def what_is_seen(setup: dict[str, Any]) -> str:
     address, port, machines = setup["address"], setup["port"], setup["machines"]
     if setup["machine_rank"] == 0:
         peers = connected_peers(port)
-        seen = ", ".join(peers) if peers else "none yet"
-        return (
-            f"listening on port {port} for the {machines - 1} other machine(s); connected from: {seen} (this "
-            "machine's own agent among them)"
-        )
+        seen = f"{', '.join(peers)} (this machine's own agent among them)" if peers else "none yet"
+        return f"listening on port {port} for the {machines - 1} other machine(s); connected from: {seen}"
     if answers(address, port):
         return f"machine 0 answers at {address}:{port}; waiting for the rest of the {machines} machines"
     return (

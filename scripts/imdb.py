@@ -83,6 +83,8 @@ MODEL_OPTIONS = ("dim", "ngrams", "buckets", "pool", "dropout", "kernel_size", "
 IDENTITY_OPTIONS = ("model", "dataset", "val_fraction", "fold", "min_freq", "max_vocab", "max_length", "loss", "recipe")
 IDENTITY_OPTIONS += ("group_size", "nb_alpha")
 UNSET = {"group_size": 1, "nb_alpha": 1.0}  # recorded where they differ: runs saved before the options resume
+# values no single option sets: a refused resume names the options that decide them
+LABELS = {"sparse_table": "the sparse embedding table (decided by --optimizer and --sparse)"}
 NB_ALPHA = 4.0  # 5-fold CV, random folds and runs of 50 (docs/imdb.md): alpha 1 overrates a movie's names
 # --lr-schedule linear's warm-up unless --warmup-epochs is given: this share of --epochs (imdb.py's own schedule
 # warmed up over 5% of the steps; LearningRateSchedule rounds down to the same whole steps, docs/imdb.md)
@@ -101,7 +103,9 @@ def parse_args(argv=None):
     data.add_argument("--data-dir", help="the aclImdb folder of the Stanford tarball (train/, test/)")
     data.add_argument("--train-file", help="jsonl/csv/parquet with text and label columns")
     data.add_argument("--test-file", help="jsonl/csv/parquet evaluated at the end")
-    data.add_argument("--val-fraction", type=cli.fraction, default=0.1, help="held out from the training data")
+    data.add_argument(
+        "--val-fraction", type=cli.fraction, default=None, help="held out from the training data (default 0.1)"
+    )
     data.add_argument(
         "--fold",
         type=cli.fold,
@@ -194,6 +198,10 @@ def parse_args(argv=None):
     if args.warmup is not None:
         parser.error(renamed_warmup(args.warmup, args.epochs))
     del args.schedule, args.warmup  # not options any more: args.json and the trackers do not record them
+    if args.fold and args.val_fraction is not None:  # --fold holds out 1/K: a given fraction would be read by nothing
+        parser.error(f"--fold {args.fold} holds out its own part of the data: give --fold or --val-fraction, not both")
+    if args.val_fraction is None:
+        args.val_fraction = 0.1
     if args.recipe:  # the classic values, except where an option was given (a value other than its default)
         for key, value in RECIPE.items():
             if getattr(args, key) == parser.get_default(key):
@@ -338,7 +346,9 @@ def train(args: argparse.Namespace, signals: StopSignals) -> None:
             "vocabulary": len(text.vocab),
         },
         artifacts={"vocab.json": text.vocab_path},  # --predict reads it beside the model
-        identity=make_identity({**identity_options(args), "sparse_table": sparse}, text.sources, unset=UNSET),
+        identity=make_identity(
+            {**identity_options(args), "sparse_table": sparse}, text.sources, unset=UNSET, labels=LABELS
+        ),
     )
     fit(accelerator, config, task, record, signals=signals)
 

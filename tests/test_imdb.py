@@ -337,6 +337,29 @@ def test_second_run_reuses_the_encoded_cache(tmp_path):
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").iterdir()} == mtimes
 
 
+@pytest.mark.inprocess
+def test_a_fold_with_a_val_fraction_is_one_line_and_the_fraction_alone_keeps_its_default():
+    imdb = load_script("scripts/imdb.py")
+    assert imdb.parse_args(["--dataset", "synthetic"]).val_fraction == 0.1
+    assert imdb.parse_args(["--dataset", "synthetic", "--fold", "2/5"]).fold == "2/5"
+    result = run_script("scripts/imdb.py", "--dataset", "synthetic", "--fold", "2/5", "--val-fraction", "0.1")
+    assert_clean_error(result, "--fold 2/5 holds out its own part of the data: give --fold or --val-fraction")
+
+
+@pytest.mark.inprocess
+def test_a_resume_under_another_optimizer_names_the_options_that_decide_the_sparse_table(tmp_path):
+    # --optimizer sgd makes the table dense: the refusal said "--sparse-table was True", an option that does not exist
+    common = ["--dataset", "synthetic", "--output-dir", tmp_path, "--buckets", 1000, "--checkpointing-steps", 2]
+    check_ok(run_script("scripts/imdb.py", *common, "--max-steps", 2))
+    result = run_script(
+        "scripts/imdb.py", *common, "--max-steps", 4, "--optimizer", "sgd", "--resume-from-checkpoint", "latest"
+    )
+    line = assert_clean_error(
+        result, "the sparse embedding table (decided by --optimizer and --sparse) was True, now False"
+    )
+    assert "--sparse-table" not in line
+
+
 @pytest.mark.skipif(not SHARED_IMDB.is_file(), reason="../shared/data/imdb_train.jsonl.gz not present")
 @pytest.mark.system
 def test_nb_weighted_bag_on_real_imdb_reaches_92_percent_held_out(tmp_path):

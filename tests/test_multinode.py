@@ -160,3 +160,21 @@ def test_a_machine_rank_or_process_count_the_config_cannot_form_is_one_line(caps
     assert "--machine_rank 2 cannot join a group of 2 machines" in capsys.readouterr().err
     assert launch.main(["--num_processes", "3", *base]) == 2
     assert "num_processes 3 is not a multiple of num_machines 2" in capsys.readouterr().err
+    # an address no machine can reach: one line at once (a traceback; a wait until the bound that never said why)
+    assert launch.main(["--main_process_port", "70000", *base]) == 2
+    assert "main_process_port 70000 is not a port: give one from 1 to 65535" in capsys.readouterr().err
+    assert launch.main(["--main_process_ip", "256.1.1.1", *base]) == 2
+    assert "main_process_ip 256.1.1.1 is neither an IP address nor a name this machine can resolve" in (
+        capsys.readouterr().err
+    )
+
+
+@pytest.mark.inprocess
+def test_machine_0_alone_says_none_connected_without_counting_itself(monkeypatch):
+    from ddp_accel import launch
+
+    setup = {"address": "127.0.0.1", "port": 1, "machines": 2, "machine_rank": 0}
+    monkeypatch.setattr(launch, "connected_peers", lambda port: [])
+    assert launch.what_is_seen(setup).endswith("connected from: none yet")
+    monkeypatch.setattr(launch, "connected_peers", lambda port: ["127.0.0.1"])
+    assert launch.what_is_seen(setup).endswith("connected from: 127.0.0.1 (this machine's own agent among them)")

@@ -181,6 +181,21 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         'outcome = Outcome("preempted", code, preempted.message',
         'outcome = Outcome("completed", code, preempted.message',
     ),
+    "launch_address_not_checked": (
+        "ddp_accel/launch.py",
+        '    check_address(setup["address"], setup["port"])\n',
+        "",
+    ),
+    "identity_labels_ignored": (
+        "ddp_accel/identity.py",
+        "    if labels and key in labels:\n        return labels[key]\n",
+        "",
+    ),
+    "fold_takes_a_val_fraction_silently": (
+        "scripts/imdb.py",
+        "    if args.fold and args.val_fraction is not None:",
+        "    if False:",
+    ),
 }
 
 
