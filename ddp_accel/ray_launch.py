@@ -28,6 +28,7 @@ import argparse
 import os
 import runpy
 import signal
+import socket
 import sys
 import threading
 import time
@@ -318,6 +319,27 @@ def _backend_config(cpu: bool) -> Any:
     return ScriptTorchConfig(backend="gloo" if cpu else "nccl")
 
 
+def wait_for_the_cluster(address: str, timeout_s: float) -> None:
+    """A cluster's GCS address (HOST:PORT) must answer within --start-timeout-s: Ray's own connection attempts
+    retry until killed, printing only 'Failed to connect to GCS' (and name the host by its IP, not as given)."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():  # 'auto', a Ray Client address: Ray's own business
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)).close()
+            return
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                raise UserError(
+                    f"nothing answers at {address} (the Ray cluster's head, --address or RAY_ADDRESS) within "
+                    f"--start-timeout-s {timeout_s:g} ({error.strerror or type(error).__name__}): start it there "
+                    f"(ray start --head --port {port}) or give its address"
+                ) from None
+        time.sleep(1.0)
+
+
 def run(job: RayJob) -> int:
     """Check in the driver, run on Ray, report: 0 when the training completed, 2 for a user error, 1 otherwise."""
     import psutil
@@ -338,6 +360,7 @@ def run(job: RayJob) -> int:
     if new_cluster:
         ray.init(include_dashboard=False, runtime_env=runtime_env)
     else:
+        wait_for_the_cluster(job.address or os.environ["RAY_ADDRESS"], job.start_timeout_s)
         ray.init(address=job.address, runtime_env=runtime_env)
     workers: Any = job.workers if job.min_workers is None else (job.min_workers, job.workers)  # Ray 2.60: either
     spec = asdict(job) | {"command": job.command(), "output_dir": str(output_dir), "started": started}

@@ -196,6 +196,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    if args.fold and args.val_fraction is not None:",
         "    if False:",
     ),
+    "ray_address_not_waited_for": (
+        "ddp_accel/ray_launch.py",
+        '        wait_for_the_cluster(job.address or os.environ["RAY_ADDRESS"], job.start_timeout_s)\n',
+        "",
+    ),
 }
 
 
