@@ -72,6 +72,17 @@ EVALUATION_OPTIONS = ("arch", "image_size", "augment", "mean", "std")
 # what the input means to weights fine-tuned (--pretrained FILE, --resume FILE.safetensors): another image size or
 # augmentation is a choice (FixRes), another normalisation feeds values the weights never saw
 FINE_TUNING_OPTIONS = ("mean", "std")
+# what -e reads; any other option given is training's, and refused with -e (it would change nothing, without a word)
+EVALUATE_READS = {"output_dir", "batch_size", "seed", "mixed_precision", "compile", "compile_backend", "timeout_s"}
+EVALUATE_READS |= {"hang_timeout_s", "local_rank", "data", "arch", "list_archs", "workers", "print_freq", "resume"}
+EVALUATE_READS |= {"evaluate", "tta_flip", "channels_last", "image_size", "augment", "mean", "std", "dummy"}
+EVALUATE_READS |= {
+    "dummy_classes",
+    "normalize_on",
+    "deterministic",
+    "help",
+    "time_budget",
+}  # (time_budget: its own line)
 
 
 def parse_args(argv=None):
@@ -162,6 +173,8 @@ def parse_args(argv=None):
     )
     parser.set_defaults(optimizer="sgd", momentum=0.9, weight_decay=1e-4)
     args = parser.parse_args(argv)
+    if args.evaluate:
+        check_evaluation_options(parser, args)
     if args.resume and not args.resume.endswith(".safetensors"):
         args.resume_from_checkpoint = args.resume
     mixing = args.mixup_alpha > 0 or args.cutmix_alpha > 0
@@ -177,6 +190,21 @@ def parse_args(argv=None):
         parser.error("give DATA_DIR (with train/ and val/), or --dummy for synthetic images")
     args.uint8 = args.normalize_on == "device" or args.normalize_on == "auto" and torch.cuda.is_available()
     return args
+
+
+def check_evaluation_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """-e evaluates the --resume weights: an option of training given with it would be read by nothing."""
+    given = [
+        action.option_strings[-1]
+        for action in parser._actions  # (argparse keeps no public list of a parser's options)
+        if action.dest not in EVALUATE_READS and getattr(args, action.dest, action.default) != action.default
+    ]
+    if given:
+        parser.error(
+            f"-e only evaluates the --resume weights: {', '.join(given)} "
+            + ("is an option" if len(given) == 1 else "are options")
+            + " of training, read by nothing here; drop them"
+        )
 
 
 def datasets_for(args):
@@ -273,9 +301,9 @@ def evaluate_saved(args, accelerator, model, val_set, eval_fn, metrics_fn) -> No
         + (f" top5 {metrics['eval_top5']:.4f}" if "eval_top5" in metrics else "")
         + f" on {metrics['eval_samples']} images"
     )
-    if accelerator.is_main_process:
+    if accelerator.is_main_process:  # what was evaluated, and how: beside the figures
         output_dir.mkdir(parents=True, exist_ok=True)
-        write_json(output_dir / "evaluate.json", metrics)
+        write_json(output_dir / "evaluate.json", {**metrics, "weights": args.resume, "tta_flip": args.tta_flip})
 
 
 def main(signals: StopSignals) -> None:

@@ -455,6 +455,11 @@ def test_small_inputs_that_used_to_be_misread_or_late(tmp_path):
     evaluate = ["--dummy", "-a", "resnet18", "-j", "0", "-e", "--resume", weights]
     result = run_script("scripts/imagenet.py", *evaluate, "--output-dir", write(tmp_path / "file", "x"))
     assert "top1" not in assert_clean_error(result, "is a file")
+    # -e with options of training: one line naming them (they were read by nothing)
+    result = run_script("scripts/imagenet.py", *evaluate, "--mixup-alpha", "0.2", "--ema-decay", "0.9", "--epochs", 3)
+    assert_clean_error(
+        result, "-e only evaluates the --resume weights: --epochs, --ema-decay, --mixup-alpha are options"
+    )
     # a gzipped csv is read as csv (every .gz was read as JSON)
     rows = "text,label\n" + "".join(f"a {'good' if i % 2 else 'bad'} film number {i},{i % 2}\n" for i in range(40))
     gzipped = tmp_path / "train.csv.gz"

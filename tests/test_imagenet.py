@@ -18,6 +18,7 @@ from ddp_accel.vision import BatchMixing
 from ddp_accel.vision.models import build_model
 
 SMALL = ["-a", "cifar_resnet20", "--image-size", "16", "--augment", "cifar", "-j", "0", "-b", "4", "--lr", "0.05"]
+EVALUATE = SMALL[:-2]  # -e refuses the options of training (--lr)
 
 
 def make_image_folder(root: Path, classes: int = 6, train: int = 8, val: int = 3) -> Path:
@@ -69,17 +70,40 @@ def test_two_processes_train_count_every_val_image_once_and_evaluate_reproduces_
 
     best = check_ok(
         launch(
-            "scripts/imagenet.py", data, *SMALL, "-e", "--resume", out / "model_best.safetensors", "--output-dir", out
+            "scripts/imagenet.py",
+            data,
+            *EVALUATE,
+            "-e",
+            "--resume",
+            out / "model_best.safetensors",
+            "--output-dir",
+            out,
         )
     )
-    assert json.loads((out / "evaluate.json").read_text())["eval_top1"] == pytest.approx(metrics["best_top1"], abs=1e-6)
+    evaluated = json.loads((out / "evaluate.json").read_text())
+    assert evaluated["eval_top1"] == pytest.approx(metrics["best_top1"], abs=1e-6)
+    assert evaluated["weights"] == str(out / "model_best.safetensors") and evaluated["tta_flip"] is False
     assert "on 18 images" in best
-    check_ok(run_script("scripts/imagenet.py", data, *SMALL, "-e", "--resume", "latest", "--output-dir", out))
+    check_ok(run_script("scripts/imagenet.py", data, *EVALUATE, "-e", "--resume", "latest", "--output-dir", out))
     assert json.loads((out / "evaluate.json").read_text())["eval_top1"] == pytest.approx(metrics["eval_top1"], abs=1e-6)
+    assert json.loads((out / "evaluate.json").read_text())["weights"] == "latest"
     # the weights under other evaluation options than they were trained with: one line, no evaluate.json written
     (out / "evaluate.json").unlink()
     for weights in (out / "model_best.safetensors", "latest"):
-        other = [*SMALL, "--image-size", "24", "--std", "1", "1", "1", "-e", "--resume", weights, "--output-dir", out]
+        other = [
+            *EVALUATE,
+            "--image-size",
+            "24",
+            "--std",
+            "1",
+            "1",
+            "1",
+            "-e",
+            "--resume",
+            weights,
+            "--output-dir",
+            out,
+        ]
         refused = assert_clean_error(run_script("scripts/imagenet.py", data, *other), "--image-size was 16, now 24")
         assert "--std was [0.229, 0.224, 0.225], now [1.0, 1.0, 1.0]" in refused
         assert not (out / "evaluate.json").exists()

@@ -201,6 +201,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         '        wait_for_the_cluster(job.address or os.environ["RAY_ADDRESS"], job.start_timeout_s)\n',
         "",
     ),
+    "evaluation_takes_options_of_training": (
+        "scripts/imagenet.py",
+        "    if args.evaluate:\n        check_evaluation_options(parser, args)\n",
+        "",
+    ),
 }
 
 
