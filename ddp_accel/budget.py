@@ -31,7 +31,9 @@ from accelerate.utils import DistributedType
 
 from ddp_accel import loaders
 from ddp_accel.batch_size import buffers_and_generators_kept, distributed
+from ddp_accel.callbacks import Callback
 from ddp_accel.cli import format_duration
+from ddp_accel.context import RunContext
 from ddp_accel.errors import UserError
 
 WARM_BATCHES = 2  # compilation, allocator and kernel caches: not timed
@@ -87,6 +89,7 @@ class BudgetPlan:
     epoch_s: float  # an epoch's training
     evaluation_s: float  # one evaluation (raw and EMA weights)
     reserve_s: float = 0.0  # for the checkpoints, the final files and the exit
+    test_s: float = 0.0  # the test set's evaluation at the end
 
     def describe(self) -> str:
         return (
@@ -143,7 +146,8 @@ def plan_epochs(budget_s: float, costs: Costs, shape: RunShape) -> BudgetPlan:
     count = 0
     while count < shape.max_epochs and command_s(count + 1) + reserve_s <= budget_s:
         count += 1
-    return BudgetPlan(budget_s, count, shape.max_epochs, command_s(max(count, 1)), epoch_s, evaluation_s, reserve_s)
+    estimated_s = command_s(max(count, 1))
+    return BudgetPlan(budget_s, count, shape.max_epochs, estimated_s, epoch_s, evaluation_s, reserve_s, test_s)
 
 
 @contextlib.contextmanager
@@ -270,6 +274,43 @@ def plan_run(
     plan = plan_epochs(config.time_budget, costs, shape)
     check_plan(plan, costs.spent_s, config)
     return plan, False
+
+
+class BudgetGuard(Callback):
+    """The budget kept when the machine slows down after the plan (a loaded node): at each epoch's end, when the
+    next epoch at the slower of the planned and the last epoch's pace would end past the budget (less half its
+    reserve),
+    training ends there (evaluated, tested, committed: `end_reason` says so). The ranks agree (the slowest rank's
+    view), so every rank ends at the same epoch; the decision is in the training state, so a resume of that
+    checkpoint ends too. The command then ends within its budget plus at most one epoch at the pace it ran. Only
+    the command that made the plan is guarded: a resume follows the plan it keeps."""
+
+    def __init__(self, plan: BudgetPlan, started: float):
+        self.plan, self.started = plan, started
+        self.epoch_began = time.time()
+
+    def on_start(self, run: RunContext) -> None:
+        self.epoch_began = time.time()
+
+    def on_epoch_end(self, run: RunContext) -> None:
+        plan, now, state = self.plan, time.time(), run.state
+        epoch_s, self.epoch_began = now - self.epoch_began, now
+        if state.epoch >= plan.epochs or state.ended:
+            return
+        pace_s = max(epoch_s, plan.epoch_s + plan.evaluation_s)
+        projected_s = now - self.started + pace_s + plan.test_s
+        # half the reserve absorbs the plan pace's noise; the rest is the final files' and the exit's
+        late = torch.tensor(float(projected_s > plan.budget_s - plan.reserve_s / 2), device=run.accelerator.device)
+        if distributed():
+            dist.all_reduce(late, op=dist.ReduceOp.MAX)
+        if not late.item():
+            return
+        state.out_of_time = True
+        run.accelerator.print(
+            f"warning: --time-budget {format_duration(plan.budget_s)}: an epoch now takes {format_duration(epoch_s)} "
+            f"(planned {format_duration(plan.epoch_s)}): the next would end past the budget, so training ends after "
+            f"{epochs_text(state.epoch)} of the {plan.epochs} planned"
+        )
 
 
 def budget_line(plan: BudgetPlan, command_s: float, resumed: bool) -> str:

@@ -57,6 +57,9 @@ class Callback:
     def on_evaluate(self, run: RunContext, metrics: dict[str, Any]) -> None:
         """After each evaluation on the eval loader (every rank has the same metrics)."""
 
+    def on_epoch_end(self, run: RunContext) -> None:
+        """After an epoch and its evaluation, before its checkpoint (`run.state.epoch`: the epochs done)."""
+
     def on_checkpoint(self, run: RunContext, path: Path) -> None:
         """After a checkpoint was saved and renamed into place (an engine can report it)."""
 

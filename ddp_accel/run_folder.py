@@ -30,6 +30,11 @@ def ended_by_early_stopping(metrics: dict[str, Any]) -> bool:
     return str(metrics.get("end_reason", "")).startswith("early stopping")
 
 
+def ended_by_the_time_budget(metrics: dict[str, Any]) -> bool:
+    """Whether committed metrics say --time-budget ended the run before its plan (a slower machine)."""
+    return str(metrics.get("end_reason", "")).startswith("time budget")
+
+
 class RunFolder:
     """OUTPUT_DIR: `checkpoints/` (the Checkpoints' root), `checkpoints/.final/` (what the commit will move into
     place), and the committed artifacts. Only the main process writes here, except the collective model save."""
@@ -90,7 +95,12 @@ class RunFolder:
         return committed if isinstance(committed, dict) else None
 
     def committed_metrics(
-        self, target: tuple[int, int], total_steps: int, identity: dict[str, Any], early_stopping: bool = True
+        self,
+        target: tuple[int, int],
+        total_steps: int,
+        identity: dict[str, Any],
+        early_stopping: bool = True,
+        time_budget: bool = False,
     ) -> dict[str, Any] | None:
         """The metrics of a run committed here under this identity that trained at least as far as `target`
         (epoch, samples into it: what a command asks for, in a unit that does not change with the world size, the
@@ -104,6 +114,8 @@ class RunFolder:
             compare_identity(committed["identity"], identity, f"the run in {self.path}")
         if early_stopping and ended_by_early_stopping(committed):
             return committed  # it ended where its metric stopped improving: as far as it goes
+        if time_budget and ended_by_the_time_budget(committed):  # as far as its budget went
+            return committed
         progress = committed.get("progress")
         if isinstance(progress, dict):
             reached = (progress.get("epoch", -1), progress.get("samples_in_epoch", -1))
@@ -114,15 +126,16 @@ class RunFolder:
 
     def completion(
         self, target: tuple[int, int], total_steps: int, identity: dict[str, Any], early_stopping: bool,
-        has_checkpoints: bool,
+        has_checkpoints: bool, time_budget: bool = False,
     ) -> tuple[dict[str, Any], str] | None:  # fmt: skip
         """A run committed here as far as a command asks for (`committed_metrics`): its metrics and the line that
         says so (what would continue it); None when there is none."""
-        committed = self.committed_metrics(target, total_steps, identity, early_stopping)
+        committed = self.committed_metrics(target, total_steps, identity, early_stopping, time_budget)
         if committed is None:
             return None
-        if ended_by_early_stopping(committed):
-            how_on = "Without --early-stopping-patience, a larger --epochs or --max-steps"
+        if ended_by_early_stopping(committed) or ended_by_the_time_budget(committed):
+            ended_by = "--early-stopping-patience" if ended_by_early_stopping(committed) else "--time-budget"
+            how_on = f"Without {ended_by}, a larger --epochs or --max-steps"
             ended = f"ended by {committed['end_reason']}"
         else:
             how_on, ended = "A larger --epochs or --max-steps", f"{committed['steps']} steps"

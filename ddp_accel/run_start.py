@@ -78,7 +78,7 @@ def committed_run(run: StartingRun) -> dict[str, Any] | None:
     target = (epochs, steps * run.prepared.accumulation * run.state.global_batch)
     complete = run.folder.completion(
         target, run.total_steps, run.identity.identity, bool(run.config.early_stopping_patience),
-        bool(run.checkpoints.complete()),
+        bool(run.checkpoints.complete()), bool(run.config.time_budget),
     )  # fmt: skip
     if complete is None:
         return None
@@ -100,6 +100,9 @@ def resume(run: StartingRun) -> None:
         rebase = run.checkpoints.rebase
         if rebase is not None and rebase.recounted:
             follow_the_recount(run, rebase)
+        if state.out_of_time and not run.config.time_budget:
+            run.accelerator.print("the checkpoint was where --time-budget ended the run; without it, training goes on")
+            state.out_of_time = False
         if state.stopped_early and not run.config.early_stopping_patience:
             run.accelerator.print("the checkpoint was where early stopping ended the run; without it, training goes on")
             state.stopped_early, state.evaluations_without_improvement = False, 0

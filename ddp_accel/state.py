@@ -81,6 +81,7 @@ class TrainState:
     early_stopping_best: float | None = None
     evaluations_without_improvement: int = 0
     stopped_early: bool = False
+    out_of_time: bool = False  # --time-budget: the machine ran slower than planned, training ended at an epoch's end
     time_budget: dict[str, Any] | None = None  # what --time-budget planned (budget.BudgetPlan), kept by a resume
 
     @property
@@ -100,8 +101,15 @@ class TrainState:
         (metrics.json's `progress`)."""
         return {"epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch, "samples": self.samples_trained}
 
+    @property
+    def ended(self) -> bool:
+        """Training ends before its length: early stopping, or the time budget."""
+        return self.stopped_early or self.out_of_time
+
     def end_reason(self) -> str:
-        """metrics.json's `end_reason`: early stopping (by `best_metric_name`), or the run's length."""
+        """metrics.json's `end_reason`: early stopping (by `best_metric_name`), the time budget, or the run's length."""
+        if self.out_of_time:
+            return f"time budget: the machine ran slower than planned; training ended after epoch {self.epoch}"
         if self.stopped_early:
             return (
                 f"early stopping: {self.best_metric_name} did not improve for {self.evaluations_without_improvement} "

@@ -20,7 +20,7 @@ from typing import Any
 from accelerate import Accelerator
 
 from ddp_accel import engines, loaders, run_end, run_start
-from ddp_accel.budget import BudgetPlan, command_started, epochs_text
+from ddp_accel.budget import BudgetGuard, BudgetPlan, command_started, epochs_text
 from ddp_accel.callback_state import CallbackStates
 from ddp_accel.callbacks import Callback, Callbacks
 from ddp_accel.checkpoint import Checkpoints, every, model_fingerprint, optimizer_fingerprint
@@ -106,7 +106,10 @@ class TrainingRun:
             accelerator, config, task, self.optimizer, self.total_steps, self.steps_per_epoch, self.best_metric
         )
         chosen_by = f" ({epochs_text(self.epochs)}: --time-budget's plan)" if self.budget else ""
-        features = standard_callbacks(config, self.best_metric, self.total_steps, chosen_by, [*feed, *callbacks])
+        guard = [BudgetGuard(self.budget, self.started)] if self.budget and not self.budget_kept else []
+        features = standard_callbacks(
+            config, self.best_metric, self.total_steps, chosen_by, [*feed, *guard, *callbacks]
+        )
         self.ema, self.callbacks = features.ema, Callbacks(features.callbacks)
         self.checkpoints.states = CallbackStates(features.callbacks)
         self.agreement = StepAgreement(accelerator)
@@ -214,6 +217,7 @@ class TrainingRun:
         due = (epoch + 1) == self.epochs or (epoch + 1) % self.config.eval_every_epochs == 0
         if self.eval_loader is not None and self.state.step != self.state.last_eval_step and due:
             self.evaluate_now()
+        self.callbacks.call("on_epoch_end", self.context)  # (before the epoch's checkpoint: it carries their state)
         self.checkpoints.maybe_save(self.state, self.identity, epoch_end=True)
 
     def log_window(self) -> None:
@@ -325,12 +329,12 @@ def fit(
                 run.evaluate_now()
                 run.watchdog.rearm()
             for epoch in range(state.epoch, run.epochs):  # (--time-budget may have chosen fewer than --epochs)
-                if state.step >= run.total_steps or state.stopped_early:
+                if state.step >= run.total_steps or state.ended:
                     break
                 with run.epoch_batches(epoch) as batches:
                     for batch in batches:
                         # --max-steps reached, or early stopping, mid-epoch: no end-of-epoch work
-                        if state.step >= run.total_steps or state.stopped_early:
+                        if state.step >= run.total_steps or state.ended:
                             break
                         if run.train_step(batch):
                             run.after_optimizer_step()

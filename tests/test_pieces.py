@@ -637,3 +637,26 @@ def test_a_time_budget_counts_from_the_process_start_a_launchers_start_or_now(mo
     finally:
         note_command_start(None)
     assert command_started(7.0) == 7.0  # after the command: a later fit() counts from its own start
+
+
+def test_the_budget_guard_ends_training_at_the_epoch_whose_successor_would_end_past_the_budget(monkeypatch):
+    # a plan of 10 epochs of 8 s (+ 1 s evaluation) in 100 s, 8 s in reserve, a 2 s test; the clock is ours
+    from ddp_accel.budget import BudgetGuard, BudgetPlan
+
+    clock = [2.0]
+    monkeypatch.setattr("ddp_accel.budget.time", SimpleNamespace(time=lambda: clock[0]))
+    plan = BudgetPlan(100, 10, 10, 90, epoch_s=8, evaluation_s=1, reserve_s=8, test_s=2)
+    run = SimpleNamespace(state=TrainState(), accelerator=SimpleNamespace(device="cpu", print=print))
+    guard = BudgetGuard(plan, started=0.0)
+    guard.on_start(run)
+    for epoch, now in enumerate((11.0, 20.0, 40.0), start=1):  # on plan, on plan, then 20 s an epoch
+        clock[0], run.state.epoch = now, epoch
+        guard.on_epoch_end(run)
+        assert not run.state.out_of_time, epoch  # 40 + 20 + 2 = 62: within 100 - 8 / 2
+    clock[0], run.state.epoch = 75.0, 4  # 35 s an epoch now: 75 + 35 + 2 = 112 > 96
+    guard.on_epoch_end(run)
+    assert run.state.out_of_time and run.state.ended and run.state.end_reason().startswith("time budget")
+    last = TrainState(epoch=10)  # the plan's last epoch: nothing to decide
+    clock[0] = 500.0
+    guard.on_epoch_end(SimpleNamespace(state=last, accelerator=run.accelerator))
+    assert not last.out_of_time

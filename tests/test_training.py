@@ -780,6 +780,35 @@ def test_a_time_budget_plans_on_batches_that_change_nothing_and_a_resume_keeps_t
     assert metrics_of(tmp_path / "lower")["steps"] == 20
 
 
+@inprocess
+def test_a_machine_that_slows_down_after_the_plan_ends_training_early_and_says_so(tmp_path, monkeypatch):
+    # the plan is made from fast batches (timed costs of 1 ms), then every step takes 20 ms: the 40 planned epochs
+    # would take about four times the budget; the guard ends training at an epoch's end, and the run is complete
+    from ddp_accel.budget import Costs
+
+    costs = Costs(train_batch_s=0.001, train_start_s=0.0, eval_batch_s=0.001, eval_start_s=0.0, spent_s=0.1)
+    monkeypatch.setattr("ddp_accel.budget.measure_costs", lambda *args: Costs(**vars(costs)))
+    common = [
+        "--batch-size",
+        4,
+        "--epochs",
+        40,
+        "--time-budget",
+        "8s",
+        "--step-ms",
+        20,
+        "--checkpointing-steps",
+        "epoch",
+    ]
+    output = probe(tmp_path, *common, nproc=1)
+    metrics = metrics_of(tmp_path)
+    assert metrics["time_budget"]["epochs"] == 40 and metrics["progress"]["epoch"] < 40, metrics
+    assert metrics["end_reason"].startswith("time budget: the machine ran slower than planned"), metrics
+    assert "the next would end past the budget, so training ends after" in output, output[-2000:]
+    rerun = probe(tmp_path, *common, "--resume-from-checkpoint", "latest", nproc=1)
+    assert "is complete (ended by time budget" in rerun and "Without --time-budget" in rerun, rerun[-2000:]
+
+
 @multiprocess
 def test_on_two_processes_a_time_budget_plans_the_same_on_both_and_trains_as_without_it(tmp_path, two_process_job):
     # each rank times its own batches; both take the slowest figures (one all-reduce), so both train the same

@@ -206,6 +206,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    if args.evaluate:\n        check_evaluation_options(parser, args)\n",
         "",
     ),
+    "budget_guard_never_stops": (
+        "ddp_accel/budget.py",
+        "        state.out_of_time = True\n",
+        "        return\n",
+    ),
 }
 
 
