@@ -164,7 +164,7 @@ class StopSignals:
                     self.received = self.received or _forwarded_from_main_thread.received
                 return self
         StopSignals.current = self
-        # the scripts block these signals before their imports: one that came meanwhile is handled now
+        # a program that blocked these signals before its imports: one that came meanwhile is handled now
         signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPTION_SIGNALS)
         return self
 

@@ -7,10 +7,12 @@ every validation sample was counted exactly once.
 
 import signal
 
-# A preemption signal during the imports below waits until run_main handles it (it then leaves preempted.json);
+# A preemption signal during the imports below ends the process at once with its marker (ddp_accel/startup.py);
 # only when run as a script: a program that imports this module keeps its own signal handling
 if __name__ == "__main__":
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+    from ddp_accel.startup import stop_during_imports
+
+    stop_during_imports(default_output_dir="outputs/run")
 
 import json
 import os

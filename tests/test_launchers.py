@@ -226,3 +226,25 @@ def test_a_stop_signal_that_arrives_while_the_agent_forks_a_worker_still_stops_i
     )
     assert result.stdout.startswith("stopped: "), (result.stdout, result.stderr[-2000:])
     assert "Exception ignored" not in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.multiprocess
+def test_the_start_up_guard_imports_nothing_heavy_and_writes_the_marker_at_once(tmp_path):
+    # a signal during a script's imports: the marker and exit 0, from a module that costs no torch import
+    import json
+    import subprocess
+    import sys
+
+    from ddp_accel.startup import output_dir_of
+
+    assert output_dir_of(["--output-dir", "a", "--output_dir=b"], "d") == "b" and output_dir_of([], "d") == "d"
+    code = (
+        "import sys; from ddp_accel.startup import stop_during_imports; assert 'torch' not in sys.modules; "
+        "stop_during_imports('unused'); import os, signal, time; os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, "--output-dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0 and "preempted by SIGTERM before training started" in result.stderr, result
+    facts = json.loads((tmp_path / "out" / "preempted.json").read_text())
+    assert (facts["phase"], facts["signal"], facts["step"], facts["moment"]) == ("startup", "SIGTERM", None, "imports")

@@ -229,3 +229,30 @@ def test_one_moment_each_for_another_launcher_one_process_sigusr1_and_a_second_s
     assert marker(output_dir) is None
     expected, final = weights(references(launcher, epochs=2)), weights(output_dir)
     assert all(torch.equal(expected[key], final[key]) for key in expected)
+
+
+def test_a_signal_during_the_imports_on_a_loaded_machine_leaves_its_marker_before_the_launchers_grace(tmp_path):
+    # a loaded node (a CPU hog beside the job) where the imports outlast the launcher's grace (here 2 s; torchrun's
+    # default 30 s): with the signals blocked until run_main, torchrun killed the ranks mid-import and no marker
+    # was left; now each rank writes it and exits at once
+    hog = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        output_dir = tmp_path / "run"
+        env = {**ENV, "TORCHELASTIC_SHUTDOWN_TIMEOUT": "2", "PET_SHUTDOWN_TIMEOUT": "2"}
+        command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), PROBE]
+        command += ["--output-dir", str(output_dir), "--workers", "2"]
+        log = open(tmp_path / "run.log", "w")
+        agent = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
+        )
+        wait_for(lambda: len(process_tree(agent.pid)) >= 3, timeout=120, interval=0.01, alive=agent, what="the ranks")
+        pids = signal_every_process(agent, signal.SIGTERM)
+        assert_all_gone(pids, time.monotonic() + 10)
+    finally:
+        for process in hog:
+            process.kill()
+    facts = marker(output_dir)
+    assert facts is not None and facts["phase"] == "startup" and facts["moment"] == "imports", facts
+    text = (tmp_path / "run.log").read_text()
+    assert "preempted by SIGTERM before training started" in text, text[-3000:]
+    assert_only_the_launchers_traceback(text)

@@ -211,6 +211,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        state.out_of_time = True\n",
         "        return\n",
     ),
+    "imports_not_guarded": (
+        "ddp_accel/startup.py",
+        "        signal.signal(signum, lambda received, frame: _stop(received, frame, output_dir))\n",
+        "        pass\n",
+    ),
 }
 
 
