@@ -75,13 +75,21 @@ class Callbacks:
 
     def __init__(self, callbacks: list[Callback]):
         self.callbacks = callbacks
+        self._bound: dict[str, list[Any]] = {}
 
     def stateful(self) -> list[Callback]:
         return [callback for callback in self.callbacks if hasattr(callback, "state_dict")]
 
     def call(self, hook: str, run: RunContext, *args: Any) -> None:
-        for callback in self.callbacks:
-            getattr(callback, hook)(run, *args)
+        bound = self._bound.get(hook)
+        if bound is None:  # only the callbacks that do something there: some hooks run at every step
+            bound = self._bound[hook] = [
+                getattr(callback, hook)
+                for callback in self.callbacks
+                if getattr(type(callback), hook, None) is not getattr(Callback, hook) or hook in vars(callback)
+            ]
+        for method in bound:
+            method(run, *args)
 
     def extra_evaluation(self, run: RunContext) -> dict[str, Any]:
         metrics: dict[str, Any] = {}
