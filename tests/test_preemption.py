@@ -231,6 +231,17 @@ def test_one_moment_each_for_another_launcher_one_process_sigusr1_and_a_second_s
     assert all(torch.equal(expected[key], final[key]) for key in expected)
 
 
+def importing_torch(agent: subprocess.Popen) -> int:
+    """The agent's ranks that have begun to import torch (its shared library mapped)."""
+    count = 0
+    for pid in process_tree(agent.pid)[1:]:
+        try:
+            count += "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+    return count
+
+
 def test_a_signal_during_the_imports_on_a_loaded_machine_leaves_its_marker_before_the_launchers_grace(tmp_path):
     # a loaded node (a CPU hog beside the job) where the imports outlast the launcher's grace (here 2 s; torchrun's
     # default 30 s): with the signals blocked until run_main, torchrun killed the ranks mid-import and no marker
@@ -245,7 +256,9 @@ def test_a_signal_during_the_imports_on_a_loaded_machine_leaves_its_marker_befor
         agent = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
         )
-        wait_for(lambda: len(process_tree(agent.pid)) >= 3, timeout=120, interval=0.01, alive=agent, what="the ranks")
+        # the ranks in their imports: torch's libraries mapped (their interpreter's own start is before any line of
+        # the script can act; a signal there is the default action's)
+        wait_for(lambda: importing_torch(agent) >= 2, timeout=120, interval=0.01, alive=agent, what="the imports")
         pids = signal_every_process(agent, signal.SIGTERM)
         assert_all_gone(pids, time.monotonic() + 10)
     finally:
