@@ -21,6 +21,7 @@ overrides the choice; a loader created with its own `multiprocessing_context` ke
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import gc
 import json
@@ -48,6 +49,7 @@ FORKSERVER_MAIN_VARIABLE = "DDP_ACCEL_FORKSERVER_MAIN"
 FORKSERVER_MAIN_MODULE_VARIABLE = "DDP_ACCEL_FORKSERVER_MAIN_MODULE"
 FORKSERVER_SYS_PATH_VARIABLE = "DDP_ACCEL_FORKSERVER_SYS_PATH"
 WORKER_SERVER_VARIABLE = "DDP_ACCEL_WORKER_SERVER"
+PR_SET_PDEATHSIG = 1  # Linux prctl: a signal when the parent thread ends
 
 
 def _ignore_preemption(user_init: Callable[[int], None] | None, worker_id: int) -> None:
@@ -56,9 +58,15 @@ def _ignore_preemption(user_init: Callable[[int], None] | None, worker_id: int) 
     for signum in PREEMPTION_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPTION_SIGNALS)
+    server = os.environ.get(WORKER_SERVER_VARIABLE)  # our forkserver's pid: this worker's parent
+    if server and sys.platform.startswith("linux"):
+        # die with the forkserver (which dies with the training process); one gone already: end now
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if server.isdigit() and os.getppid() != int(server):
+            os._exit(0)
     # what the worker inherited stays out of garbage collections, which would copy every page of it
     gc.freeze()
-    if os.environ.get(WORKER_SERVER_VARIABLE):  # our forkserver turned the collector off (worker_server)
+    if server:  # our forkserver turned the collector off (worker_server)
         gc.enable()
     if user_init is not None:
         user_init(worker_id)

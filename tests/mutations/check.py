@@ -216,6 +216,85 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        signal.signal(signum, lambda received, frame: _stop(received, frame, output_dir))\n",
         "        pass\n",
     ),
+    # issue 43 item 12: one per mechanism class
+    # 1. a decision each rank makes that the ranks must agree on
+    "auto_batch_size_agrees_on_the_largest_fit": (
+        "ddp_accel/batch_size.py",
+        "dist.all_reduce(flag, op=dist.ReduceOp.MIN)",
+        "dist.all_reduce(flag, op=dist.ReduceOp.MAX)",
+    ),
+    "time_budget_planned_on_the_fastest_rank": (
+        "ddp_accel/budget.py",
+        "dist.all_reduce(figures, op=dist.ReduceOp.MAX)",
+        "dist.all_reduce(figures, op=dist.ReduceOp.MIN)",
+    ),
+    "budget_guard_decides_alone_on_each_rank": (
+        "ddp_accel/budget.py",
+        "        if distributed():\n            dist.all_reduce(late, op=dist.ReduceOp.MAX)\n",
+        "",
+    ),
+    # 2. randomness that must differ per micro-batch
+    "mixing_draws_alike_for_each_micro_batch": (
+        "ddp_accel/vision/mixing.py",
+        "        self.micro_batch += 1\n",
+        "",
+    ),
+    # 3. the watchdog's heartbeat in one phase
+    "watchdog_deaf_during_evaluation": (
+        "ddp_accel/training.py",
+        '        self.watchdog.beat(f"an evaluation batch at step {self.state.step}")\n',
+        "",
+    ),
+    # 4. a doctor check tested through its helper, not through the command
+    "doctor_command_drops_the_data_check": (
+        "ddp_accel/doctor.py",
+        "    problems = compare(reports, output_dir, data)\n",
+        "    problems = compare(reports, output_dir)\n",
+    ),
+    # 5. a process that must die with its training process after a SIGKILL
+    "forkserver_outlives_its_training_process": (
+        "ddp_accel/worker_server.py",
+        "    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)\n",
+        "    pass\n",
+    ),
+    # 6. an identity option checked at one entry point but not another
+    "evaluation_ignores_the_augmentation": (
+        "scripts/imagenet.py",
+        'EVALUATION_OPTIONS = ("arch", "image_size", "augment", "mean", "std")',
+        'EVALUATION_OPTIONS = ("arch", "image_size", "mean", "std")',
+    ),
+    "predict_ignores_the_data_options": (
+        "scripts/imdb.py",
+        "if key in IDENTITY_OPTIONS + MODEL_OPTIONS}",
+        "if key in MODEL_OPTIONS}",
+    ),
+    # and mechanisms of checkpoint.py, callback_state.py, startup.py and engines.py no test guarded
+    "a_stop_saves_again_what_was_just_saved": (
+        "ddp_accel/checkpoint.py",
+        "        if self.holds(state, identity):\n            return step_folder(self.root, state.step)\n"
+        "        return self.save_now(state, identity)",
+        "        return self.save_now(state, identity)",
+    ),
+    "callback_states_of_one_key_collide": (
+        "ddp_accel/callback_state.py",
+        "            while unique in self.by_key:",
+        "            while False:",
+    ),
+    "start_up_guard_overrides_nohup": (
+        "ddp_accel/startup.py",
+        "        if signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN:\n            continue\n",
+        "",
+    ),
+    "env_launch_of_one_process_wants_an_address": (
+        "ddp_accel/engines.py",
+        "        if world_size > 1 and missing:",
+        "        if missing:",
+    ),
+    "worker_outlives_a_dead_forkserver": (
+        "ddp_accel/loaders.py",
+        "        if server.isdigit() and os.getppid() != int(server):\n            os._exit(0)\n",
+        "",
+    ),
 }
 
 
