@@ -113,7 +113,14 @@ def duration(text: str) -> float:
     return total
 
 
-OPTIMIZERS = ("sgd", "adamw", "adam", "rmsprop")  # --optimizer; ddp_accel.optim.make_optimizer builds each
+OPTIMIZERS = ("sgd", "adamw", "adam", "rmsprop")
+# options a resume may change (the weights and the optimizer's state fit them): said in one line when they do.
+# What shapes the model, the data or the optimizer's state is the run's identity instead, and refused.
+CHANGEABLE_AT_RESUME = (
+    *("lr", "lr_schedule", "warmup_epochs", "min_lr", "lr_gamma", "lr_step_epochs", "lr_milestones"),
+    *("plateau_patience", "momentum", "nesterov", "weight_decay", "betas", "max_grad_norm", "ema_decay"),
+    *("ema_warmup", "early_stopping_patience", "early_stopping_min_delta"),
+)
 
 
 def option(default: Any, help: str | None = None, **argparse_options: Any) -> Any:
@@ -262,6 +269,11 @@ class TrainConfig:
         """Every section's own check (what the script gives fit is checked by fit: `check_evaluation`)."""
         for check in SECTION_CHECKS:
             check(self)
+
+    def changeable_options(self) -> dict[str, Any]:
+        """This run's values of CHANGEABLE_AT_RESUME, as JSON keeps them (tuples as lists)."""
+        values = {key: getattr(self, key) for key in CHANGEABLE_AT_RESUME}
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in values.items()}
 
     def hyperparameters(self) -> dict[str, Any]:
         if self.hparams is not None:

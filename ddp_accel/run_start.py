@@ -90,11 +90,13 @@ def committed_run(run: StartingRun) -> dict[str, Any] | None:
 def resume(run: StartingRun) -> None:
     """Load `--resume-from-checkpoint` (if any) into the prepared objects, the callbacks and `state`."""
     state, prepared = run.state, run.prepared
+    state.training_options = run.config.changeable_options()
     path = run.checkpoints.resume(
         run.config.resume_from_checkpoint, state, run.identity, len(prepared.train_loader), prepared.accumulation,
         run.total_steps,
     )  # fmt: skip
     if path is not None:
+        say_changed_options(run, path)
         run.resumed_from = run.context.resumed_from = path
         run.signals.resume_hint = resume_hint(path)
         rebase = run.checkpoints.rebase
@@ -113,6 +115,23 @@ def resume(run: StartingRun) -> None:
             "model and early stopping start again from here (model_best.safetensors is replaced at the next "
             "evaluation)"
         )
+
+
+def say_changed_options(run: StartingRun, path: Path) -> None:
+    """The options a resume may change (config.CHANGEABLE_AT_RESUME) that it did: one line; the run goes on with
+    this command's values (a checkpoint of an earlier version records none)."""
+    saved, now = run.state.training_options, run.config.changeable_options()
+    changed = [
+        f"--{key.replace('_', '-')} {saved[key]} -> {now[key]}"
+        for key in now
+        if key in saved and saved[key] != now[key]
+    ]
+    if changed:
+        run.accelerator.print(
+            f"warning: {path} was trained with other options: {', '.join(changed)}; the run goes on with this "
+            "command's (the weights and the optimizer's state fit them)"
+        )
+    run.state.training_options = now
 
 
 def follow_the_recount(run: StartingRun, rebase: Rebase) -> None:

@@ -633,6 +633,27 @@ def test_a_sigterm_mid_training_saves_the_average_of_the_step_it_saves(tmp_path)
         assert all(torch.equal(full[key], cut[key]) for key in full), name
 
 
+@inprocess
+def test_options_a_resume_may_change_are_said_in_one_line_when_they_do(tmp_path):
+    # another --ema-decay, an --ema-warmup added, another --lr-schedule and --lr were taken without a word
+    common = ["--batch-size", 4, "--epochs", 1, "--ema-decay", "0.9", "--checkpointing-steps", 4]
+    probe(tmp_path, *common, "--max-steps", 4, nproc=1)
+    same = probe(tmp_path, *common, "--max-steps", 8, "--resume-from-checkpoint", "latest", nproc=1)
+    assert "was trained with other options" not in same, same[-2000:]
+    changed = [*common, "--max-steps", 12, "--resume-from-checkpoint", "latest", "--ema-warmup", "--lr", "0.01"]
+    changed[changed.index("0.9")] = "0.99"
+    output = probe(tmp_path, *changed, "--lr-schedule", "cosine", nproc=1)
+    lines = [line for line in output.splitlines() if "was trained with other options" in line]
+    assert len(lines) == 1, output[-3000:]
+    for said in (
+        "--lr 0.001 -> 0.01",
+        "--lr-schedule None -> cosine",
+        "--ema-decay 0.9 -> 0.99",
+        "--ema-warmup False -> True",
+    ):
+        assert said in lines[0], lines[0]
+
+
 def learning_rates(output_dir) -> dict[int, float]:
     """tests/probe.py's record: samples trained -> the learning rate of the next step (rank 0, its last run)."""
     return dict(json.loads((output_dir / "lr_rank0.json").read_text()))

@@ -295,6 +295,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        if server.isdigit() and os.getppid() != int(server):\n            os._exit(0)\n",
         "",
     ),
+    "changed_options_taken_without_a_word": (
+        "ddp_accel/run_start.py",
+        "    if changed:\n        run.accelerator.print(",
+        "    if False:\n        run.accelerator.print(",
+    ),
 }
 
 
