@@ -100,10 +100,11 @@ def check_in_driver(job: RayJob) -> Path | int:
     """Run the script in this process up to its Accelerator: options, --output-dir and trackers are checked as the
     workers will check them. Returns the output dir, or the script's exit status once it printed its error line."""
     from ddp_accel.runtime import OptionsChecked
-    from ddp_accel.stopping import StopSignals
+    from ddp_accel.stopping import PREEMPTION_SIGNALS, StopSignals
 
     script = Path(job.script)
     argv, path = sys.argv, list(sys.path)
+    handlers = {signum: signal.getsignal(signum) for signum in PREEMPTION_SIGNALS}  # the script's guard takes them
     sys.argv = [str(script), *job.command()]
     sys.path.insert(0, str(script.resolve().parent))
     try:
@@ -117,6 +118,9 @@ def check_in_driver(job: RayJob) -> Path | int:
         sys.argv, sys.path[:] = argv, path
         if StopSignals.current is not None:  # run_main's, left installed by the early return
             StopSignals.current.uninstall()
+        for signum, handler in handlers.items():  # the driver's own, not the guard the script installed
+            if handler is not None:
+                signal.signal(signum, handler)
     raise UserError(f"{job.script} does not make its Accelerator with ddp_accel.make_accelerator: it cannot be checked")
 
 

@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from types import FrameType
@@ -44,7 +45,10 @@ def output_dir_of(argv: list[str], default: str) -> str:
 
 def stop_during_imports(default_output_dir: str) -> None:
     """Handle the preemption signals from now until run_main installs its own (SIGHUP only where not ignored:
-    nohup)."""
+    nohup). Not in a thread other than the main one (Ray Train runs the script in one: its worker's main thread
+    forwards the signals), where handlers cannot be installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return
     output_dir = output_dir_of(sys.argv[1:], default_output_dir)
     for signum in SIGNALS:
         if signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN:

@@ -78,3 +78,24 @@ def test_run_main_records_a_typed_outcome_for_each_way_a_script_ends(tmp_path):
     run_script("tests/probe.py", "--output-dir", tmp_path / "crash", "--crash-at-step", 1)
     outcome = engines.last_outcome()
     assert (outcome.kind, outcome.code) == ("crashed", 1) and "probe: a bug at step 1" in outcome.message
+
+
+def test_the_start_up_guard_leaves_a_scripts_thread_alone():
+    # Ray Train runs a script in a thread of its worker, where handlers cannot be installed (ValueError)
+    import threading
+
+    from ddp_accel.startup import stop_during_imports
+
+    before = signal.getsignal(signal.SIGTERM)
+    errors: list[BaseException] = []
+
+    def in_a_thread():
+        try:
+            stop_during_imports("unused")
+        except BaseException as error:
+            errors.append(error)
+
+    worker = threading.Thread(target=in_a_thread)
+    worker.start()
+    worker.join()
+    assert not errors and signal.getsignal(signal.SIGTERM) is before

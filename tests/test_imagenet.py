@@ -411,8 +411,9 @@ def test_compiled_with_inductor_the_weights_load_into_the_bare_model_and_evaluat
 
     weights = load_file(str(out / "model.safetensors"))
     build_model("cifar_resnet20", 10).load_state_dict(weights)  # the bare nn.Module, strict
+    evaluate = ["--dummy", "--dummy-classes", "10", *EVALUATE, "--compile"]  # -e refuses training's options (--lr)
     for name in ("model.safetensors", "model_best.safetensors"):
-        check_ok(run_script("scripts/imagenet.py", *dummy, "-e", "--resume", out / name, "--output-dir", out))
+        check_ok(run_script("scripts/imagenet.py", *evaluate, "-e", "--resume", out / name, "--output-dir", out))
     assert json.loads((out / "evaluate.json").read_text())["eval_samples"] > 0
 
 

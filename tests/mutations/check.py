@@ -300,6 +300,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    if changed:\n        run.accelerator.print(",
         "    if False:\n        run.accelerator.print(",
     ),
+    "start_up_guard_in_a_scripts_thread": (
+        "ddp_accel/startup.py",
+        "    if threading.current_thread() is not threading.main_thread():\n        return\n",
+        "",
+    ),
 }
 
 
