@@ -31,10 +31,12 @@ import multiprocessing.forkserver
 import multiprocessing.reduction
 import multiprocessing.resource_tracker
 import multiprocessing.spawn
+import multiprocessing.util
 import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
@@ -279,3 +281,50 @@ def kill_leftover_workers(timeout_s: float = 5.0) -> None:
             if child.is_alive():
                 child.kill()
                 child.join(timeout_s)
+
+
+def end_worker_processes(timeout_s: float = 5.0) -> None:
+    """Before the process exits, in order: the DataLoader workers still alive, then the forkserver they came from,
+    then multiprocessing's resource tracker, each waited for. Left to the interpreter's exit, the forkserver and the
+    tracker end only after the process has (at the end of their pipe, or by the parent-death signal): a command
+    would return with its helpers still in its process group."""
+    kill_leftover_workers(timeout_s)
+    server = multiprocessing.forkserver._forkserver
+    _end_helper(server, "_forkserver_pid", "_forkserver_alive_fd", timeout_s)
+    if getattr(server, "_forkserver_pid", 0) is None:
+        address = getattr(server, "_forkserver_address", None)
+        if address and not multiprocessing.util.is_abstract_socket_namespace(address):  # a socket file
+            with contextlib.suppress(OSError):
+                os.unlink(address)
+        server._forkserver_address = None  # type: ignore[attr-defined]
+    _end_helper(multiprocessing.resource_tracker._resource_tracker, "_pid", "_fd", timeout_s)
+
+
+def exit_now(code: int) -> None:
+    """os._exit(code) once the workers, the forkserver and the tracker are gone (the watchdog's exit: the training
+    thread is stuck, so no orderly shutdown; a stuck worker is killed at once)."""
+    with contextlib.suppress(Exception):
+        end_worker_processes(timeout_s=0.5)
+    os._exit(code)
+
+
+def _end_helper(helper: Any, pid_name: str, fd_name: str, timeout_s: float) -> None:
+    """A multiprocessing helper process that ends when its "alive" pipe closes: close it, wait up to `timeout_s`,
+    then SIGKILL. Its pid is cleared, so that a later loader of this process starts a new one."""
+    pid, fd = getattr(helper, pid_name, None), getattr(helper, fd_name, None)
+    if pid is None or fd is None:
+        return
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    setattr(helper, fd_name, None)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.005)
+    except ChildProcessError:  # reaped already (SIGCHLD ignored, or a waitpid elsewhere)
+        pass
+    setattr(helper, pid_name, None)

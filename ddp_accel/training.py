@@ -122,7 +122,11 @@ class TrainingRun:
         self.wall_start = time.perf_counter()
         self.grace = SaveGrace(accelerator.is_main_process)
         self.watchdog = ProgressWatchdog(
-            self.folder.path, accelerator.process_index, config.hang_timeout_s, phase=lambda: self.signals.phase
+            self.folder.path,
+            accelerator.process_index,
+            config.hang_timeout_s,
+            phase=lambda: self.signals.phase,
+            exit=loaders.exit_now,
         )
         self.checkpoints.activity = lambda what: self.watchdog.activity(what, kind="checkpoint")
         self.checkpoints.on_saved.append(self.after_save)

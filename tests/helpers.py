@@ -54,7 +54,40 @@ def launch(script, *args, nproc: int = 2, launcher: str = "accelerate", timeout:
         raise ValueError(launcher)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     full_env.pop("WORLD_SIZE", None)
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full_env)
+    # a session of its own: when the command returns, nothing of it may be left (ranks, workers, forkservers)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=full_env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(process)
+        raise
+    assert_nothing_left(process.pid, command)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def session_members(session: int) -> dict[int, str]:
+    """pid -> command line of every process of `session` (zombies included)."""
+    members = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == session:  # after the state, the parent, the process group: the session
+                members[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue  # it ended while we read
+    return members
+
+
+def assert_nothing_left(session: int, command: list[str]) -> None:
+    """The command returned: no process of its session may outlive it, not even a zombie."""
+    left = session_members(session)
+    if left:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(session, signal.SIGKILL)
+        raise AssertionError(f"{' '.join(command[:3])}... returned with processes of its own still there: {left}")
 
 
 @dataclass

@@ -159,7 +159,7 @@ def test_every_evaluation_batch_is_a_heartbeat_of_the_watchdog(tmp_path, monkeyp
 
     class Recording(ProgressWatchdog):
         def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs, exit=fired.append)
+            super().__init__(*args, **{**kwargs, "exit": fired.append})
 
         def beat(self, what: str) -> None:
             beats.append(what)

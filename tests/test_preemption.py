@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BIN, ROOT, free_port, kill_tree, metrics_of, process_tree, wait_for, weights
+from helpers import BIN, ROOT, assert_nothing_left, free_port, kill_tree, metrics_of, process_tree, wait_for, weights
 
 pytestmark = pytest.mark.system
 
@@ -168,6 +168,7 @@ def test_signals_to_every_process_at_any_moment_lose_nothing(tmp_path, reference
         pids = list(set(pids_before) | set(process_tree(agent.pid)))
         try:
             code = agent.wait(timeout=60)
+            assert_nothing_left(agent.pid, agent.args)  # a stopped command returns with nothing of it left
         finally:
             kill_tree(agent)
         assert_all_gone(pids, by=sent + 10)
@@ -216,6 +217,7 @@ def test_one_moment_each_for_another_launcher_one_process_sigusr1_and_a_second_s
         signal_every_process(agent, signum)
     try:
         agent.wait(timeout=60)
+        assert_nothing_left(agent.pid, agent.args)
     finally:
         kill_tree(agent)
     assert_all_gone(pids, by=time.monotonic() + 10)

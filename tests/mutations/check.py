@@ -305,6 +305,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    if threading.current_thread() is not threading.main_thread():\n        return\n",
         "",
     ),
+    "helpers_outlive_the_command": (
+        "ddp_accel/loaders.py",
+        "    kill_leftover_workers(timeout_s)\n    server = multiprocessing.forkserver._forkserver\n",
+        "    kill_leftover_workers(timeout_s)\n    return\n    server = multiprocessing.forkserver._forkserver\n",
+    ),
+    "watchdog_exit_leaves_the_forkserver": (
+        "ddp_accel/training.py",
+        "            exit=loaders.exit_now,\n",
+        "",
+    ),
 }
 
 
