@@ -26,45 +26,34 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_one(loop: str, nproc: int, epochs: int, task: str, output_dir: str) -> float:
+def run_command(
+    loop: str, nproc: int, epochs: int, task: str, output_dir: str, launcher_of_ours: str = "accelerate"
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of one run: the plain recipe (python, or torchrun) or ours (python, or
+    accelerate launch / torchrun), `nproc` processes sharing the machine's cores."""
     name, _, hidden = task.partition("-")
     task_args = ["--task", name] + (["--hidden", hidden] if hidden else [])
     if loop == "plain":
         script = [str(HERE / "overhead_plain.py"), "--epochs", str(epochs), *task_args]
-        command = (
-            [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
-            if nproc > 1
-            else [sys.executable]
-        ) + script
+        launcher = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
     else:
-        script = [
-            str(HERE / "overhead_accel.py"),
-            "--epochs",
-            str(epochs),
-            *task_args,
-            "--output-dir",
-            output_dir,
-            "--overwrite-output-dir",
-        ]
-        command = (
-            [
-                str(BIN / "accelerate"),
-                "launch",
-                "--config_file",
-                str(ROOT / "accelerate_configs/multi_gpu.yaml"),
-                "--num_processes",
-                str(nproc),
-                "--main_process_port",
-                str(free_port()),
-            ]
-            if nproc > 1
-            else [sys.executable]
-        ) + script
+        script = [str(HERE / "overhead_accel.py"), "--epochs", str(epochs), *task_args]
+        script += ["--output-dir", output_dir, "--overwrite-output-dir"]
+        launcher = [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs/multi_gpu.yaml")]
+        launcher += ["--num_processes", str(nproc), "--main_process_port", str(free_port())]
+        if launcher_of_ours == "torchrun":
+            launcher = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+    command = (launcher if nproc > 1 else [sys.executable]) + script
     env = {
         **os.environ,
         "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc)),
         "PYTHONPATH": str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""),
     }
+    return command, env
+
+
+def run_one(loop: str, nproc: int, epochs: int, task: str, output_dir: str) -> float:
+    command, env = run_command(loop, nproc, epochs, task, output_dir)
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, check=False)
     if result.returncode != 0:
         raise SystemExit(f"{loop} x{nproc} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")

@@ -5,12 +5,25 @@ Prints one JSON line: {"loop": "ddp_accel", "samples_per_s": ...}.
 """
 
 import json
+import time
 
 import torch
 from overhead_task import build_task
 from torch.utils.data import DataLoader
 
-from ddp_accel import ArgumentParser, Task, TrainConfig, add_training_args, fit, make_accelerator, run_main
+from ddp_accel import ArgumentParser, Callback, Task, TrainConfig, add_training_args, fit, make_accelerator, run_main
+
+
+class StepClock(Callback):
+    """When the first and the last optimizer step ended (wall clock, for benchmarks/startup.py)."""
+
+    def __init__(self) -> None:
+        self.first_step_at: float | None = None
+        self.last_step_at: float | None = None
+
+    def on_step_end(self, run) -> None:
+        self.last_step_at = time.time()
+        self.first_step_at = self.first_step_at or self.last_step_at
 
 
 def main() -> None:
@@ -24,13 +37,16 @@ def main() -> None:
     model, dataset, loss_fn = build_task(args.task, hidden=args.hidden)
     loader = DataLoader(dataset, batch_size=config.batch_size, shuffle=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    metrics = fit(accelerator, config, Task(model, optimizer, loader, loss_fn))
+    clock = StepClock()
+    metrics = fit(accelerator, config, Task(model, optimizer, loader, loss_fn), callbacks=[clock])
     accelerator.print(
         json.dumps(
             {
                 "loop": "ddp_accel",
                 "world_size": accelerator.num_processes,
                 "samples_per_s": metrics["train_samples_per_s"],
+                "first_step_at": clock.first_step_at,
+                "last_step_at": clock.last_step_at,
             }
         )
     )

@@ -34,6 +34,7 @@ def main() -> None:
     model = DDP(model) if distributed else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     samples, train_time = 0, 0.0
+    first_step_at = last_step_at = None  # wall clock (benchmarks/startup.py): the command's start to its first step
     for epoch in range(args.epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)
@@ -45,9 +46,22 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             samples += len(batch[0]) * world
+            last_step_at = time.time()
+            first_step_at = first_step_at or last_step_at
         train_time += time.perf_counter() - tick
     if not distributed or dist.get_rank() == 0:
-        print(json.dumps({"loop": "plain", "world_size": world, "samples_per_s": samples / train_time}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "loop": "plain",
+                    "world_size": world,
+                    "samples_per_s": samples / train_time,
+                    "first_step_at": first_step_at,
+                    "last_step_at": last_step_at,
+                }
+            ),
+            flush=True,
+        )
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
