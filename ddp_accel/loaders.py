@@ -297,7 +297,9 @@ def end_worker_processes(timeout_s: float = 5.0) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(address)
         server._forkserver_address = None  # type: ignore[attr-defined]
-    _end_helper(multiprocessing.resource_tracker._resource_tracker, "_pid", "_fd", timeout_s)
+    # never killed: it unlinks the semaphores and shared memory left registered, and a process of the user's that
+    # still holds its pipe (a spawned one) keeps it for good reason
+    _end_helper(multiprocessing.resource_tracker._resource_tracker, "_pid", "_fd", timeout_s, kill=False)
 
 
 def exit_now(code: int) -> None:
@@ -308,9 +310,10 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _end_helper(helper: Any, pid_name: str, fd_name: str, timeout_s: float) -> None:
+def _end_helper(helper: Any, pid_name: str, fd_name: str, timeout_s: float, kill: bool = True) -> None:
     """A multiprocessing helper process that ends when its "alive" pipe closes: close it, wait up to `timeout_s`,
-    then SIGKILL. Its pid is cleared, so that a later loader of this process starts a new one."""
+    then SIGKILL it (or leave it to end by itself). Its pid is cleared, so that this process starts a new one when
+    it needs one again."""
     pid, fd = getattr(helper, pid_name, None), getattr(helper, fd_name, None)
     if pid is None or fd is None:
         return
@@ -321,8 +324,9 @@ def _end_helper(helper: Any, pid_name: str, fd_name: str, timeout_s: float) -> N
     try:
         while os.waitpid(pid, os.WNOHANG) == (0, 0):
             if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
+                if kill:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
                 break
             time.sleep(0.005)
     except ChildProcessError:  # reaped already (SIGCHLD ignored, or a waitpid elsewhere)
