@@ -45,6 +45,7 @@ class RunFolder:
         self.checkpoints = self.path / "checkpoints"
         self.staging = self.checkpoints / FINAL_STAGING
         self._lock: int | None = None
+        self.checked = False  # decided by the early check (all but `latest`, which needs fit's checkpoints)
 
     # --- before anything is written ---
     def check(self, resume_from_checkpoint: str | None, overwrite: bool, has_checkpoints: bool | None = None) -> None:
@@ -60,6 +61,7 @@ class RunFolder:
             if resume_from_checkpoint == "latest":
                 return
             has_checkpoints = bool(complete_checkpoints(self.checkpoints))
+        self.checked = True
         if self.resumes(resume_from_checkpoint, has_checkpoints) or not self.path.is_dir() or overwrite:
             return
         held = (
@@ -153,6 +155,8 @@ class RunFolder:
         self._lock = lock_output_dir(self.path)
 
     def release(self) -> None:
+        """The run is over: the folder to the next run, which checks it again."""
+        self.checked = False
         if self._lock is not None:
             os.close(self._lock)
             self._lock = None

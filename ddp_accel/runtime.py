@@ -129,7 +129,7 @@ def make_accelerator(
     if check_output_dir:
         folder.check(config.resume_from_checkpoint, config.overwrite_output_dir)
     if signals is not None:
-        signals.set_output_dir(folder.path)
+        signals.set_output_dir(folder.path, folder)
     config.check()
     names = tracker_names(config.report_to, config.with_tracking)
     if process_rank() == 0:  # the main process logs

@@ -66,7 +66,9 @@ class TrainingRun:
         callbacks: Sequence[Callback] = (),
     ):
         self.accelerator, self.config, self.task, self.record, self.signals = accelerator, config, task, record, signals
-        self.folder = RunFolder(config.output_dir)
+        held = signals.run_folder  # make_accelerator's: built and checked once per run
+        reuse = held is not None and held.given == str(config.output_dir)
+        self.folder: RunFolder = held if reuse else RunFolder(config.output_dir)
         self.identity = RunIdentity(
             model_fingerprint(task.model), record.identity, optimizer_fingerprint(task.optimizer)
         )
@@ -153,7 +155,9 @@ class TrainingRun:
         if complete is not None:
             return complete
         config = self.config
-        self.folder.check(config.resume_from_checkpoint, config.overwrite_output_dir, bool(self.checkpoints.complete()))
+        if not self.folder.checked:  # fit called without make_accelerator, or `latest`: it needs the checkpoints
+            has_checkpoints = bool(self.checkpoints.complete())
+            self.folder.check(config.resume_from_checkpoint, config.overwrite_output_dir, has_checkpoints)
         run_start.resume(self)
         if self.accelerator.is_main_process:
             self.folder.lock()
@@ -321,7 +325,7 @@ def fit(
     signals = signals or StopSignals.current
     run = TrainingRun(accelerator, config, task, record or RunRecord(), signals or StopSignals(), callbacks)
     if run.signals.output_dir is None:
-        run.signals.set_output_dir(run.folder.path)
+        run.signals.set_output_dir(run.folder.path, run.folder)
     with run.signals if signals is None else contextlib.nullcontext(), run:
         committed = run.start()
         if committed is not None:

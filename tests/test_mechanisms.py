@@ -378,3 +378,38 @@ def test_a_dataloader_worker_whose_forkserver_is_already_gone_ends_at_its_first_
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "went on" not in result.stdout, result
+
+
+# --- the run's folder: built and checked once ---
+@pytest.mark.inprocess
+def test_the_output_folder_is_built_and_checked_once_per_run(tmp_path, monkeypatch):
+    # make_accelerator checks --output-dir before anything is built; fit goes on with that folder (the stop
+    # signals hold it) and checks again only what needs the checkpoints (`latest`)
+    from ddp_accel import run_folder
+
+    built: list[str] = []
+    checks: list[bool | None] = []
+
+    class Counted(run_folder.RunFolder):
+        def __init__(self, path):
+            built.append(str(path))
+            super().__init__(path)
+
+        def check(self, resume_from_checkpoint, overwrite, has_checkpoints=None):
+            checks.append(has_checkpoints)
+            super().check(resume_from_checkpoint, overwrite, has_checkpoints)
+
+    from ddp_accel import runtime, training
+
+    monkeypatch.setattr(runtime, "RunFolder", Counted)
+    monkeypatch.setattr(training, "RunFolder", Counted)
+    args = ["--output-dir", tmp_path / "run", "--batch-size", 4, "--train-size", 16, "--checkpointing-steps", 2]
+    check_ok(run_script(PROBE, *args, "--epochs", 1))
+    assert built == [str(tmp_path / "run")] and checks == [None], (built, checks)
+    built.clear(), checks.clear()
+    check_ok(run_script(PROBE, *args, "--epochs", 2, "--resume-from-checkpoint", "latest"))
+    assert built == [str(tmp_path / "run")] and checks == [None, True], (built, checks)  # `latest`: fit decides
+    built.clear(), checks.clear()
+    refused = run_script(PROBE, *args, "--epochs", 1)  # a trained model there, no --overwrite-output-dir: refused before training
+    assert refused.returncode == 2 and "already holds a trained model" in refused.stderr, refused.stderr
+    assert built == [str(tmp_path / "run")] and checks == [None]

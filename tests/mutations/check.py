@@ -315,6 +315,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            exit=loaders.exit_now,\n",
         "",
     ),
+    "run_folder_built_again_in_fit": (
+        "ddp_accel/training.py",
+        "        held = signals.run_folder  # make_accelerator's: built and checked once per run\n",
+        "        held = None\n",
+    ),
 }
 
 
