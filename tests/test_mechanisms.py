@@ -406,10 +406,13 @@ def test_the_output_folder_is_built_and_checked_once_per_run(tmp_path, monkeypat
     args = ["--output-dir", tmp_path / "run", "--batch-size", 4, "--train-size", 16, "--checkpointing-steps", 2]
     check_ok(run_script(PROBE, *args, "--epochs", 1))
     assert built == [str(tmp_path / "run")] and checks == [None], (built, checks)
-    built.clear(), checks.clear()
+    built.clear()
+    checks.clear()
     check_ok(run_script(PROBE, *args, "--epochs", 2, "--resume-from-checkpoint", "latest"))
     assert built == [str(tmp_path / "run")] and checks == [None, True], (built, checks)  # `latest`: fit decides
-    built.clear(), checks.clear()
-    refused = run_script(PROBE, *args, "--epochs", 1)  # a trained model there, no --overwrite-output-dir: refused before training
+    built.clear()
+    checks.clear()
+    # a trained model there and no --overwrite-output-dir: refused before training
+    refused = run_script(PROBE, *args, "--epochs", 1)
     assert refused.returncode == 2 and "already holds a trained model" in refused.stderr, refused.stderr
     assert built == [str(tmp_path / "run")] and checks == [None]
