@@ -84,6 +84,12 @@ class Engine:
         """make_accelerator stops once the options are checked (a launcher's driver runs the script that far)."""
         return False
 
+    @property
+    def outlives_the_script(self) -> bool:
+        """The process goes on after the script (a launcher runs the script in its own process): the forkserver and
+        the resource tracker are the process's, not the script's, to end."""
+        return False
+
     def check(self) -> None:
         """The launcher variables this process started with describe one job: mistakes here otherwise end in a
         hang, a traceback deep in torch, or N duplicate trainings into one folder."""
@@ -186,6 +192,10 @@ class RayWorker(TorchElastic):
     def stop_signals(self) -> str:
         return "SIGTERM/SIGUSR1 forwarded from each worker's main thread to the training thread"
 
+    @property
+    def outlives_the_script(self) -> bool:
+        return True
+
     def banner(self) -> str:
         nodes = self.nodes
         return f"ray ({self.workers} workers on {nodes} node{'' if nodes == 1 else 's'}; {self.stop_signals()})"
@@ -199,6 +209,10 @@ class CheckOnly(Engine):
     name = "check only"
 
     def checks_only(self) -> bool:
+        return True
+
+    @property
+    def outlives_the_script(self) -> bool:
         return True
 
 

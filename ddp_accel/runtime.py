@@ -39,7 +39,7 @@ from ddp_accel.elastic import (
 )
 from ddp_accel.engines import Outcome, record_outcome
 from ddp_accel.errors import UserError
-from ddp_accel.loaders import end_worker_processes
+from ddp_accel.loaders import end_worker_processes, kill_leftover_workers
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.stopping import PEER_STOPPED_EXIT_CODE, PREEMPTED_EXIT_CODE, Phase, Preempted, StopSignals
 from ddp_accel.tracking import check_trackers, make_trackers, tracker_names
@@ -642,7 +642,10 @@ def run_main(main: Callable[..., Any]) -> None:
         signals.enter(Phase.DONE)
         outcome = _failed(error, signals)
     record_outcome(outcome)
-    end_worker_processes()  # so that the command returns with nothing left in its process group
+    if engines.current().outlives_the_script:  # a Ray worker: its helpers serve the process, which goes on
+        kill_leftover_workers()
+    else:
+        end_worker_processes()  # so that the command returns with nothing left in its process group
     shutdown(clean=outcome.code in (0, PEER_STOPPED_EXIT_CODE))
     signals.uninstall()
     note_command_start(None)  # a later fit() in this process (a notebook) counts from its own start

@@ -1,6 +1,7 @@
 """The engine adapters (ddp_accel.engines), each on its own: what each answers for a process it started, its check
 of the launcher's variables, and the typed outcome run_main records for a launcher in the same process."""
 
+import contextlib
 import signal
 
 import pytest
@@ -99,3 +100,25 @@ def test_the_start_up_guard_leaves_a_scripts_thread_alone():
     worker.start()
     worker.join()
     assert not errors and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_script_ends_the_processes_helpers_unless_the_process_outlives_it(monkeypatch):
+    # a command's own process: the forkserver and the resource tracker end with the script (nothing is left when the
+    # command returns); a Ray worker or a driver's check goes on after the script: their helpers are the process's
+    from ddp_accel import runtime
+
+    ended: list[str] = []
+    monkeypatch.setattr(runtime, "end_worker_processes", lambda: ended.append("workers and helpers"))
+    monkeypatch.setattr(runtime, "kill_leftover_workers", lambda: ended.append("workers"))
+
+    def run() -> None:
+        with contextlib.suppress(SystemExit):
+            runtime.run_main(lambda: None)
+
+    run()
+    with engines.use(engines.RayWorker(workers=2)):
+        run()
+    with engines.use(engines.CheckOnly()):
+        run()
+    assert ended == ["workers and helpers", "workers", "workers"]
+    assert not engines.Engine().outlives_the_script and not engines.TorchElastic().outlives_the_script

@@ -320,6 +320,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        held = signals.run_folder  # make_accelerator's: built and checked once per run\n",
         "        held = None\n",
     ),
+    "a_ray_worker_ends_the_processes_helpers": (
+        "ddp_accel/runtime.py",
+        "    if engines.current().outlives_the_script:",
+        "    if False:",
+    ),
 }
 
 
