@@ -29,7 +29,7 @@ from ddp_accel.context import RunContext
 from ddp_accel.errors import UserError
 from ddp_accel.evaluation import evaluate
 from ddp_accel.meters import EvalHistory, numbers
-from ddp_accel.run_folder import RunFolder
+from ddp_accel.run_folder import RunFolder, folder_for
 from ddp_accel.run_setup import (
     build_scheduler,
     plan_time_budget,
@@ -66,14 +66,11 @@ class TrainingRun:
         callbacks: Sequence[Callback] = (),
     ):
         self.accelerator, self.config, self.task, self.record, self.signals = accelerator, config, task, record, signals
-        held = signals.run_folder  # make_accelerator's: built and checked once per run
-        reuse = held is not None and held.given == str(config.output_dir)
-        self.folder: RunFolder = held if reuse else RunFolder(config.output_dir)
+        self.folder = folder_for(config.output_dir, signals.run_folder)  # make_accelerator's, when it made one
         self.identity = RunIdentity(
             model_fingerprint(task.model), record.identity, optimizer_fingerprint(task.optimizer)
         )
-        prepared = prepare_task(accelerator, config, task)
-        self.prepared = prepared
+        self.prepared = prepared = prepare_task(accelerator, config, task)
         self.model, self.optimizer, self.train_loader = prepared.model, prepared.optimizer, prepared.train_loader
         self.eval_loader, self.test_loader = prepared.eval_loader, prepared.test_loader
         self.micro_batch, self.accumulation = prepared.micro_batch, prepared.accumulation

@@ -399,10 +399,10 @@ def test_the_output_folder_is_built_and_checked_once_per_run(tmp_path, monkeypat
             checks.append(has_checkpoints)
             super().check(resume_from_checkpoint, overwrite, has_checkpoints)
 
-    from ddp_accel import runtime, training
+    from ddp_accel import runtime
 
     monkeypatch.setattr(runtime, "RunFolder", Counted)
-    monkeypatch.setattr(training, "RunFolder", Counted)
+    monkeypatch.setattr(run_folder, "RunFolder", Counted)  # what fit makes, when it makes one
     args = ["--output-dir", tmp_path / "run", "--batch-size", 4, "--train-size", 16, "--checkpointing-steps", 2]
     check_ok(run_script(PROBE, *args, "--epochs", 1))
     assert built == [str(tmp_path / "run")] and checks == [None], (built, checks)

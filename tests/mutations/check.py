@@ -316,9 +316,9 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "",
     ),
     "run_folder_built_again_in_fit": (
-        "ddp_accel/training.py",
-        "        held = signals.run_folder  # make_accelerator's: built and checked once per run\n",
-        "        held = None\n",
+        "ddp_accel/run_folder.py",
+        "    return checked if checked is not None and checked.given == str(output_dir) else RunFolder(output_dir)",
+        "    return RunFolder(output_dir)",
     ),
     "a_ray_worker_ends_the_processes_helpers": (
         "ddp_accel/runtime.py",
