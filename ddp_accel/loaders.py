@@ -290,8 +290,7 @@ def end_worker_processes(timeout_s: float = 5.0) -> None:
     would return with its helpers still in its process group."""
     kill_leftover_workers(timeout_s)
     server = multiprocessing.forkserver._forkserver
-    _end_helper(server, "_forkserver_pid", "_forkserver_alive_fd", timeout_s)
-    if getattr(server, "_forkserver_pid", 0) is None:
+    if _end_helper(server, "_forkserver_pid", "_forkserver_alive_fd", timeout_s):
         address = getattr(server, "_forkserver_address", None)
         if address and not multiprocessing.util.is_abstract_socket_namespace(address):  # a socket file
             with contextlib.suppress(OSError):
@@ -310,13 +309,13 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _end_helper(helper: Any, pid_name: str, fd_name: str, timeout_s: float, kill: bool = True) -> None:
+def _end_helper(helper: Any, pid_name: str, fd_name: str, timeout_s: float, kill: bool = True) -> bool:
     """A multiprocessing helper process that ends when its "alive" pipe closes: close it, wait up to `timeout_s`,
     then SIGKILL it (or leave it to end by itself). Its pid is cleared, so that this process starts a new one when
-    it needs one again."""
+    it needs one again. False when none was running."""
     pid, fd = getattr(helper, pid_name, None), getattr(helper, fd_name, None)
     if pid is None or fd is None:
-        return
+        return False
     with contextlib.suppress(OSError):
         os.close(fd)
     setattr(helper, fd_name, None)
@@ -332,3 +331,4 @@ def _end_helper(helper: Any, pid_name: str, fd_name: str, timeout_s: float, kill
     except ChildProcessError:  # reaped already (SIGCHLD ignored, or a waitpid elsewhere)
         pass
     setattr(helper, pid_name, None)
+    return True

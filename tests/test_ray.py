@@ -26,6 +26,7 @@ from helpers import (
     kill_tree,
     launch,
     metrics_of,
+    session_members,
     wait_for,
     wait_for_checkpoint,
     weights,
@@ -66,17 +67,13 @@ def ray_head():
         with contextlib.suppress(ProcessLookupError):  # whatever of the node is left: one session, started here
             os.killpg(head.pid, signal.SIGKILL)
         head.wait()
-        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _session_of(int(pid)) == head.pid]
+        # SIGKILLed above: only their reaping (by init) can still be pending
+        with contextlib.suppress(AssertionError):
+            wait_for(lambda: not session_members(head.pid), timeout=10, what="the node's processes to be reaped")
+        left = session_members(head.pid)
         shutil.rmtree(home, ignore_errors=True)
         shutil.rmtree(temp_dir, ignore_errors=True)
         assert not left, f"Ray processes left running: {left}"
-
-
-def _session_of(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[4])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def ray_driver(env: dict, output_dir: Path, *args: str, max_failures: int = 1, log: Path) -> subprocess.Popen:
