@@ -126,7 +126,10 @@ class ProgressWatchdog:
         return step_bound
 
     def _watch(self) -> None:
-        while not self._stopped.wait(min(5.0, max(0.05, self.bound_s() / 10))):
+        # polled at a tenth of the smallest bound it can have, so that a bound that shrinks (after the first
+        # steps, or a save) is kept to within 10%, however long the one in force when the wait began
+        smallest = min(self.floor_s, self.timeout_s or self.floor_s)
+        while not self._stopped.wait(min(5.0, max(0.05, smallest / 10))):
             bound = self.bound_s()  # before the beat: a long activity that just ended has beaten already
             waited = time.monotonic() - self.last_beat
             if waited > bound:

@@ -115,9 +115,11 @@ def load_script(script: str):
 def run_script(script: str, *args, env: dict | None = None) -> Result:
     """Run a script's main() through run_main inside this process, as `python script args` would: its exit code and
     what it printed. No interpreter start and no imports: an error path costs milliseconds, a small training seconds."""
+    from unittest import mock
+
     from accelerate.state import AcceleratorState
 
-    from ddp_accel import run_main
+    from ddp_accel import loaders, run_main, runtime
 
     module = load_script(script)
     stdout, stderr = io.StringIO(), io.StringIO()
@@ -128,7 +130,10 @@ def run_script(script: str, *args, env: dict | None = None) -> Result:
     os.environ.update(env or {})
     code = 0
     try:
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        # this process outlives the script, as a notebook's does: its forkserver serves the next run (started again
+        # per run, it cost the in-process tier a second each); a command's own ending is proven in launched tests
+        keep_the_forkserver = mock.patch.object(runtime, "end_worker_processes", loaders.kill_leftover_workers)
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), keep_the_forkserver:
             run_main(module.main)
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)

@@ -815,7 +815,7 @@ def test_a_machine_that_slows_down_after_the_plan_ends_training_early_and_says_s
         "--epochs",
         40,
         "--time-budget",
-        "8s",
+        "7s",
         "--step-ms",
         20,
         "--checkpointing-steps",

@@ -325,6 +325,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    if engines.current().outlives_the_script:",
         "    if False:",
     ),
+    "watchdog_polls_at_the_first_bound": (
+        "ddp_accel/watchdog.py",
+        "min(5.0, max(0.05, smallest / 10))",
+        "min(5.0, max(0.05, self.bound_s() / 10))",
+    ),
 }
 
 
