@@ -36,7 +36,7 @@ def check_config(path: str) -> str:
         summary += (
             "; no GPU here: ddp_accel scripts run it as MULTI_CPU/gloo"
             if kind == "MULTI_GPU"
-            else "; FSDP needs GPUs, it will not run on this machine"
+            else "; no GPU here: ddp_accel scripts run it as FSDP2 on the CPU over gloo"
         )
     return summary
 

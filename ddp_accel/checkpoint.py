@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from ddp_accel.callback_state import CallbackStates
 from ddp_accel.errors import UserError
@@ -201,6 +202,27 @@ def checkpoint_problem(accelerator: Accelerator, path: Path) -> str | None:
     return problem
 
 
+FSDP_MODEL_FOLDER = "pytorch_model_fsdp_0"  # what Accelerate's save_state writes under FSDP (a sharded state dict)
+
+
+def check_strategy(accelerator: Accelerator, path: Path) -> None:
+    """A checkpoint of FSDP shards loads only under FSDP (on any number of processes), and one of whole weights
+    only without it: otherwise Accelerate fails deep inside on a file that is not there."""
+    sharded = (path / FSDP_MODEL_FOLDER).is_dir()
+    if sharded == (accelerator.distributed_type == DistributedType.FSDP):
+        return
+    if sharded:
+        raise UserError(
+            f"checkpoint {path} holds FSDP shards ({FSDP_MODEL_FOLDER}/), and this run does not shard "
+            f"(distributed type {accelerator.distributed_type.value}): resume it under the FSDP config it was written with "
+            "(e.g. accelerate_configs/fsdp.yaml, on any number of processes)"
+        )
+    raise UserError(
+        f"checkpoint {path} holds whole weights (written without FSDP), and this run shards them with FSDP: "
+        "resume it under the config it was written with (e.g. accelerate_configs/multi_gpu.yaml or cpu.yaml)"
+    )
+
+
 def load_checkpoint(
     accelerator: Accelerator,
     path: Path,
@@ -228,6 +250,7 @@ def load_checkpoint(
             f"{identity.optimizer_fingerprint}): its state cannot continue here. Resume with the same optimizer "
             "options, or start a new run (another --output-dir) from the checkpoint's model.safetensors."
         )
+    check_strategy(accelerator, path)
     warning = (
         compare_identity(saved.get("identity"), identity.identity, f"checkpoint {path}") if identity.identity else None
     )

@@ -20,6 +20,7 @@ from ddp_accel.run_folder import RunFolder
 from ddp_accel.run_setup import Prepared
 from ddp_accel.runtime import print_banner
 from ddp_accel.schedules import move_to_step
+from ddp_accel.sharding import sharding_summary
 from ddp_accel.state import Rebase, RunIdentity, TrainState
 from ddp_accel.stopping import Phase, StopSignals
 from ddp_accel.task import RunRecord
@@ -64,6 +65,7 @@ def print_run_banner(run: StartingRun) -> None:
         optimizer=describe_optimizer(run.optimizer),
         **prepared.epoch_padding(run.accelerator.num_processes),
         **run.record.banner,
+        **({"sharding": shards.describe()} if (shards := sharding_summary(run.accelerator, prepared.model)) else {}),
         **({"time_budget": budget} if budget else {}),
     )
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import accelerate
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
@@ -41,6 +42,7 @@ from ddp_accel.engines import Outcome, record_outcome
 from ddp_accel.errors import UserError
 from ddp_accel.loaders import end_worker_processes, kill_leftover_workers
 from ddp_accel.run_folder import RunFolder
+from ddp_accel.sharding import accelerate_version_note, adopt_fsdp_on_cpu
 from ddp_accel.stopping import PEER_STOPPED_EXIT_CODE, PREEMPTED_EXIT_CODE, Phase, Preempted, StopSignals
 from ddp_accel.tracking import check_trackers, make_trackers, tracker_names
 
@@ -113,6 +115,10 @@ def build_accelerator(
             DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters),
         ],
     )
+    if adopt_fsdp_on_cpu(accelerator):  # an FSDP config on a machine without GPUs: FSDP2 over gloo, not DDP
+        note = accelerate_version_note(accelerate.__version__)
+        if note and accelerator.is_main_process:
+            print(note, file=sys.stderr, flush=True)
     check_topology(accelerator)
     set_seed(seed)
     return accelerator

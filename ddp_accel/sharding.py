@@ -1,0 +1,148 @@
+"""FSDP2 on every machine, CPU-only ones included.
+
+An accelerate config with `distributed_type: FSDP` (accelerate_configs/fsdp.yaml) reaches each process as
+`ACCELERATE_USE_FSDP=true` and `FSDP_*` variables. Accelerate builds its FSDP plugin from them on any machine, but
+keeps it only on GPU-like devices: on a CPU-only machine (accelerate/state.py, `AcceleratorState.__init__`) the
+run becomes MULTI_CPU and the model is wrapped in DDP, silently. torch's FSDP2 (`fully_shard`) itself shards on a
+CPU device mesh over gloo, and Accelerate's FSDP2 paths (prepare, `save_state`/`load_state` of sharded checkpoints,
+`get_state_dict`) work there once the state says FSDP. `adopt_fsdp_on_cpu` says it, right after `Accelerator(...)`:
+
+- the distributed type FSDP in `PartialState`'s shared state *and* in the AcceleratorState (which copies the shared
+  one back: with only the latter, `save_state` takes the non-FSDP path and fails: "invalid python storage");
+- the plugin, built from the same variables as Accelerate's own, with the run's mixed-precision policy.
+
+Made for the Accelerate versions in `ADJUSTED_ACCELERATE`; tests/test_sharding.py fails the day Accelerate keeps the
+plugin on CPU by itself (then this is no longer needed) or changes what is adjusted.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ddp_accel.errors import UserError
+
+# [first, last] minor versions this adjustment was made and tested for; outside, a run says so and goes on
+ADJUSTED_ACCELERATE = ((1, 10), (1, 15))
+
+
+def fsdp_asked(env: dict[str, str] | None = None) -> bool:
+    """Whether the launch asked for FSDP (accelerate launch of an FSDP config, or --use_fsdp)."""
+    return (env if env is not None else os.environ).get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def adopt_fsdp_on_cpu(accelerator: Any) -> bool:
+    """Make a CPU run that asked for FSDP an FSDP2 run (module docstring). True when it adjusted the state."""
+    import torch.distributed as dist
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    if not fsdp_asked() or accelerator.device.type != "cpu" or accelerator.distributed_type == DistributedType.FSDP:
+        return False
+    plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables, as Accelerate builds its own
+    if plugin.fsdp_version != 2:
+        raise UserError(
+            "FSDP on a machine without GPUs runs torch's FSDP2 only: set `fsdp_version: 2` in the accelerate config "
+            "(accelerate_configs/fsdp.yaml), or --fsdp_version 2"
+        )
+    if type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy":  # it pins memory for a GPU's copies
+        raise UserError("fsdp_offload_params: true offloads to the CPU what is there already: set it to false here")
+    if accelerator.num_processes == 1 and not dist.is_initialized():  # a plain `python` run: FSDP2 needs a group
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    return True
+
+
+def accelerate_version_note(version: str) -> str | None:
+    """One line when the installed Accelerate lies outside the versions the CPU adjustment was made for."""
+    try:
+        major_minor = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return None
+    first, last = ADJUSTED_ACCELERATE
+    if first <= major_minor <= last:
+        return None
+    return (
+        f"warning: FSDP on CPU adjusts Accelerate's state; it was made for Accelerate "
+        f"{first[0]}.{first[1]}-{last[0]}.{last[1]}, this is {version}: if a save or a resume fails, "
+        "run with accelerate_configs/cpu.yaml"
+    )
+
+
+@dataclass(frozen=True)
+class ShardingSummary:
+    """What the banner says of a sharded model: how many parameters each rank holds."""
+
+    version: int
+    reshard_after_forward: Any
+    parameters: int
+    per_rank: tuple[int, ...]
+
+    def describe(self) -> str:
+        if len(self.per_rank) <= 4:
+            shares = ", ".join(f"{count:,} on rank {rank}" for rank, count in enumerate(self.per_rank))
+        else:
+            shares = f"{min(self.per_rank):,} to {max(self.per_rank):,} on each of {len(self.per_rank)} ranks"
+        resharded = "resharded after forward" if self.reshard_after_forward else "kept whole from forward to backward"
+        return f"FSDP{self.version} ({resharded}): {self.parameters:,} parameters, {shares}"
+
+
+def sharding_summary(accelerator: Any, model: Any) -> ShardingSummary | None:
+    """Each rank's share of a prepared FSDP2 model's parameters (a DTensor holds one shard on each rank); None
+    without FSDP. Every rank calls it (one all-gather)."""
+    import torch
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return None
+    plugin = accelerator.state.fsdp_plugin
+    total = local = 0
+    for parameter in model.parameters():
+        total += parameter.numel()
+        local += parameter.to_local().numel() if hasattr(parameter, "to_local") else parameter.numel()
+    per_rank = accelerator.gather(torch.tensor([local], device=accelerator.device)).tolist()
+    return ShardingSummary(plugin.fsdp_version, plugin.reshard_after_forward, total, tuple(per_rank))
+
+
+def keep_batchnorm_in_fp32(model: Any) -> int:
+    """FSDP2's mixed precision casts every parameter to bf16, but not BatchNorm's running statistics (buffers):
+    BatchNorm then fails ("expected scalar type BFloat16 but found Float"). Each BatchNorm layer of `model` computes
+    in fp32 instead: its input and its (gathered) weight and bias are cast up for its forward, its output back to
+    the input's type; the running statistics stay fp32, as they are under DDP with autocast. Returns the number of
+    layers changed. Applied before `prepare`, under FSDP with mixed precision only."""
+    import torch
+
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            module.register_forward_pre_hook(_batchnorm_inputs_up)
+            module.register_forward_hook(_batchnorm_output_back)
+            changed += 1
+    return changed
+
+
+def _batchnorm_inputs_up(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    import torch
+
+    x = args[0]
+    low = {name: p for name, p in module._parameters.items() if p is not None and p.dtype != torch.float32}
+    if x.dtype == torch.float32 and not low:
+        return None
+    module._fp32_restore = (x.dtype, dict(module._parameters))
+    for name, parameter in low.items():  # a differentiable copy: the gradient flows back to FSDP's parameter
+        module._parameters[name] = parameter.float()
+    return (x.float(), *args[1:])
+
+
+def _batchnorm_output_back(module: Any, args: tuple[Any, ...], output: Any) -> Any:
+    restore = module.__dict__.pop("_fp32_restore", None)
+    if restore is None:
+        return None
+    dtype, parameters = restore
+    module._parameters.update(parameters)
+    return output.to(dtype)
