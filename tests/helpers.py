@@ -28,8 +28,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(script, *args, nproc: int = 2, launcher: str = "accelerate", timeout: int = 300, env=None):
-    """Run a script the way a user would: under accelerate launch / torchrun with nproc processes, or plain python."""
+def launch(script, *args, nproc: int = 2, launcher: str = "accelerate", timeout: int = 300, env=None, config=None):
+    """Run a script the way a user would: under accelerate launch (multi_gpu.yaml, or `config`) / torchrun with
+    nproc processes, or plain python."""
     script = str(ROOT / script) if not os.path.isabs(str(script)) else str(script)
     args = [str(arg) for arg in args]
     if launcher == "accelerate":
@@ -37,7 +38,7 @@ def launch(script, *args, nproc: int = 2, launcher: str = "accelerate", timeout:
             str(BIN / "accelerate"),
             "launch",
             "--config_file",
-            str(MULTI_GPU_YAML),
+            str(config or MULTI_GPU_YAML),
             "--num_processes",
             str(nproc),
             "--main_process_port",

@@ -330,6 +330,31 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "min(5.0, max(0.05, smallest / 10))",
         "min(5.0, max(0.05, self.bound_s() / 10))",
     ),
+    "fsdp_config_runs_as_ddp_on_cpu": (
+        "ddp_accel/sharding.py",
+        'if not fsdp_asked() or accelerator.device.type != "cpu"',
+        'if True or accelerator.device.type != "cpu"',
+    ),
+    "fsdp_type_only_in_the_accelerator_state": (
+        "ddp_accel/sharding.py",
+        '    PartialState._shared_state["distributed_type"] = DistributedType.FSDP\n',
+        "",
+    ),
+    "one_process_fsdp_without_a_group": (
+        "ddp_accel/sharding.py",
+        "    if accelerator.num_processes == 1 and not dist.is_initialized():",
+        "    if False:",
+    ),
+    "batchnorm_in_bf16_under_fsdp": (
+        "ddp_accel/run_setup.py",
+        "        keep_batchnorm_in_fp32(task.model)",
+        "        pass",
+    ),
+    "checkpoint_strategy_not_checked": (
+        "ddp_accel/checkpoint.py",
+        "    check_strategy(accelerator, path)\n",
+        "",
+    ),
 }
 
 

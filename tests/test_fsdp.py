@@ -1,0 +1,210 @@
+"""FSDP2 on machines without GPUs: accelerate_configs/fsdp.yaml shards the model over gloo (ddp_accel/sharding.py),
+and what holds under DDP holds under it: the weights of one process, a bitwise resume after a signal to every
+process at a hidden moment, a resume on another world size from sharded checkpoints, the run's identity, the
+full weights in model.safetensors. One 2-process run is shared; 1-process FSDP runs go in this process."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from helpers import (
+    BIN,
+    ROOT,
+    assert_clean_error,
+    assert_nothing_left,
+    assert_same_weights,
+    check_ok,
+    free_port,
+    kill_tree,
+    launch,
+    metrics_of,
+    process_tree,
+    run_script,
+    wait_for_checkpoint,
+    weights,
+)
+
+from ddp_accel import sharding
+
+FSDP_YAML = ROOT / "accelerate_configs" / "fsdp.yaml"
+PROBE = "tests/probe.py"
+# as accelerate launch passes an FSDP config on to each process: what a 1-process run in this process is given
+FSDP_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+# 96 samples, 2 ranks x batch 4: 12 steps an epoch, 24 in all; fp32, so that 1 and 2 processes compare closely
+ARGS = ["--dropout", "0", "--train-size", 96, "--val-size", 23, "--epochs", 2, "--checkpointing-steps", 5]
+ARGS += ["--mixed-precision", "no"]
+inprocess, multiprocess = pytest.mark.inprocess, pytest.mark.multiprocess
+
+
+def fsdp_launch(output_dir, *args, nproc=2):
+    return launch(PROBE, "--output-dir", output_dir, *ARGS, "--batch-size", 4, *args, nproc=nproc, config=FSDP_YAML)
+
+
+def one_process(output_dir, *args, fsdp=True):
+    """The probe on one process in this process, with the global batch of the 2-process runs."""
+    env = FSDP_ENV if fsdp else {}
+    return run_script(PROBE, "--output-dir", output_dir, *ARGS, "--batch-size", 8, *args, env=env)
+
+
+def resume_copy(source, step: int, destination):
+    """A new output dir holding only `source`'s checkpoint of `step` (and its history): a run stopped there."""
+    shutil.copytree(source / "checkpoints" / f"step_{step}", destination / "checkpoints" / f"step_{step}")
+    shutil.copy(source / "history.json", destination / "history.json")
+    return destination
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    """One uninterrupted 2-process run under fsdp.yaml; its output is kept in `output.txt`."""
+    output_dir = tmp_path_factory.mktemp("fsdp") / "full"
+    output = check_ok(fsdp_launch(output_dir))
+    (output_dir / "output.txt").write_text(output)
+    return output_dir
+
+
+@multiprocess
+def test_fsdp_yaml_shards_over_gloo_and_trains_as_one_process_does(sharded_run, tmp_path):
+    output = (sharded_run / "output.txt").read_text()
+    assert "distributed_type             FSDP" in output, output[:3000]
+    assert "sharding                     FSDP2 (resharded after forward): 178 parameters, " in output, output[:3000]
+    assert "89 on rank 0, 89 on rank 1" in output, output[:3000]  # each rank holds half of each weight's rows
+    checkpoint = sharded_run / "checkpoints" / "step_10"
+    assert {p.name for p in (checkpoint / "pytorch_model_fsdp_0").iterdir()} >= {"__0_0.distcp", "__1_0.distcp"}
+    assert metrics_of(sharded_run)["distributed_type"] == "FSDP"
+    # the same training on one process without FSDP: the same weights, to float rounding (fp32)
+    check_ok(one_process(tmp_path / "plain", fsdp=False))
+    assert_same_weights(tmp_path / "plain", sharded_run, atol=1e-6)
+    # model.safetensors holds the full weights: they load strictly into the bare model
+    bare = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0), torch.nn.Linear(16, 2))
+    bare.load_state_dict(weights(sharded_run), strict=True)
+
+
+@multiprocess
+def test_a_signal_to_every_process_at_a_hidden_moment_saves_the_agreed_step_and_resumes_bitwise(
+    sharded_run, tmp_path
+):
+    # SIGTERM to the launcher and both ranks at once, somewhere in steps 5-15 (40 ms each): the ranks agree on a
+    # step, save its sharded checkpoint and leave; the resumed run ends bitwise equal to the uninterrupted one
+    output_dir, log = tmp_path / "stopped", (tmp_path / "stopped.log").open("w")
+    command = [str(BIN / "accelerate"), "launch", "--config_file", str(FSDP_YAML), "--main_process_port"]
+    command += [str(free_port()), str(ROOT / PROBE), "--output-dir", str(output_dir), *map(str, ARGS)]
+    command += ["--batch-size", "4", "--step-ms", "40"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        wait_for_checkpoint(output_dir, 5, alive=agent)
+        time.sleep(random.Random(20261129).uniform(0.0, 0.4))
+        for pid in process_tree(agent.pid):  # every process of the job, as SLURM signals a job step
+            os.kill(pid, signal.SIGTERM)
+        agent.wait(timeout=60)
+        assert_nothing_left(agent.pid, command)
+    finally:
+        kill_tree(agent)
+    text = (tmp_path / "stopped.log").read_text()
+    marker = json.loads((output_dir / "preempted.json").read_text())
+    assert marker["signal"] == "SIGTERM" and marker["phase"] in ("train", "eval"), (marker, text[-3000:])
+    saved = json.loads((output_dir / "checkpoints" / f"step_{marker['step']}" / "training_state.json").read_text())
+    assert saved["step"] == marker["step"] and 5 <= marker["step"] < 24, (marker, saved)
+    resumed = check_ok(fsdp_launch(output_dir, "--resume-from-checkpoint", "latest"))
+    assert f"resumed from {marker['checkpoint']}: step {marker['step']}," in resumed, resumed[-3000:]
+    assert_same_weights(output_dir, sharded_run)  # bitwise
+
+
+@multiprocess
+def test_sharded_checkpoints_resume_on_another_world_size(sharded_run, tmp_path):
+    # 2 -> 1: the 2-process run's step 10, resumed on one process under FSDP (batch 8: the same global batch)
+    output = check_ok(one_process(resume_copy(sharded_run, 10, tmp_path / "two_to_one"), "--resume-from-checkpoint",
+                                  "latest"))  # fmt: skip
+    assert "resumed from" in output and "178 on rank 0" in output, output[-3000:]
+    assert_same_weights(tmp_path / "two_to_one", sharded_run, atol=1e-6)
+    # 1 -> 2: a 1-process FSDP run's step 10 (its shards: one rank's whole), resumed on two processes
+    check_ok(one_process(tmp_path / "one"))
+    assert_same_weights(tmp_path / "one", sharded_run, atol=1e-6)  # one FSDP process trains as two do
+    resume_copy(tmp_path / "one", 10, tmp_path / "one_to_two")
+    resumed = check_ok(fsdp_launch(tmp_path / "one_to_two", "--resume-from-checkpoint", "latest"))
+    assert "resumed from" in resumed and "89 on rank 1" in resumed, resumed[-3000:]
+    assert_same_weights(tmp_path / "one_to_two", tmp_path / "one", atol=1e-6)
+
+
+@inprocess
+def test_a_sharded_checkpoint_keeps_the_runs_identity_and_its_strategy(tmp_path):
+    # a 1-process FSDP run writes FSDP shards: another model is refused by its identity, a run without FSDP by the
+    # checkpoint's layout (and a checkpoint of whole weights under FSDP): one line each, before any step
+    check_ok(one_process(tmp_path / "sharded", "--epochs", 1))
+    assert (tmp_path / "sharded" / "checkpoints" / "step_10" / "pytorch_model_fsdp_0").is_dir()
+    resume = ["--epochs", 2, "--resume-from-checkpoint", "latest"]
+    other_model = one_process(resume_copy(tmp_path / "sharded", 10, tmp_path / "a"), *resume, "--hidden", 32)
+    assert_clean_error(other_model, "was written by another model")
+    without_fsdp = one_process(resume_copy(tmp_path / "sharded", 10, tmp_path / "b"), *resume, fsdp=False)
+    assert_clean_error(without_fsdp, "holds FSDP shards (pytorch_model_fsdp_0/), and this run does not shard")
+    check_ok(one_process(tmp_path / "whole", "--epochs", 1, fsdp=False))
+    under_fsdp = one_process(resume_copy(tmp_path / "whole", 10, tmp_path / "c"), *resume)
+    assert_clean_error(under_fsdp, "holds whole weights (written without FSDP), and this run shards them")
+
+
+@inprocess
+def test_batchnorm_under_fsdp_bf16_computes_in_fp32_and_trains_as_under_ddp_bf16(tmp_path):
+    # FSDP2's bf16 casts the parameters, not BatchNorm's running statistics: without keep_batchnorm_in_fp32 the
+    # template (Linear, BatchNorm1d, ReLU, Linear) fails with "expected scalar type BFloat16 but found Float"
+    args = ["scripts/template.py", "--epochs", 1, "--mixed-precision", "bf16", "--no-val"]
+    output = check_ok(run_script(*args, "--output-dir", tmp_path / "fsdp", env=FSDP_ENV))
+    assert "FSDP2 (resharded after forward)" in output, output[-3000:]
+    check_ok(run_script(*args, "--output-dir", tmp_path / "ddp"))
+    sharded, plain = weights(tmp_path / "fsdp"), weights(tmp_path / "ddp")
+    assert sharded["1.running_var"].dtype == torch.float32
+    assert not torch.equal(sharded["1.running_mean"], torch.zeros(64))  # the statistics were updated
+    for name in plain:  # bf16 rounding apart, the same training
+        assert torch.allclose(sharded[name].float(), plain[name].float(), atol=2e-2), name
+
+
+@inprocess
+def test_accelerate_still_drops_the_fsdp_plugin_on_cpu_and_the_adjustment_makes_a_sharded_run(tmp_path, monkeypatch):
+    # the day Accelerate keeps FSDP on CPU by itself (or is upgraded past the versions it was made for), this fails:
+    # ddp_accel/sharding.py is then to be checked again, and removed where no longer needed
+    import accelerate
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    assert sharding.accelerate_version_note(accelerate.__version__) is None, accelerate.__version__
+    assert "this is 1.16.0" in sharding.accelerate_version_note("1.16.0")
+    for name, value in FSDP_ENV.items():
+        monkeypatch.setenv(name, value)
+    try:
+        accelerator = Accelerator(cpu=True)
+        assert accelerator.distributed_type != DistributedType.FSDP
+        assert getattr(accelerator.state, "fsdp_plugin", None) is None  # built from the variables, then dropped
+        assert sharding.adopt_fsdp_on_cpu(accelerator) and accelerator.distributed_type == DistributedType.FSDP
+        model = torch.nn.Linear(4, 6)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        assert type(model.weight).__name__ == "DTensor"
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        accelerator.save_state(str(tmp_path / "state"))  # with only the AcceleratorState's type: the non-FSDP path
+        assert (tmp_path / "state" / "pytorch_model_fsdp_0").is_dir()
+        trained = model.weight.full_tensor().clone()
+        with torch.no_grad():
+            model.weight.zero_()
+        accelerator.load_state(str(tmp_path / "state"))
+        assert torch.equal(model.weight.full_tensor(), trained)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@inprocess
+def test_fsdp_on_cpu_refuses_what_cannot_run_there_in_one_line(tmp_path):
+    output_dir = tmp_path / "run"
+    fsdp1 = run_script(PROBE, "--output-dir", output_dir, env={**FSDP_ENV, "FSDP_VERSION": "1"})
+    assert_clean_error(fsdp1, "set `fsdp_version: 2`")
+    offload = run_script(PROBE, "--output-dir", output_dir, env={**FSDP_ENV, "FSDP_OFFLOAD_PARAMS": "true"})
+    assert_clean_error(offload, "fsdp_offload_params: true offloads to the CPU what is there already")
