@@ -214,8 +214,8 @@ def check_strategy(accelerator: Accelerator, path: Path) -> None:
     if sharded:
         raise UserError(
             f"checkpoint {path} holds FSDP shards ({FSDP_MODEL_FOLDER}/), and this run does not shard "
-            f"(distributed type {accelerator.distributed_type.value}): resume it under the FSDP config it was written with "
-            "(e.g. accelerate_configs/fsdp.yaml, on any number of processes)"
+            f"(distributed type {accelerator.distributed_type.value}): resume it under the FSDP config it was "
+            "written with (e.g. accelerate_configs/fsdp.yaml, on any number of processes)"
         )
     raise UserError(
         f"checkpoint {path} holds whole weights (written without FSDP), and this run shards them with FSDP: "
