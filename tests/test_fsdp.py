@@ -86,9 +86,7 @@ def test_fsdp_yaml_shards_over_gloo_and_trains_as_one_process_does(sharded_run, 
 
 
 @multiprocess
-def test_a_signal_to_every_process_at_a_hidden_moment_saves_the_agreed_step_and_resumes_bitwise(
-    sharded_run, tmp_path
-):
+def test_a_signal_to_every_process_at_a_hidden_moment_saves_the_agreed_step_and_resumes_bitwise(sharded_run, tmp_path):
     # SIGTERM to the launcher and both ranks at once, somewhere in steps 5-15 (40 ms each): the ranks agree on a
     # step, save its sharded checkpoint and leave; the resumed run ends bitwise equal to the uninterrupted one
     output_dir, log = tmp_path / "stopped", (tmp_path / "stopped.log").open("w")
