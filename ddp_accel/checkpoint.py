@@ -24,6 +24,7 @@ from ddp_accel.callback_state import CallbackStates
 from ddp_accel.errors import UserError
 from ddp_accel.files import finite_or_null, writing
 from ddp_accel.identity import compare_identity
+from ddp_accel.sharding import before_save
 from ddp_accel.state import Rebase, RunIdentity, TrainState
 
 TRAINING_STATE = "training_state.json"  # TrainState.state_dict(), written last: a checkpoint without it is incomplete
@@ -158,6 +159,7 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)
     accelerator.wait_for_everyone()
     with writing(partial, cleanup=partial):
+        before_save(accelerator)  # under FSDP: the buffers every rank will load
         accelerator.save_state(str(partial))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
@@ -233,6 +235,20 @@ def load_checkpoint(
     """Load the checkpoint at `path` into the prepared objects, `state` and the callbacks' `states`, when the
     checkpoint is of this run's `identity` (a checkpoint of another model or run is refused). Without `states` the
     callbacks' part is not read (an evaluation of the checkpoint's weights). Returns warnings to show."""
+    saved, warning = check_checkpoint(accelerator, path, identity)
+    try:
+        notes = (states or CallbackStates([])).load(accelerator, path, callbacks_read=states is not None)
+    except (RuntimeError, FileNotFoundError, KeyError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"cannot load checkpoint {path}: {first_line}") from None
+    if state is not None:
+        state.load_state_dict(saved)
+    return ([warning] if warning else []) + notes
+
+
+def check_checkpoint(accelerator: Accelerator, path: Path, identity: RunIdentity) -> tuple[dict[str, Any], str | None]:
+    """Every check before a load (complete on every rank, the model, the optimizer, sharded or not, the options of
+    the identity): its training state and a warning to show, or a UserError."""
     problem = checkpoint_problem(accelerator, path)
     if problem:
         raise UserError(f"checkpoint {path} is damaged ({problem}); resume another step_N folder or 'latest'")
@@ -254,14 +270,21 @@ def load_checkpoint(
     warning = (
         compare_identity(saved.get("identity"), identity.identity, f"checkpoint {path}") if identity.identity else None
     )
+    return saved, warning
+
+
+def load_sharded_model(model: torch.nn.Module, path: Path) -> None:
+    """The model of an FSDP checkpoint (its shards in `pytorch_model_fsdp_0/`, torch.distributed.checkpoint) into
+    the bare `model` on every rank, whole: what an evaluation needs, where no optimizer state is wanted. Every rank
+    calls it."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": model.state_dict()}
     try:
-        notes = (states or CallbackStates([])).load(accelerator, path, callbacks_read=states is not None)
-    except (RuntimeError, FileNotFoundError, KeyError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"cannot load checkpoint {path}: {first_line}") from None
-    if state is not None:
-        state.load_state_dict(saved)
-    return ([warning] if warning else []) + notes
+        dcp.load(state, checkpoint_id=str(path / FSDP_MODEL_FOLDER))
+    except Exception as error:  # torch's CheckpointException lists each rank's failure
+        raise UserError(f"cannot load checkpoint {path}: {str(error).strip().splitlines()[0]}") from None
+    model.load_state_dict(state["model"])
 
 
 SaveActivity = Callable[[str], "contextlib.AbstractContextManager[Any]"]  # the watchdog's bound for a save

@@ -11,12 +11,22 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
 from ddp_accel import loaders
-from ddp_accel.checkpoint import load_checkpoint, load_weights, model_fingerprint, read_training_state, resolve_resume
+from ddp_accel.checkpoint import (
+    check_checkpoint,
+    load_checkpoint,
+    load_sharded_model,
+    load_weights,
+    model_fingerprint,
+    read_training_state,
+    resolve_resume,
+)
 from ddp_accel.errors import UserError
 from ddp_accel.identity import compare_identity
+from ddp_accel.sharding import before_prepare
 from ddp_accel.state import RunIdentity
 from ddp_accel.task import EvalFn, MetricsFn
 
@@ -71,15 +81,30 @@ def load_saved_weights(
             raise UserError(f"--resume {source}: no such file")
         check_trained_with(file, identity)
         load_weights_file(model, file)
-        return accelerator.prepare(model)
-    prepared = accelerator.prepare(model)
+        return prepare_for_evaluation(accelerator, model)
     path = resolve_resume(source, output_dir / "checkpoints", accelerator)
     if path is None:
         raise UserError(f"--resume latest: no complete checkpoint in {output_dir / 'checkpoints'}")
     saved = read_training_state(path).get("identity")
     if identity and saved:
         compare_identity(same_keys(saved, identity), identity, f"checkpoint {path}")
-    load_checkpoint(accelerator, path, RunIdentity(model_fingerprint(model)))  # the model's fingerprint is checked
+    run_identity = RunIdentity(model_fingerprint(model))  # the model's fingerprint is checked
+    if accelerator.distributed_type == DistributedType.FSDP:  # the weights alone, into the bare model
+        check_checkpoint(accelerator, path, run_identity)
+        load_sharded_model(model, path)
+        return prepare_for_evaluation(accelerator, model)
+    prepared = accelerator.prepare(model)
+    load_checkpoint(accelerator, path, run_identity)
+    return prepared
+
+
+def prepare_for_evaluation(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """`model` prepared alone; under FSDP2, which prepares a model only with its optimizer, with a stand-in one
+    that never steps."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return accelerator.prepare(model)
+    before_prepare(accelerator, model)
+    prepared, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
     return prepared
 
 

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 
 from ddp_accel.batch_size import find_micro_batch, with_batch_size
 from ddp_accel.budget import BudgetPlan, RunShape, Timing, plan_run
@@ -21,7 +20,7 @@ from ddp_accel.ema import WeightAverage
 from ddp_accel.profiling import ProfilerWindow
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.schedules import PlateauFeed, make_schedule
-from ddp_accel.sharding import keep_batchnorm_in_fp32
+from ddp_accel.sharding import before_prepare
 from ddp_accel.stopping import StepAgreement
 from ddp_accel.task import Task
 from ddp_accel.train_step import TrainStep
@@ -93,8 +92,7 @@ def prepare_task(accelerator: Accelerator, config: TrainConfig, task: Task) -> P
     if config.compile:  # in place: the module, its class and its state dict's names stay what they were
         mode = None if config.compile == "default" or config.compile_backend != "inductor" else config.compile
         task.model.compile(mode=mode, backend=config.compile_backend)
-    if accelerator.distributed_type == DistributedType.FSDP and accelerator.mixed_precision != "no":
-        keep_batchnorm_in_fp32(task.model)  # FSDP2 casts parameters to bf16, not the running statistics
+    before_prepare(accelerator, task.model)  # under FSDP2's bf16: BatchNorm in fp32
     model, optimizer, prepared_train = accelerator.prepare(task.model, task.optimizer, train_loader)
     eval_loader = accelerator.prepare(task.eval_loader) if task.eval_loader is not None else None
     test_loader = accelerator.prepare(task.test_loader) if task.test_loader is not None else None

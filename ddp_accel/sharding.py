@@ -109,6 +109,59 @@ def sharding_summary(accelerator: Any, model: Any) -> ShardingSummary | None:
     return ShardingSummary(plugin.fsdp_version, plugin.reshard_after_forward, total, tuple(per_rank))
 
 
+def before_prepare(accelerator: Any, model: Any) -> None:
+    """What a model needs before Accelerate prepares it under FSDP2: the buffers of rank 0 on every rank before
+    each forward, as DDP does; under mixed precision, BatchNorm in fp32."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return
+    if accelerator.num_processes > 1:
+        broadcast_buffers_before_forward(model)
+    if accelerator.mixed_precision != "no":
+        keep_batchnorm_in_fp32(model)
+
+
+def broadcast_buffers_before_forward(model: Any) -> bool:
+    """FSDP2 shards parameters but leaves buffers (BatchNorm's running statistics) to each rank, which updates
+    them from its own batches: the ranks' statistics drift apart, an evaluation scores each rank's model, and a
+    sharded checkpoint keeps one rank's copy (torch.distributed.checkpoint saves a replicated tensor once), so a
+    resume changed the other ranks' statistics. DDP broadcasts rank 0's buffers before every forward; so does this
+    hook (one broadcast per dtype). False when the model has no buffers."""
+    if not any(True for _ in model.buffers()):
+        return False
+    model.register_forward_pre_hook(_broadcast_buffers)
+    return True
+
+
+def before_save(accelerator: Any) -> None:
+    """Under FSDP on several processes, rank 0's buffers on every rank before a checkpoint: it keeps one copy of
+    them, which every rank loads at a resume (each rank updated its own in the step's forward)."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes > 1:
+        for model in accelerator._models:
+            if any(True for _ in model.buffers()):
+                _broadcast_buffers(model)
+
+
+def _broadcast_buffers(module: Any, *args: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    by_dtype: dict[Any, list[Any]] = {}
+    for buffer in module.buffers():
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    with torch.no_grad():
+        for buffers in by_dtype.values():
+            flat = torch.cat([buffer.reshape(-1) for buffer in buffers])
+            dist.broadcast(flat, src=0)
+            offset = 0
+            for buffer in buffers:
+                buffer.copy_(flat[offset : offset + buffer.numel()].view_as(buffer))
+                offset += buffer.numel()
+
+
 def keep_batchnorm_in_fp32(model: Any) -> int:
     """FSDP2's mixed precision casts every parameter to bf16, but not BatchNorm's running statistics (buffers):
     BatchNorm then fails ("expected scalar type BFloat16 but found Float"). Each BatchNorm layer of `model` computes

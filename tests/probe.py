@@ -123,6 +123,7 @@ def main(signals: StopSignals | None = None) -> None:
     parser.add_argument("--val-size", type=int, default=23)
     parser.add_argument("--hidden", type=int, default=16)
     parser.add_argument("--dropout", type=float, default=0.2)
+    parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after the first layer (buffers)")
     parser.add_argument("--step-ms", type=float, default=0, help="stand-in for a real step's compute time")
     parser.add_argument("--complex", action="store_true", help="a complex-valued first layer (|z| feeds the rest)")
     parser.add_argument(
@@ -153,7 +154,8 @@ def main(signals: StopSignals | None = None) -> None:
         first, activation = ComplexLinear(8, args.hidden), Magnitude()
     else:
         first, activation = torch.nn.Linear(8, args.hidden), torch.nn.ReLU()
-    model = torch.nn.Sequential(first, activation, torch.nn.Dropout(args.dropout), torch.nn.Linear(args.hidden, 2))
+    layers = [first, torch.nn.BatchNorm1d(args.hidden)] if args.batchnorm else [first]
+    model = torch.nn.Sequential(*layers, activation, torch.nn.Dropout(args.dropout), torch.nn.Linear(args.hidden, 2))
     if args.sparse_embedding:
         table = model[0].table.weight
         optimizer = Optimizers(

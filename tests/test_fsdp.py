@@ -29,6 +29,7 @@ from helpers import (
     wait_for_checkpoint,
     weights,
 )
+from probe import IdDataset
 
 from ddp_accel import sharding
 
@@ -86,13 +87,25 @@ def test_fsdp_yaml_shards_over_gloo_and_trains_as_one_process_does(sharded_run, 
 
 
 @multiprocess
-def test_a_signal_to_every_process_at_a_hidden_moment_saves_the_agreed_step_and_resumes_bitwise(sharded_run, tmp_path):
+def test_a_signal_to_every_process_at_a_hidden_moment_saves_the_agreed_step_and_resumes_bitwise(tmp_path):
     # SIGTERM to the launcher and both ranks at once, somewhere in steps 5-15 (40 ms each): the ranks agree on a
-    # step, save its sharded checkpoint and leave; the resumed run ends bitwise equal to the uninterrupted one
+    # step, save its sharded checkpoint and leave; the resumed run ends bitwise equal to the uninterrupted one.
+    # With BatchNorm: FSDP leaves buffers to each rank, so rank 0's go to every rank before each forward and
+    # before a save (the checkpoint keeps one rank's copy of them), as DDP does
+    reference = tmp_path / "uninterrupted"
+    check_ok(fsdp_launch(reference, "--batchnorm"))
+    # its evaluation (each rank scores its share of the 23 samples) is rank 0's model's, statistics included
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Dropout(0),
+                                torch.nn.Linear(16, 2)).eval()  # fmt: skip
+    model.load_state_dict(weights(reference), strict=True)
+    val = IdDataset(23, 2)
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(model(val.x), val.y).item()
+    assert abs(metrics_of(reference)["eval_loss"] - loss) < 1e-5, (metrics_of(reference)["eval_loss"], loss)
     output_dir, log = tmp_path / "stopped", (tmp_path / "stopped.log").open("w")
     command = [str(BIN / "accelerate"), "launch", "--config_file", str(FSDP_YAML), "--main_process_port"]
     command += [str(free_port()), str(ROOT / PROBE), "--output-dir", str(output_dir), *map(str, ARGS)]
-    command += ["--batch-size", "4", "--step-ms", "40"]
+    command += ["--batch-size", "4", "--batchnorm", "--step-ms", "40"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
     try:
@@ -109,9 +122,10 @@ def test_a_signal_to_every_process_at_a_hidden_moment_saves_the_agreed_step_and_
     assert marker["signal"] == "SIGTERM" and marker["phase"] in ("train", "eval"), (marker, text[-3000:])
     saved = json.loads((output_dir / "checkpoints" / f"step_{marker['step']}" / "training_state.json").read_text())
     assert saved["step"] == marker["step"] and 5 <= marker["step"] < 24, (marker, saved)
-    resumed = check_ok(fsdp_launch(output_dir, "--resume-from-checkpoint", "latest"))
+    resumed = check_ok(fsdp_launch(output_dir, "--batchnorm", "--resume-from-checkpoint", "latest"))
     assert f"resumed from {marker['checkpoint']}: step {marker['step']}," in resumed, resumed[-3000:]
-    assert_same_weights(output_dir, sharded_run)  # bitwise
+    assert_same_weights(output_dir, reference)  # bitwise, the running statistics included
+    assert "1.running_mean" in weights(reference)
 
 
 @multiprocess

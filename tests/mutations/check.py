@@ -346,13 +346,23 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    if False:",
     ),
     "batchnorm_in_bf16_under_fsdp": (
-        "ddp_accel/run_setup.py",
-        "        keep_batchnorm_in_fp32(task.model)",
-        "        pass",
+        "ddp_accel/sharding.py",
+        "        keep_batchnorm_in_fp32(model)\n",
+        "        pass\n",
     ),
     "checkpoint_strategy_not_checked": (
         "ddp_accel/checkpoint.py",
         "    check_strategy(accelerator, path)\n",
+        "",
+    ),
+    "fsdp_buffers_left_to_each_rank": (
+        "ddp_accel/sharding.py",
+        "    if accelerator.num_processes > 1:\n        broadcast_buffers_before_forward(model)\n",
+        "",
+    ),
+    "fsdp_checkpoint_keeps_any_ranks_buffers": (
+        "ddp_accel/checkpoint.py",
+        "        before_save(accelerator)  # under FSDP: the buffers every rank will load\n",
         "",
     ),
 }
