@@ -365,6 +365,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        before_save(accelerator)  # under FSDP: the buffers every rank will load\n",
         "",
     ),
+    "fsdp_evaluation_prepares_the_model_alone": (
+        "ddp_accel/evaluation.py",
+        "    if accelerator.distributed_type != DistributedType.FSDP:\n        return accelerator.prepare(model)\n",
+        "    return accelerator.prepare(model)\n",
+    ),
 }
 
 
