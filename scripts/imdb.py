@@ -318,6 +318,11 @@ def train(args: argparse.Namespace, signals: StopSignals) -> None:
             cache_dir=args.cache_dir,
         ),
     )
+    if args.model == "bag" and accelerator.distributed_type.name == "FSDP":  # its table is updated by rows
+        raise UserError(
+            "--model bag under FSDP: its n-gram table is fitted (NB weights) and updated by rows outside a sharded "
+            "forward; train it with DDP (accelerate_configs/multi_gpu.yaml), or use --model gcnn under FSDP"
+        )
     sparse, embedding_gradients = sparse_tables(args, accelerator)
     # the embedding table with its gradient and two Adam moments
     rows = len(text.vocab) + (args.buckets if args.model == "bag" and args.ngrams > 1 else 0)

@@ -237,3 +237,19 @@ def test_saved_weights_are_evaluated_under_fsdp_as_the_run_scored_them(tmp_path)
         check_ok(run_script(*common, "-e", "--resume", weights_source, env=FSDP_ENV))
         scored = json.loads((tmp_path / "run" / "evaluate.json").read_text())["eval_loss"]
         assert abs(scored - trained) < 1e-5, (weights_source, scored, trained)
+
+
+@inprocess
+def test_imdb_s_gcnn_trains_under_fsdp_and_the_bag_is_refused_in_one_line(tmp_path):
+    for split in ("train", "test"):
+        for label, word in (("pos", "great"), ("neg", "awful")):
+            folder = tmp_path / "aclImdb" / split / label
+            folder.mkdir(parents=True)
+            for i in range(12):
+                (folder / f"{i}_7.txt").write_text(f"the film was {word} and the plot {i} was {word} too")
+    common = ["scripts/imdb.py", "--data-dir", tmp_path, "--epochs", 1]
+    output = check_ok(run_script(*common, "--model", "gcnn", "--output-dir", tmp_path / "gcnn", env=FSDP_ENV))
+    assert "FSDP2 (resharded after forward)" in output, output[-3000:]
+    bag = run_script(*common, "--output-dir", tmp_path / "bag", env=FSDP_ENV)
+    assert_clean_error(bag, "--model bag under FSDP")
+    assert not (tmp_path / "bag").exists()
