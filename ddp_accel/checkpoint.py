@@ -20,6 +20,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
+from ddp_accel import comm_hooks
 from ddp_accel.callback_state import CallbackStates
 from ddp_accel.errors import UserError
 from ddp_accel.files import finite_or_null, writing
@@ -145,7 +146,7 @@ def save_checkpoint(
     state: TrainState,
     identity: RunIdentity,
     limit: int | None = None,
-    states: CallbackStates | None = None,
+    states: tuple[CallbackStates | None, list[Any]] = (None, []),
 ) -> Path:
     """Every process calls this (save_state is collective). Returns the final folder.
 
@@ -161,10 +162,12 @@ def save_checkpoint(
     with writing(partial, cleanup=partial):
         before_save(accelerator)  # under FSDP: the buffers every rank will load
         accelerator.save_state(str(partial))
+        callback_states, hook_states = states
+        comm_hooks.save_states(hook_states, partial, accelerator.process_index, accelerator.num_processes)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            if states is not None:
-                states.save(partial)
+            if callback_states is not None:
+                callback_states.save(partial)
             # what the checkpoint holds, checked on load (names and sizes: cheap inside a preemption's grace period)
             files = {str(f.relative_to(partial)): f.stat().st_size for f in sorted(partial.rglob("*")) if f.is_file()}
             (partial / FILE_LIST).write_text(json.dumps(files, indent=1))
@@ -231,6 +234,7 @@ def load_checkpoint(
     identity: RunIdentity,
     state: TrainState | None = None,
     states: CallbackStates | None = None,
+    hook_states: list[Any] | None = None,
 ) -> list[str]:
     """Load the checkpoint at `path` into the prepared objects, `state` and the callbacks' `states`, when the
     checkpoint is of this run's `identity` (a checkpoint of another model or run is refused). Without `states` the
@@ -241,9 +245,10 @@ def load_checkpoint(
     except (RuntimeError, FileNotFoundError, KeyError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserError(f"cannot load checkpoint {path}: {first_line}") from None
+    hook_note = comm_hooks.load_states(hook_states or [], path, accelerator.process_index, accelerator.num_processes)
     if state is not None:
         state.load_state_dict(saved)
-    return ([warning] if warning else []) + notes
+    return ([warning] if warning else []) + notes + ([hook_note] if hook_note else [])
 
 
 def check_checkpoint(accelerator: Accelerator, path: Path, identity: RunIdentity) -> tuple[dict[str, Any], str | None]:
@@ -308,6 +313,7 @@ class Checkpoints:
     ):
         self.accelerator, self.root, self.every, self.limit = accelerator, root, every, limit
         self.states = states or CallbackStates([])
+        self.hook_states: list[Any] = []  # PowerSGD's, one per rank (comm_hooks)
         self.leftover = 0  # samples of the epoch the resume sees again (its skip rounded down to this global batch)
         self.rebase: Rebase | None = None  # the resume's, once resumed
         self.activity: SaveActivity = lambda what: contextlib.nullcontext()
@@ -331,7 +337,9 @@ class Checkpoints:
             return False
 
     def save(self, state: TrainState, identity: RunIdentity) -> Path:
-        return save_checkpoint(self.accelerator, self.root, state, identity, limit=self.limit, states=self.states)
+        return save_checkpoint(
+            self.accelerator, self.root, state, identity, self.limit, (self.states, self.hook_states)
+        )
 
     def maybe_save(self, state: TrainState, identity: RunIdentity, epoch_end: bool = False) -> Path | None:
         """The policy: the checkpoint of this step when one is due (`epoch_end`: an epoch just ended)."""
@@ -356,7 +364,7 @@ class Checkpoints:
         return resolve_resume(value, self.root, self.accelerator)
 
     def load(self, path: Path, state: TrainState, identity: RunIdentity) -> list[str]:
-        return load_checkpoint(self.accelerator, path, identity, state, self.states)
+        return load_checkpoint(self.accelerator, path, identity, state, self.states, self.hook_states)
 
     def saved_plan(self, value: str | None) -> tuple[dict[str, Any] | None, Path | None]:
         """The --time-budget plan recorded by the checkpoint `value` names (None when it has none), and that

@@ -247,6 +247,19 @@ class TrainConfig:
     compile_backend: str = option(
         "inductor", "torch.compile's backend (eager, aot_eager: no C++ compiler needed; for checks)"
     )
+    ddp_comm_hook: str = option(
+        "none",
+        "how DDP all-reduces the gradients: fp16/bf16 send half the bytes; powersgd sends low-rank factors with "
+        "error feedback (kept in checkpoints). Several processes, not under FSDP",
+        choices=["none", "fp16", "bf16", "powersgd"],
+    )
+    powersgd_rank: int | None = option(None, "PowerSGD's matrix rank (default 1)", type=positive_int, metavar="R")
+    powersgd_start_step: int | None = option(
+        None,
+        "PowerSGD compresses from the step after this one (default 1000; at least 2)",
+        type=number(int, low=2),
+        metavar="N",
+    )
     timeout_s: int = option(
         600, "collective timeout: a dead or hung rank ends the job after this long", type=timeout_seconds
     )
@@ -375,6 +388,14 @@ def check_evaluation(
         raise UserError(f"--best-metric {best_metric} is not a metric of this run's evaluation: {', '.join(reported)}")
 
 
+def check_communication(config: TrainConfig) -> None:
+    """--powersgd-* belong to --ddp-comm-hook powersgd."""
+    given = [name for name in ("powersgd_rank", "powersgd_start_step") if getattr(config, name) is not None]
+    if given and config.ddp_comm_hook != "powersgd":
+        options = " and ".join("--" + name.replace("_", "-") for name in given)
+        raise UserError(f"{options}: only with --ddp-comm-hook powersgd")
+
+
 def check_strategy(config: TrainConfig, sharded: bool) -> None:
     """Options that need whole weights on every rank, under a strategy that shards them (FSDP, DeepSpeed)."""
     if config.ema_decay and sharded:
@@ -386,6 +407,7 @@ SECTION_CHECKS: tuple[Callable[[Any], None], ...] = (
     check_averaging,
     check_compilation,
     check_schedule,
+    check_communication,
 )
 
 

@@ -5,7 +5,7 @@ gives, the LR scheduler, the run's own features as callbacks, and --time-budget'
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,10 +15,12 @@ from ddp_accel.batch_size import find_micro_batch, with_batch_size
 from ddp_accel.budget import BudgetPlan, RunShape, Timing, plan_run
 from ddp_accel.callbacks import BestModel, Callback, EarlyStopping, ProgressBar, Trackers
 from ddp_accel.checkpoint import Checkpoints
+from ddp_accel.comm_hooks import PowerSGD, register_powersgd
 from ddp_accel.config import TrainConfig
 from ddp_accel.ema import WeightAverage
 from ddp_accel.profiling import ProfilerWindow
 from ddp_accel.run_folder import RunFolder
+from ddp_accel.runtime import ddp_options
 from ddp_accel.schedules import PlateauFeed, make_schedule
 from ddp_accel.sharding import before_prepare
 from ddp_accel.stopping import StepAgreement
@@ -61,6 +63,7 @@ class Prepared:
     micro_batch: int  # per process (--auto-batch-size may have chosen a divisor of --batch-size)
     accumulation: int
     epoch_samples: int
+    powersgd: list[PowerSGD] = field(default_factory=list)  # --ddp-comm-hook powersgd's hook, with its state
 
     @property
     def steps_per_epoch(self) -> int:
@@ -97,7 +100,9 @@ def prepare_task(accelerator: Accelerator, config: TrainConfig, task: Task) -> P
     eval_loader = accelerator.prepare(task.eval_loader) if task.eval_loader is not None else None
     test_loader = accelerator.prepare(task.test_loader) if task.test_loader is not None else None
     samples = epoch_samples(train_loader)
-    return Prepared(model, optimizer, prepared_train, eval_loader, test_loader, micro_batch, accumulation, samples)
+    prepared = Prepared(model, optimizer, prepared_train, eval_loader, test_loader, micro_batch, accumulation, samples)
+    prepared.powersgd = register_powersgd(model, ddp_options(config))  # its state goes into the checkpoints
+    return prepared
 
 
 def build_scheduler(

@@ -18,7 +18,7 @@ from ddp_accel.context import RunContext
 from ddp_accel.optim import describe_optimizer
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.run_setup import Prepared
-from ddp_accel.runtime import print_banner
+from ddp_accel.runtime import ddp_options, print_banner
 from ddp_accel.schedules import move_to_step
 from ddp_accel.sharding import sharding_summary
 from ddp_accel.state import Rebase, RunIdentity, TrainState
@@ -66,6 +66,7 @@ def print_run_banner(run: StartingRun) -> None:
         **prepared.epoch_padding(run.accelerator.num_processes),
         **run.record.banner,
         **({"sharding": shards.describe()} if (shards := sharding_summary(run.accelerator, prepared.model)) else {}),
+        **({"ddp_comm_hook": hook} if (hook := ddp_options(run.config).describe()) else {}),
         **({"time_budget": budget} if budget else {}),
     )
 

@@ -22,12 +22,13 @@ from typing import Any
 import accelerate
 import torch
 import torch.distributed as dist
-from accelerate import Accelerator, DistributedDataParallelKwargs, InitProcessGroupKwargs
+from accelerate import Accelerator, InitProcessGroupKwargs
 from accelerate.utils import DataLoaderConfiguration, DistributedType, ProjectConfiguration, set_seed
 from accelerate.utils.memory import should_reduce_batch_size
 
-from ddp_accel import engines
+from ddp_accel import comm_hooks, engines
 from ddp_accel.budget import note_command_start
+from ddp_accel.comm_hooks import PLAIN_DDP, DdpOptions
 from ddp_accel.config import TrainConfig
 from ddp_accel.elastic import (
     START_TIME,
@@ -76,7 +77,7 @@ def build_accelerator(
     mixed_precision: str | None = None,
     log_with: Any = None,
     timeout_s: int = 600,
-    find_unused_parameters: bool = False,
+    ddp: DdpOptions = PLAIN_DDP,
 ) -> Accelerator:
     """The one Accelerator every script uses.
 
@@ -112,13 +113,14 @@ def build_accelerator(
         step_scheduler_with_optimizer=False,
         kwargs_handlers=[
             InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s)),
-            DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters),
+            comm_hooks.ddp_kwargs(ddp),
         ],
     )
     if adopt_fsdp_on_cpu(accelerator):  # an FSDP config on a machine without GPUs: FSDP2 over gloo, not DDP
         note = accelerate_version_note(accelerate.__version__)
         if note and accelerator.is_main_process:
             print(note, file=sys.stderr, flush=True)
+    comm_hooks.check_hook(ddp.comm_hook, accelerator.distributed_type.value, accelerator.num_processes)
     check_topology(accelerator)
     set_seed(seed)
     return accelerator
@@ -130,7 +132,7 @@ def make_accelerator(
     """The Accelerator of a run of `config`, after checking --output-dir (pass check_output_dir=False when not
     training into it); `signals` (run_main's) then leave their marker there if a preemption stops the run before
     training. A missing tracker package is one line here, before anything; the trackers start at the first log.
-    `kwargs`: more of build_accelerator's options (find_unused_parameters)."""
+    `kwargs`: more of DDP's options (find_unused_parameters=True)."""
     folder = RunFolder(config.output_dir)
     if check_output_dir:
         folder.check(config.resume_from_checkpoint, config.overwrite_output_dir)
@@ -151,7 +153,14 @@ def make_accelerator(
         mixed_precision=config.mixed_precision,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         timeout_s=config.timeout_s,
-        **kwargs,
+        ddp=ddp_options(config, **kwargs),
+    )
+
+
+def ddp_options(config: TrainConfig, find_unused_parameters: bool = False) -> DdpOptions:
+    """DDP's options of a run: --ddp-comm-hook and --powersgd-*, with their defaults."""
+    return DdpOptions(
+        config.ddp_comm_hook, config.powersgd_rank or 1, config.powersgd_start_step or 1000, find_unused_parameters
     )
 
 

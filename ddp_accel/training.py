@@ -111,6 +111,7 @@ class TrainingRun:
         )
         self.ema, self.callbacks = features.ema, Callbacks(features.callbacks)
         self.checkpoints.states = CallbackStates(features.callbacks)
+        self.checkpoints.hook_states = self.prepared.powersgd  # each rank's, in its checkpoint files
         self.agreement = StepAgreement(accelerator)
         self.step = TrainStep(
             accelerator, self.model, self.optimizer, task.loss_fn, config.max_grad_norm, self.agreement

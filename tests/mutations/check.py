@@ -370,6 +370,21 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    if accelerator.distributed_type != DistributedType.FSDP:\n        return accelerator.prepare(model)\n",
         "    return accelerator.prepare(model)\n",
     ),
+    "powersgd_state_not_saved": (
+        "ddp_accel/comm_hooks.py",
+        "    if keepers:\n        saved = ",
+        "    if False:\n        saved = ",
+    ),
+    "powersgd_layout_change_ignored": (
+        "ddp_accel/comm_hooks.py",
+        "        if self.layouts.get(index, layout) != layout:",
+        "        if False:",
+    ),
+    "comm_hook_taken_on_one_process": (
+        "ddp_accel/comm_hooks.py",
+        "    if processes == 1:\n",
+        "    if False:\n",
+    ),
 }
 
 

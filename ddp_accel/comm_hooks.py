@@ -1,0 +1,230 @@
+"""DDP communication hooks (`--ddp-comm-hook`): how the gradients of a step travel between the ranks.
+
+- `fp16`, `bf16`: each gradient bucket is cast to 16 bits for the all-reduce and back (half the bytes);
+- `powersgd`: after `--powersgd-start-step` plain steps, each bucket's gradient matrix is sent as two rank-r factors
+  (`--powersgd-rank`), with error feedback: what the compression dropped is added to the next step's gradient.
+
+Accelerate registers them (`DistributedDataParallelKwargs(comm_hook=...)`); ddp_accel keeps PowerSGD's per-rank
+state (the error feedback, the warm-started factors, its step count and random generator) in each checkpoint,
+one file per rank, so that a resume continues the same compression bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddp_accel.errors import UserError
+
+HOOKS = ("none", "fp16", "bf16", "powersgd")
+STATE_FILE = "comm_hook_state_{rank}.pt"
+
+
+@dataclass(frozen=True)
+class DdpOptions:
+    """How DDP wraps the model: the hook, PowerSGD's rank and start, and whether parameters may go unused."""
+
+    comm_hook: str = "none"
+    powersgd_rank: int = 1
+    powersgd_start_step: int = 1000
+    find_unused_parameters: bool = False
+
+    def describe(self) -> str | None:
+        return describe(self.comm_hook, self.powersgd_rank, self.powersgd_start_step)
+
+
+PLAIN_DDP = DdpOptions()
+
+
+def ddp_kwargs(options: DdpOptions) -> Any:
+    """Accelerate's DDP options with the hook asked for (PowerSGD: torch's defaults but rank and start)."""
+    from accelerate import DistributedDataParallelKwargs
+    from accelerate.utils import DDPCommunicationHookType
+
+    kinds = {
+        "none": DDPCommunicationHookType.NO,
+        "fp16": DDPCommunicationHookType.FP16,
+        "bf16": DDPCommunicationHookType.BF16,
+        "powersgd": DDPCommunicationHookType.NO,  # registered by register_powersgd after prepare
+    }
+    powersgd = {"matrix_approximation_rank": options.powersgd_rank, "start_powerSGD_iter": options.powersgd_start_step}
+    return DistributedDataParallelKwargs(
+        find_unused_parameters=options.find_unused_parameters,
+        comm_hook=kinds[options.comm_hook],
+        comm_state_option=powersgd if options.comm_hook == "powersgd" else {},
+    )
+
+
+def check_hook(hook: str, distributed_type: str, processes: int) -> None:
+    """A hook acts on DDP's all-reduce: with one process there is none, and FSDP reduce-scatters its shards."""
+    if hook == "none":
+        return
+    if distributed_type in ("FSDP", "DEEPSPEED"):
+        raise UserError(f"--ddp-comm-hook {hook} compresses DDP's all-reduce: {distributed_type} does not use it")
+    if processes == 1:
+        raise UserError(f"--ddp-comm-hook {hook}: one process communicates nothing; launch several, or drop it")
+
+
+def describe(hook: str, powersgd_rank: int, powersgd_start_step: int) -> str | None:
+    """The banner's line; None without a hook."""
+    if hook == "powersgd":
+        return f"PowerSGD rank {powersgd_rank} from step {powersgd_start_step + 1}, error feedback kept in checkpoints"
+    if hook in ("fp16", "bf16"):
+        return f"{hook} compression of the gradients' all-reduce (half the bytes)"
+    return None
+
+
+class PowerSGD:
+    """torch's PowerSGD hook on a DDP model, with its state kept by parameter for checkpoints.
+
+    PowerSGD's state (the error feedback, the warm-started factors P and Q) is laid out per gradient bucket, in the
+    bucket's order of parameters. DDP lays its buckets out again after its first step (in the order the gradients
+    became ready), so a resumed process starts with another layout than the one the state was saved in. So the
+    state is saved by parameter name, and laid out again for each bucket the first time the hook sees it, and
+    whenever DDP changes a bucket's layout: the compression's results do not depend on the layout (each matrix is
+    compressed alone, the sums are elementwise), so a resume continues bitwise."""
+
+    def __init__(self, model: Any, rank: int, start_step: int):
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        self.state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=start_step)
+        self.names = {id(parameter): name for name, parameter in model.module.named_parameters()}
+        self.shapes = {name: tuple(parameter.shape) for name, parameter in model.module.named_parameters()}
+        self.layouts: dict[int, list[str]] = {}  # bucket index -> its parameters, in order
+        self.pending: dict[str, dict[str, Any]] | None = None  # by parameter, waiting for its bucket's layout
+        # DDP accepts a hook whose `bucket` is not annotated, or annotated with dist.GradBucket itself (this module's
+        # annotations are strings)
+        PowerSGD._hook.__annotations__.clear()
+        model.register_comm_hook(self, PowerSGD._hook)
+
+    @staticmethod
+    def _hook(self: PowerSGD, bucket: Any) -> Any:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        index, layout = bucket.index(), [self.names[id(parameter)] for parameter in bucket.parameters()]
+        if self.layouts.get(index, layout) != layout:  # DDP laid its buckets out again
+            self.pending = {**(self.pending or {}), **self._by_parameter()}
+            self.layouts.clear()
+        self.layouts[index] = layout
+        if self.pending:
+            self._lay_out(index, layout)
+        return powerSGD_hook.powerSGD_hook(self.state, bucket)
+
+    def _slices(self, layout: list[str]) -> dict[str, dict[str, slice]]:
+        """Where each parameter of a bucket lies in its error feedback, its Ps and its Qs (torch's order: the
+        compressed matrices grouped by shape, in the order each shape first comes)."""
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+        slices: dict[str, dict[str, slice]] = {}
+        offset, by_shape = 0, dict[tuple[int, int], list[tuple[str, int]]]()
+        for name in layout:
+            shape = self.shapes[name]
+            rows, numel = shape[0] if shape else 1, math.prod(shape)
+            columns = numel // rows if rows else 0
+            slices[name] = {"error": slice(offset, offset + numel)}
+            offset += numel
+            rank = min(rows, columns, self.state.matrix_approximation_rank)
+            if _should_compress(rows, columns, rank, self.state.min_compression_rate)[0]:
+                by_shape.setdefault((rows, columns), []).append((name, rank))
+        p_offset = q_offset = 0
+        for (rows, columns), members in by_shape.items():
+            for name, rank in members:
+                slices[name]["p"] = slice(p_offset, p_offset + rows * rank)
+                slices[name]["q"] = slice(q_offset, q_offset + columns * rank)
+                p_offset, q_offset = p_offset + rows * rank, q_offset + columns * rank
+        return slices
+
+    def _by_parameter(self) -> dict[str, dict[str, Any]]:
+        """The buckets' state cut into each parameter's pieces."""
+        memories = {"error": self.state.error_dict, "p": self.state.p_memory_dict, "q": self.state.q_memory_dict}
+        pieces: dict[str, dict[str, Any]] = {}
+        for index, layout in self.layouts.items():
+            for name, where in self._slices(layout).items():
+                for kind, place in where.items():
+                    if index in memories[kind]:
+                        pieces.setdefault(name, {})[kind] = memories[kind][index][place].clone()
+        for memory in memories.values():
+            memory.clear()
+        return pieces
+
+    def _lay_out(self, index: int, layout: list[str]) -> None:
+        """Bucket `index`'s state from the pending pieces of its parameters (a memory is set only when every
+        parameter has its piece: otherwise PowerSGD starts that part afresh, as torch does)."""
+        import torch
+
+        assert self.pending is not None
+        slices = self._slices(layout)
+        memories = {"error": self.state.error_dict, "p": self.state.p_memory_dict, "q": self.state.q_memory_dict}
+        for kind, memory in memories.items():
+            wanted = sorted(((where[kind], name) for name, where in slices.items() if kind in where), key=_start)
+            pieces = [self.pending.get(name, {}).get(kind) for _, name in wanted]
+            if wanted and all(piece is not None for piece in pieces):
+                memory[index] = torch.cat([piece for piece in pieces if piece is not None])  # in their places' order
+        for name in layout:
+            self.pending.pop(name, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        kept = {slot: getattr(self.state, slot) for slot in ("iter", "rng")}
+        return {**kept, "by_parameter": {**(self.pending or {}), **self._pieces_now()}}
+
+    def _pieces_now(self) -> dict[str, dict[str, Any]]:
+        """What `_by_parameter` gives, without clearing the buckets' state (a save during training)."""
+        saved = (dict(self.state.error_dict), dict(self.state.p_memory_dict), dict(self.state.q_memory_dict))
+        pieces = self._by_parameter()
+        self.state.error_dict.update(saved[0])
+        self.state.p_memory_dict.update(saved[1])
+        self.state.q_memory_dict.update(saved[2])
+        return pieces
+
+    def load_state_dict(self, values: dict[str, Any], feedback: bool = True) -> None:
+        """The step count and random generator; with `feedback`, this rank's error feedback and factors."""
+        self.state.iter, self.state.rng = values["iter"], values["rng"]
+        for memory in (self.state.error_dict, self.state.p_memory_dict, self.state.q_memory_dict):
+            memory.clear()
+        self.pending = dict(values["by_parameter"]) if feedback else None
+
+
+def register_powersgd(model: Any, options: DdpOptions) -> list[PowerSGD]:
+    """PowerSGD on the prepared DDP `model` when asked for (Accelerate is told no hook then): [its keeper]."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if options.comm_hook != "powersgd" or not isinstance(model, DistributedDataParallel):
+        return []
+    return [PowerSGD(model, options.powersgd_rank, options.powersgd_start_step)]
+
+
+def save_states(keepers: list[PowerSGD], folder: Path, rank: int, world_size: int) -> None:
+    """Each rank's PowerSGD state into `folder` (every rank calls it; nothing without PowerSGD)."""
+    import torch
+
+    if keepers:
+        saved = {"world_size": world_size, "states": [keeper.state_dict() for keeper in keepers]}
+        torch.save(saved, folder / STATE_FILE.format(rank=rank))
+
+
+def load_states(keepers: list[PowerSGD], folder: Path, rank: int, world_size: int) -> str | None:
+    """Each rank's PowerSGD state from `folder`; a note when its error feedback starts afresh (none saved, another
+    world size: each rank's feedback is for its own gradients)."""
+    import torch
+
+    if not keepers:
+        return None
+    file = folder / STATE_FILE.format(rank=rank)
+    if not file.is_file():
+        return "PowerSGD starts afresh: the checkpoint holds no state of it (saved without --ddp-comm-hook powersgd)"
+    saved = torch.load(file, weights_only=False)  # numpy's random generator among them
+    same_world = saved["world_size"] == world_size and len(saved["states"]) == len(keepers)
+    for keeper, values in zip(keepers, saved["states"], strict=False):
+        keeper.load_state_dict(values, feedback=same_world)
+    if same_world:
+        return None
+    return (
+        f"PowerSGD's error feedback starts afresh (its step count goes on): it was saved by {saved['world_size']} "
+        f"processes, each for its own gradients, and {world_size} run now"
+    )
+
+
+def _start(item: tuple[slice, str]) -> int:
+    return item[0].start

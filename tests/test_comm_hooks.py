@@ -1,0 +1,59 @@
+"""DDP communication hooks (--ddp-comm-hook): fp16/bf16 compression and PowerSGD, whose per-rank state (error
+feedback, warm-started factors) is saved in each checkpoint so that a resume is bitwise."""
+
+import shutil
+
+import pytest
+import torch
+from helpers import assert_clean_error, assert_same_weights, check_ok, launch, run_script, weights
+
+PROBE = "tests/probe.py"
+# 96 samples, 2 ranks x batch 4: 24 steps; PowerSGD compresses from step 3
+ARGS = ["--dropout", "0", "--train-size", 96, "--val-size", 23, "--epochs", 2, "--mixed-precision", "no"]
+POWERSGD = ["--ddp-comm-hook", "powersgd", "--powersgd-start-step", 2, "--checkpointing-steps", 5]
+inprocess, multiprocess = pytest.mark.inprocess, pytest.mark.multiprocess
+
+
+def two_processes(output_dir, *args):
+    return check_ok(launch(PROBE, "--output-dir", output_dir, *ARGS, "--batch-size", 4, *args))
+
+
+@multiprocess
+def test_powersgd_s_state_is_saved_per_rank_and_a_resume_continues_bitwise(tmp_path):
+    # DDP lays its gradient buckets out again after a process's first step, so the resumed process starts with
+    # another layout than the state was saved in: it is kept by parameter and laid out again (comm_hooks.PowerSGD)
+    output = two_processes(tmp_path / "full", *POWERSGD)
+    assert "ddp_comm_hook                PowerSGD rank 1 from step 3" in output, output[:3000]
+    step_10 = tmp_path / "full" / "checkpoints" / "step_10"
+    assert (step_10 / "comm_hook_state_0.pt").is_file() and (step_10 / "comm_hook_state_1.pt").is_file()
+    saved = torch.load(step_10 / "comm_hook_state_1.pt", weights_only=False)["states"][0]
+    assert saved["iter"] == 10 and {"error", "p", "q"} <= set(saved["by_parameter"]["0.weight"])
+    shutil.copytree(step_10, tmp_path / "cut" / "checkpoints" / "step_10")
+    shutil.copy(tmp_path / "full" / "history.json", tmp_path / "cut" / "history.json")
+    resumed = two_processes(tmp_path / "cut", *POWERSGD, "--resume-from-checkpoint", "latest")
+    assert "resumed from" in resumed and "PowerSGD starts afresh" not in resumed, resumed[-3000:]
+    assert_same_weights(tmp_path / "cut", tmp_path / "full")  # bitwise
+    plain = weights(tmp_path / "full")
+    assert plain["0.weight"].abs().sum() > 0  # (trained)
+
+
+@multiprocess
+def test_bf16_compression_trains_as_the_plain_all_reduce_to_bf16_rounding(tmp_path):
+    output = two_processes(tmp_path / "bf16", "--ddp-comm-hook", "bf16")
+    assert "ddp_comm_hook                bf16 compression of the gradients' all-reduce" in output, output[:3000]
+    check_ok(run_script(PROBE, "--output-dir", tmp_path / "one", *ARGS, "--batch-size", 8))
+    compressed, exact = weights(tmp_path / "bf16"), weights(tmp_path / "one")
+    for name in exact:
+        assert torch.allclose(compressed[name], exact[name], atol=2e-3), name
+
+
+@inprocess
+def test_a_hook_where_it_cannot_apply_is_one_line(tmp_path):
+    one_process = run_script(PROBE, "--output-dir", tmp_path / "a", "--ddp-comm-hook", "fp16")
+    assert_clean_error(one_process, "--ddp-comm-hook fp16: one process communicates nothing")
+    fsdp = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+    sharded = run_script(PROBE, "--output-dir", tmp_path / "b", "--ddp-comm-hook", "powersgd", env=fsdp)
+    assert_clean_error(sharded, "--ddp-comm-hook powersgd compresses DDP's all-reduce: FSDP does not use it")
+    orphan = run_script(PROBE, "--output-dir", tmp_path / "c", "--powersgd-rank", 2)
+    assert_clean_error(orphan, "--powersgd-rank: only with --ddp-comm-hook powersgd")
+    assert not any((tmp_path / name).exists() for name in "abc")
