@@ -38,8 +38,15 @@ class DdpOptions:
 PLAIN_DDP = DdpOptions()
 
 
-def ddp_kwargs(options: DdpOptions) -> Any:
-    """Accelerate's DDP options with the hook asked for (PowerSGD: torch's defaults but rank and start)."""
+# PowerSGD's all-reduces are issued from the callbacks of each bucket's future; over gloo those run on several
+# threads, so with two buckets or more the ranks issued them in different orders and hung (MLP-2048 on 2 CPU
+# processes, every run). One bucket over gloo: nothing to order.
+ONE_BUCKET_MB = 1_000_000
+
+
+def ddp_kwargs(options: DdpOptions, gloo: bool = False) -> Any:
+    """Accelerate's DDP options with the hook asked for (PowerSGD: torch's defaults but rank and start; over
+    `gloo`, one gradient bucket)."""
     from accelerate import DistributedDataParallelKwargs
     from accelerate.utils import DDPCommunicationHookType
 
@@ -50,8 +57,10 @@ def ddp_kwargs(options: DdpOptions) -> Any:
         "powersgd": DDPCommunicationHookType.NO,  # registered by register_powersgd after prepare
     }
     powersgd = {"matrix_approximation_rank": options.powersgd_rank, "start_powerSGD_iter": options.powersgd_start_step}
+    one_bucket = gloo and options.comm_hook == "powersgd"
     return DistributedDataParallelKwargs(
         find_unused_parameters=options.find_unused_parameters,
+        bucket_cap_mb=ONE_BUCKET_MB if one_bucket else 25,
         comm_hook=kinds[options.comm_hook],
         comm_state_option=powersgd if options.comm_hook == "powersgd" else {},
     )

@@ -113,7 +113,7 @@ def build_accelerator(
         step_scheduler_with_optimizer=False,
         kwargs_handlers=[
             InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s)),
-            comm_hooks.ddp_kwargs(ddp),
+            comm_hooks.ddp_kwargs(ddp, gloo=cpu),
         ],
     )
     if adopt_fsdp_on_cpu(accelerator):  # an FSDP config on a machine without GPUs: FSDP2 over gloo, not DDP
