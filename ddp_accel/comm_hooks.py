@@ -11,6 +11,7 @@ one file per rank, so that a resume continues the same compression bitwise.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,13 @@ class PowerSGD:
         # annotations are strings)
         PowerSGD._hook.__annotations__.clear()
         model.register_comm_hook(self, PowerSGD._hook)
+        # DDP lays its buckets out again after a process's first step, in the order the gradients became ready: a
+        # resumed process then compressed its first step in the first layout, where the uninterrupted run had the
+        # second, and the matrix products round differently where a gradient lies elsewhere (1e-8 apart, measured).
+        # Told now that every parameter is ready (DDP's Join does so for a rank out of data), DDP lays them out
+        # again in their own order, the first step's: one layout for every step of every process
+        with contextlib.suppress(AttributeError):  # a private method of torch's DDP reducer (torch 2.14)
+            model.reducer._push_all_rebuilt_params()
 
     @staticmethod
     def _hook(self: PowerSGD, bucket: Any) -> Any:

@@ -10,7 +10,10 @@ from helpers import assert_clean_error, assert_same_weights, check_ok, launch, r
 PROBE = "tests/probe.py"
 # 96 samples, 2 ranks x batch 4: 24 steps; PowerSGD compresses from step 3
 ARGS = ["--dropout", "0", "--train-size", 96, "--val-size", 23, "--epochs", 2, "--mixed-precision", "no"]
-POWERSGD = ["--ddp-comm-hook", "powersgd", "--powersgd-start-step", 2, "--checkpointing-steps", 5]
+# 400,000 parameters: DDP splits them into two gradient buckets after the first step (its first bucket holds 1 MB),
+# which over gloo hung PowerSGD until it was given one bucket; a hang ends the run within 60 s (the watchdog)
+POWERSGD = ["--ddp-comm-hook", "powersgd", "--powersgd-start-step", 2, "--checkpointing-steps", 5, "--hidden", 40000]
+POWERSGD += ["--hang-timeout-s", 60]
 inprocess, multiprocess = pytest.mark.inprocess, pytest.mark.multiprocess
 
 

@@ -375,10 +375,10 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    if keepers:\n        saved = ",
         "    if False:\n        saved = ",
     ),
-    "powersgd_layout_change_ignored": (
+    "powersgd_buckets_laid_out_by_ready_order": (
         "ddp_accel/comm_hooks.py",
-        "        if self.layouts.get(index, layout) != layout:",
-        "        if False:",
+        "            model.reducer._push_all_rebuilt_params()\n",
+        "            pass\n",
     ),
     "comm_hook_taken_on_one_process": (
         "ddp_accel/comm_hooks.py",
