@@ -385,6 +385,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    if processes == 1:\n",
         "    if False:\n",
     ),
+    "powersgd_in_several_buckets_over_gloo": (
+        "ddp_accel/comm_hooks.py",
+        "        bucket_cap_mb=ONE_BUCKET_MB if one_bucket else 25,",
+        "        bucket_cap_mb=25,",
+    ),
 }
 
 
