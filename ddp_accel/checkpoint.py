@@ -21,6 +21,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from ddp_accel import comm_hooks
+from ddp_accel.async_save import CheckpointWriter, deferred_writes, leave_marker, wait_for_markers
 from ddp_accel.callback_state import CallbackStates
 from ddp_accel.errors import UserError
 from ddp_accel.files import finite_or_null, writing
@@ -147,39 +148,71 @@ def save_checkpoint(
     identity: RunIdentity,
     limit: int | None = None,
     states: tuple[CallbackStates | None, list[Any]] = (None, []),
+    writer: CheckpointWriter | None = None,
 ) -> Path:
     """Every process calls this (save_state is collective). Returns the final folder.
 
     The state goes to `.tmp_step_N` first; the main process writes the callbacks' states, the list of its files
     and then training_state.json, and renames it to `step_N` only after every rank wrote its part, so a crash
-    mid-save leaves no folder that `latest` would pick up.
+    mid-save leaves no folder that `latest` would pick up. With a `writer` (--async-checkpoint) the state is staged
+    in memory and written by the writer's thread, which completes the checkpoint the same way (async_save.py).
     """
     final = step_folder(root, state.step)
     partial = final.with_name(".tmp_" + final.name)
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
     accelerator.wait_for_everyone()
+    training_state = json.dumps(training_state_json(state, identity), indent=2)  # as it is now
+    main, rank, ranks = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
     with writing(partial, cleanup=partial):
         before_save(accelerator)  # under FSDP: the buffers every rank will load
-        accelerator.save_state(str(partial))
-        callback_states, hook_states = states
-        comm_hooks.save_states(hook_states, partial, accelerator.process_index, accelerator.num_processes)
+        with deferred_writes() if writer is not None else contextlib.nullcontext() as staged:
+            write_state(accelerator, partial, states)
+    if writer is None or staged is None:
         accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            if callback_states is not None:
-                callback_states.save(partial)
-            # what the checkpoint holds, checked on load (names and sizes: cheap inside a preemption's grace period)
-            files = {str(f.relative_to(partial)): f.stat().st_size for f in sorted(partial.rglob("*")) if f.is_file()}
-            (partial / FILE_LIST).write_text(json.dumps(files, indent=1))
-            (partial / TRAINING_STATE).write_text(json.dumps(training_state_json(state, identity), indent=2))
-            if final.exists():
-                shutil.rmtree(final)
-            partial.rename(final)
-            if limit:
-                for old in complete_checkpoints(root)[:-limit]:
-                    shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
+        if main:
+            with writing(partial, cleanup=partial):
+                complete(partial, final, training_state, limit)
+        accelerator.wait_for_everyone()
+        return final
+
+    def write_and_complete() -> None:
+        with writing(partial, cleanup=partial):
+            staged.write_all()
+            leave_marker(partial, rank)
+            if main:  # the other ranks' writers are theirs: their markers say they are done
+                wait_for_markers(partial, ranks, timeout_s=ASYNC_WRITE_TIMEOUT_S)
+                complete(partial, final, training_state, limit)
+
+    writer.start(write_and_complete)
     return final
+
+
+ASYNC_WRITE_TIMEOUT_S = 3600.0  # the main process's writer waits this long for the other ranks' files
+
+
+def write_state(accelerator: Accelerator, partial: Path, states: tuple[CallbackStates | None, list[Any]]) -> None:
+    """What every rank writes of a checkpoint: Accelerate's save_state, PowerSGD's state; the main process the
+    callbacks' states."""
+    accelerator.save_state(str(partial))
+    callback_states, hook_states = states
+    comm_hooks.save_states(hook_states, partial, accelerator.process_index, accelerator.num_processes)
+    if accelerator.is_main_process and callback_states is not None:
+        callback_states.save(partial)
+
+
+def complete(partial: Path, final: Path, training_state: str, limit: int | None) -> None:
+    """The main process, once every rank's files are in `partial`: the list of its files (checked on load: names and
+    sizes, cheap inside a preemption's grace period), training_state.json, the rename, the rotation."""
+    files = {str(f.relative_to(partial)): f.stat().st_size for f in sorted(partial.rglob("*")) if f.is_file()}
+    (partial / FILE_LIST).write_text(json.dumps(files, indent=1))
+    (partial / TRAINING_STATE).write_text(training_state)
+    if final.exists():
+        shutil.rmtree(final)
+    partial.rename(final)
+    if limit:
+        for old in complete_checkpoints(final.parent)[:-limit]:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def checkpoint_problem(accelerator: Accelerator, path: Path) -> str | None:
@@ -318,6 +351,8 @@ class Checkpoints:
         self.rebase: Rebase | None = None  # the resume's, once resumed
         self.activity: SaveActivity = lambda what: contextlib.nullcontext()
         self.on_saved: list[Callable[[Path, float], None]] = []
+        self.writer: CheckpointWriter | None = None  # --async-checkpoint: saves written in the background
+        self.in_flight: tuple[Path, float] | None = None  # the background save: its folder and the step's stall
 
     def due_at_step(self, step: int) -> bool:
         return every(step, self.every)
@@ -336,29 +371,51 @@ class Checkpoints:
         except (OSError, ValueError):
             return False
 
-    def save(self, state: TrainState, identity: RunIdentity) -> Path:
-        return save_checkpoint(
-            self.accelerator, self.root, state, identity, self.limit, (self.states, self.hook_states)
-        )
+    def save(self, state: TrainState, identity: RunIdentity, in_background: bool = False) -> Path:
+        states, writer = (self.states, self.hook_states), self.writer if in_background else None
+        return save_checkpoint(self.accelerator, self.root, state, identity, self.limit, states, writer)
 
     def maybe_save(self, state: TrainState, identity: RunIdentity, epoch_end: bool = False) -> Path | None:
         """The policy: the checkpoint of this step when one is due (`epoch_end`: an epoch just ended)."""
         due = self.due_at_epoch_end() if epoch_end else self.due_at_step(state.step)
         return self.save_now(state, identity) if due else None
 
-    def save_now(self, state: TrainState, identity: RunIdentity) -> Path:
+    def save_now(self, state: TrainState, identity: RunIdentity, in_background: bool = True) -> Path:
+        """This step's checkpoint; with --async-checkpoint (unless not `in_background`) staged, written by the
+        writer: its listeners hear of it once it is complete (`finish_writes`)."""
+        self.finish_writes()  # one write at a time
+        background = in_background and self.writer is not None
         started = time.perf_counter()
         with self.activity(f"the checkpoint of step {state.step}"):
-            path = self.save(state, identity)
-        for listener in self.on_saved:
-            listener(path, time.perf_counter() - started)
+            path = self.save(state, identity, background)
+        if background:
+            self.in_flight = (path, time.perf_counter() - started)
+        else:
+            self._saved(path, time.perf_counter() - started)
         return path
 
+    def finish_writes(self) -> None:
+        """Every rank, at the same point (a save, a stop, the end): the background write in flight waited for (its
+        error raised here), then complete on every rank, and its listeners told."""
+        if self.writer is None or self.in_flight is None:
+            return
+        path, stall = self.in_flight
+        self.in_flight = None
+        self.writer.wait()
+        self.accelerator.wait_for_everyone()  # the main process's writer renamed it into place
+        self._saved(path, stall)
+
+    def _saved(self, path: Path, seconds: float) -> None:
+        for listener in self.on_saved:
+            listener(path, seconds)
+
     def save_reached(self, state: TrainState, identity: RunIdentity) -> Path:
-        """A stop's checkpoint of the step reached, unless this very state was just saved."""
+        """A stop's checkpoint of the step reached (after the write in flight, written at once), unless this very
+        state was just saved."""
+        self.finish_writes()
         if self.holds(state, identity):
             return step_folder(self.root, state.step)
-        return self.save_now(state, identity)
+        return self.save_now(state, identity, in_background=False)
 
     def resolve(self, value: str | None) -> Path | None:
         return resolve_resume(value, self.root, self.accelerator)

@@ -183,6 +183,11 @@ class TrainConfig:
     max_grad_norm: float | None = option(None, "clip gradients to this norm", type=positive)
     checkpointing_steps: int | str | None = option(None, "N or 'epoch'", type=checkpointing_steps)
     checkpoint_limit: int | None = option(None, "keep only the newest K", type=positive_int)
+    async_checkpoint: bool = option(
+        False,
+        "a checkpoint is copied into memory and written by a background thread while training goes on; it becomes "
+        "latest once complete; a stop waits for it, then saves its own step (not with FSDP yet)",
+    )
     resume_from_checkpoint: str | None = option(
         None,
         "'latest' resumes the newest complete checkpoint in OUTPUT_DIR/checkpoints, or starts fresh if none",
@@ -400,6 +405,11 @@ def check_strategy(config: TrainConfig, sharded: bool) -> None:
     """Options that need whole weights on every rank, under a strategy that shards them (FSDP, DeepSpeed)."""
     if config.ema_decay and sharded:
         raise UserError("--ema-decay averages whole weights on every rank: not with FSDP or DeepSpeed shards")
+    if config.async_checkpoint and sharded:
+        raise UserError(
+            "--async-checkpoint stages whole weights: sharded checkpoints (FSDP, DeepSpeed) are written at once; "
+            "drop the option"
+        )
 
 
 SECTION_CHECKS: tuple[Callable[[Any], None], ...] = (

@@ -20,6 +20,7 @@ from typing import Any
 from accelerate import Accelerator
 
 from ddp_accel import engines, loaders, run_end, run_start
+from ddp_accel.async_save import CheckpointWriter
 from ddp_accel.budget import BudgetGuard, BudgetPlan, command_started, epochs_text
 from ddp_accel.callback_state import CallbackStates
 from ddp_accel.callbacks import Callback, Callbacks
@@ -86,6 +87,7 @@ class TrainingRun:
         self.checkpoints = Checkpoints(
             accelerator, self.folder.checkpoints, config.checkpointing_steps, config.checkpoint_limit
         )
+        self.checkpoints.writer = CheckpointWriter() if config.async_checkpoint else None
         self.started = command_started(time.time())  # --time-budget's clock
         self.budget: BudgetPlan | None = None
         self.budget_kept = False
@@ -282,6 +284,7 @@ class TrainingRun:
     def stop(self, verdict: Verdict) -> None:
         """Every rank: a loss that is not finite ends the run (no checkpoint of a broken model); a preemption
         checkpoints the step reached (unless it was just saved), leaves the marker and raises Preempted."""
+        self.checkpoints.finish_writes()  # the write in flight (--async-checkpoint) completes first
         if verdict.nonfinite:
             raise UserError(nonfinite_message(verdict.step, self.state, self.folder, self.best_metric))
         started, phase = time.perf_counter(), self.signals.phase
@@ -346,6 +349,7 @@ def fit(
                             run.after_optimizer_step()
                     else:  # the epoch ran to its end
                         run.end_of_epoch(epoch)
+            run.checkpoints.finish_writes()  # --async-checkpoint: the last one is complete before the final work
             run.final_evaluations()
         except StopTraining as stop:
             run.stop(stop.verdict)

@@ -1,0 +1,126 @@
+"""Asynchronous checkpoints (`--async-checkpoint`): a save stages the state in memory and training goes on while a
+background thread writes it.
+
+Staging runs Accelerate's own `save_state` (so the checkpoint's files and layout are exactly a synchronous save's),
+with its writes deferred: each object Accelerate (or ddp_accel) hands to `save`/`torch.save` is copied at once (its
+tensors cloned into CPU memory) and written later, by the function that would have written it. The step pays for
+the copies; the pickling and the file system are the writer's. `StagedWrites.bytes` is what the staging holds.
+
+What completes a checkpoint (the list of its files, training_state.json, the rename of `.tmp_step_N` to `step_N`)
+runs in the main process's writer once every rank's writer has left its marker in the folder, so `latest` never
+names a checkpoint that is not whole, and a process killed mid-write leaves the previous checkpoint as `latest`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MARKER = ".written_by_rank_{rank}"
+
+
+class StagedWrites:
+    """Writes deferred during a save: (the writing function, a copy of the object, its arguments)."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]]] = []
+        self.bytes = 0
+
+    def add(self, write: Callable[..., Any], obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.writes.append((write, self._copied(obj), args, kwargs))
+
+    def _copied(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            self.bytes += obj.numel() * obj.element_size()
+            return obj.detach().to("cpu", copy=True)
+        if isinstance(obj, dict):
+            return type(obj)((key, self._copied(value)) for key, value in obj.items())
+        if isinstance(obj, list):
+            return [self._copied(value) for value in obj]
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(self._copied(value) for value in obj)
+        return copy.deepcopy(obj)
+
+    def write_all(self) -> None:
+        for write, obj, args, kwargs in self.writes:
+            write(obj, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def deferred_writes() -> Iterator[StagedWrites]:
+    """Inside: Accelerate's checkpoint writes (`accelerate.checkpointing.save`, which writes weights, optimizer,
+    scheduler and sampler) and every `torch.save` (its RNG states, ddp_accel's own files) are staged, not written.
+    Only the thread that saves runs meanwhile: no other thread of ddp_accel writes with torch.save then."""
+    import accelerate.checkpointing as checkpointing
+
+    staged = StagedWrites()
+    accelerate_save, torch_save = checkpointing.save, torch.save
+
+    def staged_accelerate_save(obj: Any, *args: Any, **kwargs: Any) -> None:
+        staged.add(accelerate_save, obj, args, kwargs)
+
+    def staged_torch_save(obj: Any, *args: Any, **kwargs: Any) -> None:
+        staged.add(torch_save, obj, args, kwargs)
+
+    checkpointing.save, torch.save = staged_accelerate_save, staged_torch_save
+    try:
+        yield staged
+    finally:
+        checkpointing.save, torch.save = accelerate_save, torch_save
+
+
+class CheckpointWriter:
+    """One background write at a time: `start` it, `wait` for it (its error is raised there, in the training
+    thread)."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None
+
+    def start(self, work: Callable[[], None]) -> None:
+        self.wait()
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as error:  # shown by wait(), in the training thread
+                self._error = error
+
+        self._thread = threading.Thread(target=run, name="ddp_accel-checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+def leave_marker(folder: Path, rank: int) -> None:
+    (folder / MARKER.format(rank=rank)).touch()
+
+
+def wait_for_markers(folder: Path, ranks: int, timeout_s: float) -> None:
+    """Until every rank's writer left its marker in `folder` (then removed), or TimeoutError."""
+    markers = [folder / MARKER.format(rank=rank) for rank in range(ranks)]
+    deadline = time.monotonic() + timeout_s
+    while not all(marker.exists() for marker in markers):
+        if time.monotonic() > deadline:
+            missing = [marker.name for marker in markers if not marker.exists()]
+            raise TimeoutError(f"the checkpoint {folder.name} waited {timeout_s:.0f} s for {', '.join(missing)}")
+        time.sleep(0.02)
+    for marker in markers:
+        marker.unlink()
