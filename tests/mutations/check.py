@@ -390,6 +390,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        bucket_cap_mb=ONE_BUCKET_MB if one_bucket else 25,",
         "        bucket_cap_mb=25,",
     ),
+    "async_staging_keeps_references": (
+        "ddp_accel/async_save.py",
+        '            return obj.detach().to("cpu", copy=True)',
+        "            return obj",
+    ),
+    "async_checkpoint_written_at_once": (
+        "ddp_accel/checkpoint.py",
+        "        background = in_background and self.writer is not None",
+        "        background = False",
+    ),
 }
 
 

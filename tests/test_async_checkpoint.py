@@ -1,0 +1,118 @@
+"""--async-checkpoint: checkpoints staged in memory and written by a background thread (ddp_accel/async_save.py).
+The files are a synchronous save's, byte for byte; a checkpoint is `latest` only once complete; a stop waits for the
+write in flight and then saves its own step; a process killed mid-write resumes from the previous checkpoint."""
+
+import json
+import shutil
+import threading
+
+import pytest
+import torch
+from helpers import assert_clean_error, assert_same_weights, check_ok, launch, run_script
+
+from ddp_accel import async_save
+from ddp_accel.checkpoint import complete_checkpoints, resolve_resume
+
+PROBE = "tests/probe.py"
+ARGS = ["--dropout", "0.3", "--train-size", 96, "--val-size", 23, "--epochs", 2, "--checkpointing-steps", 5]
+ARGS += ["--mixed-precision", "no"]
+inprocess, multiprocess = pytest.mark.inprocess, pytest.mark.multiprocess
+
+
+def one_process(output_dir, *args):
+    return check_ok(run_script(PROBE, "--output-dir", output_dir, *ARGS, "--batch-size", 8, *args))
+
+
+def checkpoint_files(output_dir) -> dict[str, bytes]:
+    root = output_dir / "checkpoints"
+    return {str(path.relative_to(root)): path.read_bytes() for path in sorted(root.rglob("*")) if path.is_file()}
+
+
+@inprocess
+def test_async_checkpoints_are_the_synchronous_ones_byte_for_byte_and_a_stop_waits_for_the_write(tmp_path):
+    one_process(tmp_path / "sync")
+    one_process(tmp_path / "async", "--async-checkpoint")
+    sync, background = checkpoint_files(tmp_path / "sync"), checkpoint_files(tmp_path / "async")
+    assert sync.keys() == background.keys() and "step_20/optimizer.bin" in sync, sorted(sync)
+    assert all(sync[name] == background[name] for name in sync), [n for n in sync if sync[n] != background[n]]
+    # SIGTERM at batch 7, two steps after the save of step 5 began in the background: the stop waits for it, saves
+    # step 7 at once; the resume ends bitwise equal (dropout: the RNG states are the staged ones)
+    output = one_process(tmp_path / "cut", "--async-checkpoint", "--sigterm-at-batch", 7)
+    assert "preempted by SIGTERM at step 7 (train)" in output, output[-2000:]
+    assert [path.name for path in complete_checkpoints(tmp_path / "cut" / "checkpoints")] == ["step_5", "step_7"]
+    one_process(tmp_path / "cut", "--async-checkpoint", "--resume-from-checkpoint", "latest")
+    assert_same_weights(tmp_path / "cut", tmp_path / "sync")
+
+
+@inprocess
+def test_a_checkpoint_is_latest_only_once_written_and_a_write_cut_short_leaves_the_previous(tmp_path, monkeypatch):
+    # the writer of step 10 held mid-write: the training goes on, `latest` is step 5; released, it is step 10.
+    # A process killed there (the writer abandoned) leaves step 5 as latest, and the resume from it is bitwise
+    held, release = threading.Event(), threading.Event()
+    write_all = async_save.StagedWrites.write_all
+
+    def slow_write_all(self):
+        if any("step_10" in str(args) for _, _, args, _ in self.writes):
+            held.set()
+            assert release.wait(60)
+        write_all(self)
+
+    monkeypatch.setattr(async_save.StagedWrites, "write_all", slow_write_all)
+    seen: dict[str, object] = {}
+
+    def watch():  # what a resume would pick while the write is held
+        assert held.wait(60)
+        root = tmp_path / "held" / "checkpoints"
+        seen["latest"] = resolve_resume("latest", root)
+        seen["partial"] = (root / ".tmp_step_10").is_dir()
+        release.set()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    one_process(tmp_path / "held", "--async-checkpoint", "--max-steps", 12)
+    watcher.join()
+    assert seen == {"latest": tmp_path / "held" / "checkpoints" / "step_5", "partial": True}, seen
+    assert (tmp_path / "held" / "checkpoints" / "step_10" / "training_state.json").is_file()
+    # killed mid-write: what was on disk then (step 5 and a partial step 10) resumes from step 5, to the same weights
+    killed = tmp_path / "killed" / "checkpoints"
+    shutil.copytree(tmp_path / "held" / "checkpoints" / "step_5", killed / "step_5")
+    shutil.copytree(tmp_path / "held" / "checkpoints" / "step_10", killed / ".tmp_step_10")
+    (killed / ".tmp_step_10" / "training_state.json").unlink()
+    shutil.copy(tmp_path / "held" / "history.json", tmp_path / "killed" / "history.json")
+    output = one_process(tmp_path / "killed", "--async-checkpoint", "--max-steps", 12, "--resume-from-checkpoint",
+                         "latest")  # fmt: skip
+    assert "resumed from" in output and "step_5" in output, output[-2000:]
+    assert_same_weights(tmp_path / "killed", tmp_path / "held")
+
+
+@inprocess
+def test_the_staging_copies_tensors_so_later_steps_do_not_change_a_staged_checkpoint(tmp_path):
+    weights = {"w": torch.ones(3)}
+    with async_save.deferred_writes() as staged:
+        torch.save(weights, tmp_path / "w.pt")
+    weights["w"].add_(1)  # the next optimizer step
+    assert not (tmp_path / "w.pt").exists() and staged.bytes == 12
+    staged.write_all()
+    assert torch.equal(torch.load(tmp_path / "w.pt")["w"], torch.ones(3))
+
+
+@inprocess
+def test_async_checkpoints_under_fsdp_are_one_line(tmp_path):
+    fsdp = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+    result = run_script(PROBE, "--output-dir", tmp_path / "run", "--async-checkpoint", env=fsdp)
+    assert_clean_error(result, "--async-checkpoint stages whole weights")
+
+
+@multiprocess
+def test_on_two_processes_async_checkpoints_are_the_synchronous_ones_and_a_stop_resumes_bitwise(tmp_path):
+    # each rank's writer leaves its marker; the main process's completes the folder once every marker is there
+    common = ["--output-dir", tmp_path / "async", *ARGS, "--batch-size", 4, "--async-checkpoint"]
+    stopped = launch(PROBE, *common, "--sigterm-at-batch", 7)  # rank 0 signalled (rank 1 exits 3: a peer's stop)
+    marker = json.loads((tmp_path / "async" / "preempted.json").read_text())
+    assert marker["step"] == 7, (marker, stopped.stderr[-2000:])
+    check_ok(launch(PROBE, *common, "--resume-from-checkpoint", "latest"))
+    check_ok(launch(PROBE, "--output-dir", tmp_path / "sync", *ARGS, "--batch-size", 4))
+    assert_same_weights(tmp_path / "async", tmp_path / "sync")
+    sync, background = checkpoint_files(tmp_path / "sync"), checkpoint_files(tmp_path / "async")
+    for name in ("step_5/optimizer.bin", "step_10/model.safetensors", "step_20/random_states_1.pkl"):
+        assert sync[name] == background[name], name
