@@ -311,21 +311,28 @@ def test_resume_with_another_batch_size_skips_by_samples_and_says_so(tmp_path):
 
 
 @inprocess
-def test_a_checkpoint_is_renamed_into_place_only_once_complete(tmp_path):
-    # a save that fails before training_state.json is written leaves no step_N folder that looks complete
+def test_a_checkpoint_is_renamed_into_place_only_once_complete(tmp_path, monkeypatch):
+    # a save that fails while training_state.json is written leaves no step_N folder
+    from pathlib import Path
+
     from accelerate import Accelerator
 
-    from ddp_accel.checkpoint import complete_checkpoints, save_checkpoint
+    from ddp_accel.checkpoint import TRAINING_STATE, complete_checkpoints, save_checkpoint
     from ddp_accel.state import RunIdentity, TrainState
 
-    class Unwritable(TrainState):
-        def state_dict(self):
+    write_text = Path.write_text
+
+    def disk_gone_at_the_training_state(path, *args, **kwargs):
+        if path.name == TRAINING_STATE:
             raise OSError("disk gone")
+        return write_text(path, *args, **kwargs)
 
     accelerator = Accelerator(cpu=True)
     model = accelerator.prepare(torch.nn.Linear(2, 2))
-    with pytest.raises(OSError, match="disk gone"):
-        save_checkpoint(accelerator, tmp_path, Unwritable(step=3), RunIdentity())
+    with monkeypatch.context() as patch:
+        patch.setattr(Path, "write_text", disk_gone_at_the_training_state)
+        with pytest.raises(OSError, match="disk gone"):
+            save_checkpoint(accelerator, tmp_path, TrainState(step=3), RunIdentity())
     assert not (tmp_path / "step_3").exists() and complete_checkpoints(tmp_path) == []
     save_checkpoint(accelerator, tmp_path, TrainState(step=4), RunIdentity())
     assert complete_checkpoints(tmp_path) == [tmp_path / "step_4"] and model is not None

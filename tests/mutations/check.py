@@ -47,8 +47,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "rotation_deletes_newest": (
         "ddp_accel/checkpoint.py",
-        "complete_checkpoints(root)[:-limit]",
-        "complete_checkpoints(root)[limit:]",
+        "complete_checkpoints(final.parent)[:-limit]",
+        "complete_checkpoints(final.parent)[limit:]",
     ),
     "preemption_flag_ignored_on_rank_1": (
         "ddp_accel/stopping.py",
@@ -65,10 +65,10 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "renamed_before_training_state_is_written": (
         "ddp_accel/checkpoint.py",
-        "            (partial / TRAINING_STATE).write_text(json.dumps(training_state_json(state, identity), indent=2))"
-        "\n            if final.exists():\n                shutil.rmtree(final)\n            partial.rename(final)\n",
-        "            if final.exists():\n                shutil.rmtree(final)\n            partial.rename(final)\n"
-        "            (final / TRAINING_STATE).write_text(json.dumps(training_state_json(state, identity), indent=2))"
+        "    (partial / TRAINING_STATE).write_text(training_state)"
+        "\n    if final.exists():\n        shutil.rmtree(final)\n    partial.rename(final)\n",
+        "    if final.exists():\n        shutil.rmtree(final)\n    partial.rename(final)\n"
+        "    (final / TRAINING_STATE).write_text(training_state)"
         "\n",
     ),
     # four in code this change moved or wrote
@@ -272,8 +272,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     "a_stop_saves_again_what_was_just_saved": (
         "ddp_accel/checkpoint.py",
         "        if self.holds(state, identity):\n            return step_folder(self.root, state.step)\n"
-        "        return self.save_now(state, identity)",
-        "        return self.save_now(state, identity)",
+        "        return self.save_now(state, identity, in_background=False)",
+        "        return self.save_now(state, identity, in_background=False)",
     ),
     "callback_states_of_one_key_collide": (
         "ddp_accel/callback_state.py",
