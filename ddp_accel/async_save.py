@@ -26,12 +26,34 @@ import torch
 MARKER = ".written_by_rank_{rank}"
 
 
+class StagingBuffers:
+    """The CPU tensors a run's staged checkpoints are copied into, kept from one save to the next: a copy into
+    memory that is already mapped runs at memory speed, where fresh allocations paid the kernel's page faults
+    (0.6 s for 1.15 GB here, 2 GB/s). The next save stages only once the previous one is written."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.used = 0
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        index, self.used = self.used, self.used + 1
+        if index < len(self.tensors):
+            kept = self.tensors[index]
+            if kept.shape == tensor.shape and kept.dtype == tensor.dtype:
+                return kept.copy_(tensor.detach())
+        copied = tensor.detach().to("cpu", copy=True)
+        self.tensors[index : index + 1] = [copied]
+        return copied
+
+
 class StagedWrites:
     """Writes deferred during a save: (the writing function, a copy of the object, its arguments)."""
 
-    def __init__(self) -> None:
+    def __init__(self, buffers: StagingBuffers | None = None) -> None:
         self.writes: list[tuple[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]]] = []
         self.bytes = 0
+        self.buffers = buffers or StagingBuffers()
+        self.buffers.used = 0
 
     def add(self, write: Callable[..., Any], obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.writes.append((write, self._copied(obj), args, kwargs))
@@ -39,7 +61,7 @@ class StagedWrites:
     def _copied(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             self.bytes += obj.numel() * obj.element_size()
-            return obj.detach().to("cpu", copy=True)
+            return self.buffers.copy(obj)
         if isinstance(obj, dict):
             return type(obj)((key, self._copied(value)) for key, value in obj.items())
         if isinstance(obj, list):
@@ -54,13 +76,13 @@ class StagedWrites:
 
 
 @contextlib.contextmanager
-def deferred_writes() -> Iterator[StagedWrites]:
+def deferred_writes(buffers: StagingBuffers | None = None) -> Iterator[StagedWrites]:
     """Inside: Accelerate's checkpoint writes (`accelerate.checkpointing.save`, which writes weights, optimizer,
     scheduler and sampler) and every `torch.save` (its RNG states, ddp_accel's own files) are staged, not written.
     Only the thread that saves runs meanwhile: no other thread of ddp_accel writes with torch.save then."""
     import accelerate.checkpointing as checkpointing
 
-    staged = StagedWrites()
+    staged = StagedWrites(buffers)
     accelerate_save, torch_save = checkpointing.save, torch.save
 
     def staged_accelerate_save(obj: Any, *args: Any, **kwargs: Any) -> None:
@@ -83,6 +105,7 @@ class CheckpointWriter:
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.buffers = StagingBuffers()  # its saves' staging memory, reused
 
     @property
     def busy(self) -> bool:
