@@ -42,6 +42,7 @@ EVAL_TIMED_BATCHES = 4
 # an epoch's bookkeeping, not timed: its evaluation's history.json rewrite and log line, a best model's file, the
 # loader's start; about 10 ms measured on a 2-core CPU (the template, 861 epochs in a minute)
 BOOKKEEPING_S = 0.015
+FIXED_RESERVE_S = 5.0  # of a plan's reserve, beside 3% of the budget: the checkpoints, the final files, the exit
 
 _command_started: float | None = None  # time.time() when this command began (run_main); None: fit's own start
 COMMAND_START_VARIABLE = "DDP_ACCEL_COMMAND_START"  # a launcher's own start (time.time()), for workers it reuses
@@ -133,7 +134,7 @@ def plan_epochs(budget_s: float, costs: Costs, shape: RunShape) -> BudgetPlan:
     epoch_s = costs.train_start_s + shape.batches_per_epoch * costs.train_batch_s
     evaluation_s = (costs.eval_start_s + shape.eval_batches * costs.eval_batch_s) * shape.evaluations_per_eval
     test_s = costs.eval_start_s + shape.test_batches * costs.eval_batch_s if shape.test_batches else 0.0
-    reserve_s = 0.03 * budget_s + 5.0
+    reserve_s = 0.03 * budget_s + FIXED_RESERVE_S
 
     def command_s(count: int) -> float:
         evaluations = 0
