@@ -129,3 +129,24 @@ def validate_like_accelerate_launch(path: str) -> None:
     except (ValueError, TypeError, KeyError, AttributeError) as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise UserError(f"{path}: accelerate launch would refuse it: {message}") from None
+
+
+# what of an accelerate config a launcher that is not accelerate launch (ddp-accel ray) hands its workers
+WORKER_VARIABLES = ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_FSDP")
+
+
+def worker_environment(path: str) -> dict[str, str]:
+    """The variables `accelerate launch --config_file path` gives each process for its precision and its strategy
+    (FSDP and its FSDP_* settings), from Accelerate's own launch code; one line where the file cannot be launched,
+    or asks for a strategy other than DDP or FSDP (the process counts are the launcher's own)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    check_config(path)
+    args = launch_command_parser().parse_args(["--config_file", path, "--main_process_port", "1", "train.py"])
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        args, _, _ = _validate_launch_command(args)
+    if args.use_deepspeed or args.use_megatron_lm or args.tpu:
+        raise UserError(f"{path}: ddp-accel ray runs DDP or FSDP; this config is for accelerate launch")
+    environment = prepare_multi_gpu_env(args)
+    return {name: value for name, value in environment.items() if name in WORKER_VARIABLES or name.startswith("FSDP_")}

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_accel import engines
+from ddp_accel.accelerate_config import worker_environment
 from ddp_accel.cli import ArgumentParser
 from ddp_accel.errors import UserError
 
@@ -58,6 +59,11 @@ class RayJob:
     start_timeout_s: float = 120.0  # a group that finds no room for its workers this long is one failed start
     resize_check_s: float = 60.0  # an elastic group: how often Ray looks for room to grow (Ray's default)
     cwd: str = field(default_factory=os.getcwd)
+    config_file: str | None = None  # an accelerate config: its precision and strategy (FSDP) reach every worker
+
+    def environment(self) -> dict[str, str]:
+        """The variables each worker (and the driver's check) runs the script with."""
+        return worker_environment(self.config_file) if self.config_file else {}
 
     def check(self) -> None:
         """What Ray would reject later, or never: one line each, before anything starts."""
@@ -79,6 +85,7 @@ class RayJob:
             raise UserError(f"--max-failures must be at least 0, not {self.max_failures}: endless retries hide a fault")
         if not Path(self.script).is_file():
             raise UserError(f"{self.script}: no such script")
+        self.environment()  # a config that cannot be launched is one line here
 
     def resources(self) -> dict[str, float]:
         """Each worker's: its CPUs, and GPUs when asked."""
@@ -144,6 +151,7 @@ def train_worker(spec: dict[str, Any]) -> None:
         os.environ["NNODES"] = str(nodes)
     sys.argv = [spec["script"], *spec["command"]]
     sys.path.insert(0, str(Path(spec["script"]).resolve().parent))
+    os.environ.update(spec["environment"])  # --config-file's precision and strategy, as accelerate launch gives them
     os.environ[COMMAND_START_VARIABLE] = str(spec["started"])  # --time-budget counts from the driver's start
     watching = threading.Event()
     threading.Thread(target=_watch_preemption_notice, args=(rank, watching), daemon=True).start()
@@ -368,6 +376,7 @@ def run(job: RayJob) -> int:
         ray.init(address=job.address, runtime_env=runtime_env)
     workers: Any = job.workers if job.min_workers is None else (job.min_workers, job.workers)  # Ray 2.60: either
     spec = asdict(job) | {"command": job.command(), "output_dir": str(output_dir), "started": started}
+    spec["environment"] = job.environment()
     trainer = TorchTrainer(
         train_worker,
         train_loop_config=spec,
@@ -453,6 +462,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=60.0,
         help="with --min-workers: how often Ray looks for room for more workers; a group that can grow saves at an "
         "agreed step and starts again, larger, from it",
+    )
+    parser.add_argument(
+        "--config-file",
+        default=None,
+        help="an accelerate config whose mixed precision and strategy the workers take (accelerate_configs/fsdp.yaml: "
+        "FSDP2); its process counts are --workers'",
     )
     parser.add_argument("script", help="the training script, e.g. scripts/imagenet.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its options, as for accelerate launch")

@@ -32,6 +32,7 @@ from helpers import (
 from probe import IdDataset
 
 from ddp_accel import sharding
+from ddp_accel.errors import UserError
 
 FSDP_YAML = ROOT / "accelerate_configs" / "fsdp.yaml"
 PROBE = "tests/probe.py"
@@ -253,3 +254,20 @@ def test_imdb_s_gcnn_trains_under_fsdp_and_the_bag_is_refused_in_one_line(tmp_pa
     bag = run_script(*common, "--output-dir", tmp_path / "bag", env=FSDP_ENV)
     assert_clean_error(bag, "--model bag under FSDP")
     assert not (tmp_path / "bag").exists()
+
+
+@inprocess
+def test_ddp_accel_ray_hands_its_workers_the_configs_strategy_as_accelerate_launch_does(tmp_path):
+    from ddp_accel.accelerate_config import worker_environment
+    from ddp_accel.ray_launch import RayJob
+
+    fsdp = worker_environment(str(FSDP_YAML))
+    assert fsdp["ACCELERATE_USE_FSDP"] == "true" and fsdp["FSDP_VERSION"] == "2", fsdp
+    assert fsdp["FSDP_RESHARD_AFTER_FORWARD"] == "true" and fsdp["ACCELERATE_MIXED_PRECISION"] == "bf16", fsdp
+    plain = worker_environment(str(ROOT / "accelerate_configs" / "multi_gpu.yaml"))
+    assert "ACCELERATE_USE_FSDP" not in plain and not any(name.startswith("FSDP_") for name in plain), plain
+    job = RayJob(str(ROOT / PROBE), config_file=str(FSDP_YAML))
+    assert job.environment() == fsdp
+    (tmp_path / "deepspeed.yaml").write_text("distributed_type: DEEPSPEED\nnum_processes: 2\nmixed_precision: 'no'\n")
+    with pytest.raises(UserError, match="ddp-accel ray runs DDP or FSDP|deepspeed"):
+        RayJob(str(ROOT / PROBE), config_file=str(tmp_path / "deepspeed.yaml")).environment()
