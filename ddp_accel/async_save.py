@@ -60,7 +60,8 @@ class StagedWrites:
 
     def _copied(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            self.bytes += obj.numel() * obj.element_size()
+            local = obj.to_local() if hasattr(obj, "to_local") else obj  # a DTensor: this rank's shard
+            self.bytes += local.numel() * local.element_size()
             return self.buffers.copy(obj)
         if isinstance(obj, dict):
             return type(obj)((key, self._copied(value)) for key, value in obj.items())
@@ -76,14 +77,18 @@ class StagedWrites:
 
 
 @contextlib.contextmanager
-def deferred_writes(buffers: StagingBuffers | None = None) -> Iterator[StagedWrites]:
+def deferred_writes(buffers: StagingBuffers | None = None, group: Any = None) -> Iterator[StagedWrites]:
     """Inside: Accelerate's checkpoint writes (`accelerate.checkpointing.save`, which writes weights, optimizer,
-    scheduler and sampler) and every `torch.save` (its RNG states, ddp_accel's own files) are staged, not written.
-    Only the thread that saves runs meanwhile: no other thread of ddp_accel writes with torch.save then."""
+    scheduler and sampler), every `torch.save` (its RNG states, ddp_accel's own files) and, under FSDP, every
+    `torch.distributed.checkpoint.save` (the shards of model and optimizer) are staged, not written. The shards are
+    written later over `group`, a process group of the writers' own: torch.distributed.checkpoint plans a save with
+    collectives, which must not mix with the training's. Only the thread that saves runs meanwhile: no other thread
+    of ddp_accel writes with these then."""
     import accelerate.checkpointing as checkpointing
+    import torch.distributed.checkpoint as dcp
 
     staged = StagedWrites(buffers)
-    accelerate_save, torch_save = checkpointing.save, torch.save
+    accelerate_save, torch_save, dcp_save = checkpointing.save, torch.save, dcp.save
 
     def staged_accelerate_save(obj: Any, *args: Any, **kwargs: Any) -> None:
         staged.add(accelerate_save, obj, args, kwargs)
@@ -91,21 +96,30 @@ def deferred_writes(buffers: StagingBuffers | None = None) -> Iterator[StagedWri
     def staged_torch_save(obj: Any, *args: Any, **kwargs: Any) -> None:
         staged.add(torch_save, obj, args, kwargs)
 
-    checkpointing.save, torch.save = staged_accelerate_save, staged_torch_save
+    def staged_dcp_save(state_dict: Any, **kwargs: Any) -> None:
+        if group is None:
+            raise RuntimeError("a sharded checkpoint staged without the writers' process group")
+        staged.add(dcp_save, state_dict, (), {**kwargs, "process_group": group})
+
+    checkpointing.save, torch.save, dcp.save = staged_accelerate_save, staged_torch_save, staged_dcp_save
     try:
         yield staged
     finally:
-        checkpointing.save, torch.save = accelerate_save, torch_save
+        checkpointing.save, torch.save, dcp.save = accelerate_save, torch_save, dcp_save
 
 
 class CheckpointWriter:
     """One background write at a time: `start` it, `wait` for it (its error is raised there, in the training
     thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sharded: bool = False) -> None:
+        """`sharded` (FSDP): every rank makes, together, the process group its writes plan over."""
+        import torch.distributed as dist
+
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.buffers = StagingBuffers()  # its saves' staging memory, reused
+        self.group = dist.new_group(backend="gloo") if sharded and dist.is_initialized() else None
 
     @property
     def busy(self) -> bool:

@@ -166,7 +166,8 @@ def save_checkpoint(
     main, rank, ranks = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
     with writing(partial, cleanup=partial):
         before_save(accelerator)  # under FSDP: the buffers every rank will load
-        with deferred_writes(writer.buffers) if writer is not None else contextlib.nullcontext() as staged:
+        staging = deferred_writes(writer.buffers, writer.group) if writer is not None else contextlib.nullcontext()
+        with staging as staged:
             write_state(accelerator, partial, states)
     if writer is None or staged is None:
         accelerator.wait_for_everyone()

@@ -186,7 +186,7 @@ class TrainConfig:
     async_checkpoint: bool = option(
         False,
         "a checkpoint is copied into memory and written by a background thread while training goes on; it becomes "
-        "latest once complete; a stop waits for it, then saves its own step (not with FSDP yet)",
+        "latest once complete; a stop waits for it, then saves its own step",
     )
     resume_from_checkpoint: str | None = option(
         None,
@@ -401,15 +401,12 @@ def check_communication(config: TrainConfig) -> None:
         raise UserError(f"{options}: only with --ddp-comm-hook powersgd")
 
 
-def check_strategy(config: TrainConfig, sharded: bool) -> None:
+def check_strategy(config: TrainConfig, sharded: bool, deepspeed: bool = False) -> None:
     """Options that need whole weights on every rank, under a strategy that shards them (FSDP, DeepSpeed)."""
     if config.ema_decay and sharded:
         raise UserError("--ema-decay averages whole weights on every rank: not with FSDP or DeepSpeed shards")
-    if config.async_checkpoint and sharded:
-        raise UserError(
-            "--async-checkpoint stages whole weights: sharded checkpoints (FSDP, DeepSpeed) are written at once; "
-            "drop the option"
-        )
+    if config.async_checkpoint and deepspeed:
+        raise UserError("--async-checkpoint: DeepSpeed writes its own checkpoints; drop the option")
 
 
 SECTION_CHECKS: tuple[Callable[[Any], None], ...] = (

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from ddp_accel import engines, loaders, run_end, run_start
 from ddp_accel.async_save import CheckpointWriter
@@ -83,11 +84,11 @@ class TrainingRun:
         )
         self.best_metric = config.best_metric or task.best_metric  # --best-metric, else the script's
         check_evaluation(config, self.best_metric, task.eval_loader is not None, tuple(task.metric_names))
-        check_strategy(config, shards_weights(accelerator))
+        check_strategy(config, shards_weights(accelerator), accelerator.distributed_type == DistributedType.DEEPSPEED)
         self.checkpoints = Checkpoints(
             accelerator, self.folder.checkpoints, config.checkpointing_steps, config.checkpoint_limit
         )
-        self.checkpoints.writer = CheckpointWriter() if config.async_checkpoint else None
+        self.checkpoints.writer = CheckpointWriter(shards_weights(accelerator)) if config.async_checkpoint else None
         self.started = command_started(time.time())  # --time-budget's clock
         self.budget: BudgetPlan | None = None
         self.budget_kept = False

@@ -92,7 +92,8 @@ def test_a_signal_to_every_process_at_a_hidden_moment_saves_the_agreed_step_and_
     # SIGTERM to the launcher and both ranks at once, somewhere in steps 5-15 (40 ms each): the ranks agree on a
     # step, save its sharded checkpoint and leave; the resumed run ends bitwise equal to the uninterrupted one.
     # With BatchNorm: FSDP leaves buffers to each rank, so rank 0's go to every rank before each forward and
-    # before a save (the checkpoint keeps one rank's copy of them), as DDP does
+    # before a save (the checkpoint keeps one rank's copy of them), as DDP does. The stopped and resumed runs write
+    # their checkpoints in the background (--async-checkpoint): a stop waits for the write in flight
     reference = tmp_path / "uninterrupted"
     check_ok(fsdp_launch(reference, "--batchnorm"))
     # its evaluation (each rank scores its share of the 23 samples) is rank 0's model's, statistics included
@@ -106,7 +107,7 @@ def test_a_signal_to_every_process_at_a_hidden_moment_saves_the_agreed_step_and_
     output_dir, log = tmp_path / "stopped", (tmp_path / "stopped.log").open("w")
     command = [str(BIN / "accelerate"), "launch", "--config_file", str(FSDP_YAML), "--main_process_port"]
     command += [str(free_port()), str(ROOT / PROBE), "--output-dir", str(output_dir), *map(str, ARGS)]
-    command += ["--batch-size", "4", "--batchnorm", "--step-ms", "40"]
+    command += ["--batch-size", "4", "--batchnorm", "--step-ms", "40", "--async-checkpoint"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
     try:
@@ -123,7 +124,9 @@ def test_a_signal_to_every_process_at_a_hidden_moment_saves_the_agreed_step_and_
     assert marker["signal"] == "SIGTERM" and marker["phase"] in ("train", "eval"), (marker, text[-3000:])
     saved = json.loads((output_dir / "checkpoints" / f"step_{marker['step']}" / "training_state.json").read_text())
     assert saved["step"] == marker["step"] and 5 <= marker["step"] < 24, (marker, saved)
-    resumed = check_ok(fsdp_launch(output_dir, "--batchnorm", "--resume-from-checkpoint", "latest"))
+    resumed = check_ok(
+        fsdp_launch(output_dir, "--batchnorm", "--async-checkpoint", "--resume-from-checkpoint", "latest")
+    )
     assert f"resumed from {marker['checkpoint']}: step {marker['step']}," in resumed, resumed[-3000:]
     assert_same_weights(output_dir, reference)  # bitwise, the running statistics included
     assert "1.running_mean" in weights(reference)
