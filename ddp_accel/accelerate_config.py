@@ -144,9 +144,13 @@ def worker_environment(path: str) -> dict[str, str]:
 
     check_config(path)
     args = launch_command_parser().parse_args(["--config_file", path, "--main_process_port", "1", "train.py"])
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        args, _, _ = _validate_launch_command(args)
-    if args.use_deepspeed or args.use_megatron_lm or args.tpu:
-        raise UserError(f"{path}: ddp-accel ray runs DDP or FSDP; this config is for accelerate launch")
-    environment = prepare_multi_gpu_env(args)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            args, _, _ = _validate_launch_command(args)
+            if args.use_deepspeed or args.use_megatron_lm or args.tpu:
+                raise UserError(f"{path}: ddp-accel ray runs DDP or FSDP; this config is for accelerate launch")
+            environment = prepare_multi_gpu_env(args)
+    except (ValueError, TypeError, KeyError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UserError(f"{path}: accelerate launch would refuse it: {message}") from None
     return {name: value for name, value in environment.items() if name in WORKER_VARIABLES or name.startswith("FSDP_")}

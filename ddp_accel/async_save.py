@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 MARKER = ".written_by_rank_{rank}"
+FAILED = ".failed_on_rank_{rank}"
 
 
 class StagingBuffers:
@@ -39,7 +40,7 @@ class StagingBuffers:
         index, self.used = self.used, self.used + 1
         if index < len(self.tensors):
             kept = self.tensors[index]
-            if kept.shape == tensor.shape and kept.dtype == tensor.dtype:
+            if type(kept) is type(tensor) and kept.shape == tensor.shape and kept.dtype == tensor.dtype:
                 return kept.copy_(tensor.detach())
         copied = tensor.detach().to("cpu", copy=True)
         self.tensors[index : index + 1] = [copied]
@@ -54,22 +55,43 @@ class StagedWrites:
         self.bytes = 0
         self.buffers = buffers or StagingBuffers()
         self.buffers.used = 0
+        # a source storage -> its staged copy: tensors that share storage (tied weights) share it staged too, so
+        # that Accelerate drops the duplicate name from model.safetensors as it does in a synchronous save
+        self._storages: dict[int, torch.Tensor] = {}
 
     def add(self, write: Callable[..., Any], obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.writes.append((write, self._copied(obj), args, kwargs))
 
     def _copied(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            local = obj.to_local() if hasattr(obj, "to_local") else obj  # a DTensor: this rank's shard
-            self.bytes += local.numel() * local.element_size()
-            return self.buffers.copy(obj)
-        if isinstance(obj, dict):
-            return type(obj)((key, self._copied(value)) for key, value in obj.items())
+            return self._copied_tensor(obj)
+        if isinstance(obj, dict):  # its own type and attributes kept (an OrderedDict's _metadata, a defaultdict's)
+            copied = copy.copy(obj)
+            for key, value in obj.items():
+                copied[key] = self._copied(value)
+            return copied
         if isinstance(obj, list):
             return [self._copied(value) for value in obj]
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
             return tuple(self._copied(value) for value in obj)
         return copy.deepcopy(obj)
+
+    def _copied_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        if hasattr(tensor, "to_local"):  # a DTensor: this rank's shard is what is written
+            local = tensor.to_local()
+            self.bytes += local.numel() * local.element_size()
+            return self.buffers.copy(tensor)
+        storage = tensor.untyped_storage()
+        staged = self._storages.get(storage.data_ptr()) if storage.nbytes() else None
+        if staged is not None and staged.untyped_storage().nbytes() == storage.nbytes():  # a view of a staged one
+            view = torch.empty(0, dtype=tensor.dtype)
+            return view.set_(staged.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+        self.bytes += tensor.numel() * tensor.element_size()
+        whole = tensor.storage_offset() == 0 and tensor.is_contiguous() and tensor.nbytes == storage.nbytes()
+        copied = self.buffers.copy(tensor)
+        if whole and storage.nbytes():
+            self._storages[storage.data_ptr()] = copied
+        return copied
 
     def write_all(self) -> None:
         for write, obj, args, kwargs in self.writes:
@@ -119,6 +141,7 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.buffers = StagingBuffers()  # its saves' staging memory, reused
+        self.last_write_s = 0.0  # how long the last write took (with the staging: what a save at once costs)
         self.group = dist.new_group(backend="gloo") if sharded and dist.is_initialized() else None
 
     @property
@@ -129,10 +152,12 @@ class CheckpointWriter:
         self.wait()
 
         def run() -> None:
+            started = time.perf_counter()
             try:
                 work()
             except BaseException as error:  # shown by wait(), in the training thread
                 self._error = error
+            self.last_write_s = time.perf_counter() - started
 
         self._thread = threading.Thread(target=run, name="ddp_accel-checkpoint-writer", daemon=True)
         self._thread.start()
@@ -145,16 +170,27 @@ class CheckpointWriter:
             error, self._error = self._error, None
             raise error
 
+    def abandon(self, timeout_s: float) -> None:
+        """A run that fails: the write in flight gets `timeout_s` to end (its error dropped), so that it does not
+        write into a folder a later run owns, nor outlive the process group it writes over."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread, self._error = None, None
 
-def leave_marker(folder: Path, rank: int) -> None:
-    (folder / MARKER.format(rank=rank)).touch()
+
+def leave_marker(folder: Path, rank: int, failed: bool = False) -> None:
+    (folder / (FAILED if failed else MARKER).format(rank=rank)).touch()
 
 
 def wait_for_markers(folder: Path, ranks: int, timeout_s: float) -> None:
-    """Until every rank's writer left its marker in `folder` (then removed), or TimeoutError."""
+    """Until every rank's writer left its marker in `folder` (then removed); an error when one failed (its
+    failure marker) or after `timeout_s`."""
     markers = [folder / MARKER.format(rank=rank) for rank in range(ranks)]
     deadline = time.monotonic() + timeout_s
     while not all(marker.exists() for marker in markers):
+        failed = sorted(folder.glob(FAILED.format(rank="*")))
+        if failed:
+            raise OSError(f"the checkpoint {folder.name} was not written: {failed[0].name}")
         if time.monotonic() > deadline:
             missing = [marker.name for marker in markers if not marker.exists()]
             raise TimeoutError(f"the checkpoint {folder.name} waited {timeout_s:.0f} s for {', '.join(missing)}")

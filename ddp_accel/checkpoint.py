@@ -23,6 +23,7 @@ from accelerate.utils import DistributedType
 from ddp_accel import comm_hooks
 from ddp_accel.async_save import CheckpointWriter, deferred_writes, leave_marker, wait_for_markers
 from ddp_accel.callback_state import CallbackStates
+from ddp_accel.config import TrainConfig
 from ddp_accel.errors import UserError
 from ddp_accel.files import finite_or_null, writing
 from ddp_accel.identity import compare_identity
@@ -166,6 +167,7 @@ def save_checkpoint(
     main, rank, ranks = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
     with writing(partial, cleanup=partial):
         before_save(accelerator)  # under FSDP: the buffers every rank will load
+        assert writer is None or not writer.busy, "staged over a write in flight"  # (Checkpoints waits first)
         staging = deferred_writes(writer.buffers, writer.group) if writer is not None else contextlib.nullcontext()
         with staging as staged:
             write_state(accelerator, partial, states)
@@ -178,12 +180,18 @@ def save_checkpoint(
         return final
 
     def write_and_complete() -> None:
-        with writing(partial, cleanup=partial):
-            staged.write_all()
-            leave_marker(partial, rank)
-            if main:  # the other ranks' writers are theirs: their markers say they are done
-                wait_for_markers(partial, ranks, timeout_s=ASYNC_WRITE_TIMEOUT_S)
-                complete(partial, final, training_state, limit)
+        try:  # only the main process's writer removes the shared folder of a failed write
+            with writing(partial, cleanup=partial if main else None):
+                staged.write_all()
+                leave_marker(partial, rank)
+                if main:  # the other ranks' writers are theirs: their markers say they are done (or failed)
+                    wait_for_markers(partial, ranks, timeout_s=ASYNC_WRITE_TIMEOUT_S)
+                    complete(partial, final, training_state, limit)
+        except BaseException:
+            if not main:
+                with contextlib.suppress(OSError):
+                    leave_marker(partial, rank, failed=True)
+            raise
 
     writer.start(write_and_complete)
     return final
@@ -247,12 +255,12 @@ FSDP_MODEL_FOLDER = "pytorch_model_fsdp_0"  # what Accelerate's save_state write
 def check_strategy(accelerator: Accelerator, path: Path) -> None:
     """A checkpoint of FSDP shards loads only under FSDP (on any number of processes), and one of whole weights
     only without it: otherwise Accelerate fails deep inside on a file that is not there."""
-    sharded = (path / FSDP_MODEL_FOLDER).is_dir()
+    sharded = any(path.glob("pytorch_model_fsdp*"))  # the folder of a sharded state dict, or a full one's .bin
     if sharded == (accelerator.distributed_type == DistributedType.FSDP):
         return
     if sharded:
         raise UserError(
-            f"checkpoint {path} holds FSDP shards ({FSDP_MODEL_FOLDER}/), and this run does not shard "
+            f"checkpoint {path} holds an FSDP model ({FSDP_MODEL_FOLDER}/ or .bin), and this run does not shard "
             f"(distributed type {accelerator.distributed_type.value}): resume it under the FSDP config it was "
             "written with (e.g. accelerate_configs/fsdp.yaml, on any number of processes)"
         )
@@ -318,15 +326,20 @@ def load_sharded_model(model: torch.nn.Module, path: Path) -> None:
     calls it."""
     import torch.distributed.checkpoint as dcp
 
+    full = path / (FSDP_MODEL_FOLDER.removesuffix("_0") + ".bin")  # fsdp_state_dict_type FULL_STATE_DICT's file
     state = {"model": model.state_dict()}
     try:
-        dcp.load(state, checkpoint_id=str(path / FSDP_MODEL_FOLDER))
+        if full.is_file():
+            state["model"] = torch.load(full, map_location="cpu", weights_only=True)
+        else:
+            dcp.load(state, checkpoint_id=str(path / FSDP_MODEL_FOLDER))
     except Exception as error:  # torch's CheckpointException lists each rank's failure
         raise UserError(f"cannot load checkpoint {path}: {str(error).strip().splitlines()[0]}") from None
     model.load_state_dict(state["model"])
 
 
-SaveActivity = Callable[[str], "contextlib.AbstractContextManager[Any]"]  # the watchdog's bound for a save
+# the watchdog's bound for a save: (what, kind); a kind's bound is learned from its own durations, None: generous
+SaveActivity = Callable[[str, "str | None"], "contextlib.AbstractContextManager[Any]"]
 
 
 class Checkpoints:
@@ -350,10 +363,18 @@ class Checkpoints:
         self.hook_states: list[Any] = []  # PowerSGD's, one per rank (comm_hooks)
         self.leftover = 0  # samples of the epoch the resume sees again (its skip rounded down to this global batch)
         self.rebase: Rebase | None = None  # the resume's, once resumed
-        self.activity: SaveActivity = lambda what: contextlib.nullcontext()
+        self.activity: SaveActivity = lambda what, kind: contextlib.nullcontext()
         self.on_saved: list[Callable[[Path, float], None]] = []
         self.writer: CheckpointWriter | None = None  # --async-checkpoint: saves written in the background
         self.in_flight: tuple[Path, float] | None = None  # the background save: its folder and the step's stall
+
+    @classmethod
+    def of_run(cls, accelerator: Accelerator, config: TrainConfig, root: Path) -> Checkpoints:
+        """A run's: --checkpointing-steps, --checkpoint-limit, --async-checkpoint (a writer of its own)."""
+        checkpoints = cls(accelerator, root, config.checkpointing_steps, config.checkpoint_limit)
+        if config.async_checkpoint:
+            checkpoints.writer = CheckpointWriter(sharded=accelerator.distributed_type == DistributedType.FSDP)
+        return checkpoints
 
     def due_at_step(self, step: int) -> bool:
         return every(step, self.every)
@@ -386,8 +407,11 @@ class Checkpoints:
         writer: its listeners hear of it once it is complete (`finish_writes`)."""
         self.finish_writes()  # one write at a time
         background = in_background and self.writer is not None
+        # a kind of its own for each way of saving: the watchdog bounds each by its own longest duration (a staging
+        # copy takes a tenth of a whole write: a stop's save at once must not be held to the staging's pace)
+        kind = "checkpoint" if background or self.writer is None else "checkpoint written at once"
         started = time.perf_counter()
-        with self.activity(f"the checkpoint of step {state.step}"):
+        with self.activity(f"the checkpoint of step {state.step}", kind):
             path = self.save(state, identity, background)
         if background:
             self.in_flight = (path, time.perf_counter() - started)
@@ -396,15 +420,30 @@ class Checkpoints:
         return path
 
     def finish_writes(self) -> None:
-        """Every rank, at the same point (a save, a stop, the end): the background write in flight waited for (its
-        error raised here), then complete on every rank, and its listeners told."""
+        """Every rank, at the same point (a save, a stop, the end): the background write in flight waited for, then
+        the ranks agree whether every write succeeded (an error is raised on every rank), and its listeners are
+        told the save's whole cost (staging and write: what a stop's save at once would take)."""
         if self.writer is None or self.in_flight is None:
             return
         path, stall = self.in_flight
         self.in_flight = None
-        self.writer.wait()
-        self.accelerator.wait_for_everyone()  # the main process's writer renamed it into place
-        self._saved(path, stall)
+        error: BaseException | None = None
+        with self.activity(f"the write of {path.name}", None):  # its pace is the disk's: the generous bound
+            try:
+                self.writer.wait()
+            except Exception as failure:  # the ranks agree first: a rank that raised alone would leave the
+                error = failure  # others waiting in the next collective
+        failed = self.accelerator.reduce(torch.tensor(float(error is not None), device=self.accelerator.device))
+        if error is not None:
+            raise error
+        if failed.item():
+            raise UserError(f"the checkpoint {path.name} was not written: another process failed (its own message)")
+        self._saved(path, stall + self.writer.last_write_s)
+
+    def abandon_writes(self, timeout_s: float = 30.0) -> None:
+        """A run that ends without finish_writes (it failed): its write in flight gets `timeout_s` to end."""
+        if self.writer is not None:
+            self.writer.abandon(timeout_s)
 
     def _saved(self, path: Path, seconds: float) -> None:
         for listener in self.on_saved:

@@ -77,6 +77,16 @@ def check_hook(hook: str, distributed_type: str, processes: int) -> None:
         raise UserError(f"--ddp-comm-hook {hook}: one process communicates nothing; launch several, or drop it")
 
 
+def check_model(model: Any, hook: str) -> None:
+    """torch's hooks compress dense gradient buckets: a model with sparse gradients (an embedding with
+    sparse=True, imdb.py's bag) is one line."""
+    if hook != "none" and any(getattr(module, "sparse", False) is True for module in model.modules()):
+        raise UserError(
+            f"--ddp-comm-hook {hook} compresses dense gradients, and this model has sparse ones (an embedding with "
+            "sparse=True; imdb.py: --sparse off)"
+        )
+
+
 def describe(hook: str, powersgd_rank: int, powersgd_start_step: int) -> str | None:
     """The banner's line; None without a hook."""
     if hook == "powersgd":
@@ -126,7 +136,7 @@ class PowerSGD:
             self.layouts.clear()
         self.layouts[index] = layout
         if self.pending:
-            self._lay_out(index, layout)
+            self._lay_out(index, layout, bucket.buffer().device)
         return powerSGD_hook.powerSGD_hook(self.state, bucket)
 
     def _slices(self, layout: list[str]) -> dict[str, dict[str, slice]]:
@@ -166,7 +176,7 @@ class PowerSGD:
             memory.clear()
         return pieces
 
-    def _lay_out(self, index: int, layout: list[str]) -> None:
+    def _lay_out(self, index: int, layout: list[str], device: Any) -> None:
         """Bucket `index`'s state from the pending pieces of its parameters (a memory is set only when every
         parameter has its piece: otherwise PowerSGD starts that part afresh, as torch does)."""
         import torch
@@ -177,13 +187,15 @@ class PowerSGD:
         for kind, memory in memories.items():
             wanted = sorted(((where[kind], name) for name, where in slices.items() if kind in where), key=_start)
             pieces = [self.pending.get(name, {}).get(kind) for _, name in wanted]
-            if wanted and all(piece is not None for piece in pieces):
-                memory[index] = torch.cat([piece for piece in pieces if piece is not None])  # in their places' order
+            sizes = [place.stop - place.start for place, _ in wanted]
+            fits = all(piece is not None and piece.numel() == size for piece, size in zip(pieces, sizes, strict=True))
+            if wanted and fits:
+                memory[index] = torch.cat([piece for piece in pieces if piece is not None]).to(device)
         for name in layout:
             self.pending.pop(name, None)
 
     def state_dict(self) -> dict[str, Any]:
-        kept = {slot: getattr(self.state, slot) for slot in ("iter", "rng")}
+        kept = {slot: getattr(self.state, slot) for slot in ("iter", "rng", "matrix_approximation_rank")}
         return {**kept, "by_parameter": {**(self.pending or {}), **self._pieces_now()}}
 
     def _pieces_now(self) -> dict[str, dict[str, Any]]:
@@ -196,11 +208,17 @@ class PowerSGD:
         return pieces
 
     def load_state_dict(self, values: dict[str, Any], feedback: bool = True) -> None:
-        """The step count and random generator; with `feedback`, this rank's error feedback and factors."""
+        """The step count and random generator (the same on every rank); with `feedback`, this rank's error
+        feedback, and its factors where they were made at this rank of approximation."""
         self.state.iter, self.state.rng = values["iter"], values["rng"]
         for memory in (self.state.error_dict, self.state.p_memory_dict, self.state.q_memory_dict):
             memory.clear()
-        self.pending = dict(values["by_parameter"]) if feedback else None
+        same_rank = values.get("matrix_approximation_rank") == self.state.matrix_approximation_rank
+        pieces = values["by_parameter"] if feedback else {}
+        self.pending = {
+            name: {kind: piece for kind, piece in kinds.items() if kind == "error" or same_rank}
+            for name, kinds in pieces.items()
+        } or None
 
 
 def register_powersgd(model: Any, options: DdpOptions) -> list[PowerSGD]:
@@ -222,17 +240,20 @@ def save_states(keepers: list[PowerSGD], folder: Path, rank: int, world_size: in
 
 
 def load_states(keepers: list[PowerSGD], folder: Path, rank: int, world_size: int) -> str | None:
-    """Each rank's PowerSGD state from `folder`; a note when its error feedback starts afresh (none saved, another
-    world size: each rank's feedback is for its own gradients)."""
+    """Each rank's PowerSGD state from `folder`. On another world size every rank takes the step count and the
+    random generator of rank 0's file (the same on every rank: all ranks compress from the same step, with the same
+    random factors) and starts its error feedback afresh (each rank's is for its own gradients); a note then."""
     import torch
 
     if not keepers:
         return None
-    file = folder / STATE_FILE.format(rank=rank)
-    if not file.is_file():
+    first = folder / STATE_FILE.format(rank=0)
+    if not first.is_file():
         return "PowerSGD starts afresh: the checkpoint holds no state of it (saved without --ddp-comm-hook powersgd)"
-    saved = torch.load(file, weights_only=False)  # numpy's random generator among them
+    saved = torch.load(first, map_location="cpu", weights_only=False)  # numpy's random generator among them
     same_world = saved["world_size"] == world_size and len(saved["states"]) == len(keepers)
+    if same_world and rank:
+        saved = torch.load(folder / STATE_FILE.format(rank=rank), map_location="cpu", weights_only=False)
     for keeper, values in zip(keepers, saved["states"], strict=False):
         keeper.load_state_dict(values, feedback=same_world)
     if same_world:

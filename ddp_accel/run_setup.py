@@ -15,7 +15,7 @@ from ddp_accel.batch_size import find_micro_batch, with_batch_size
 from ddp_accel.budget import BudgetPlan, RunShape, Timing, plan_run
 from ddp_accel.callbacks import BestModel, Callback, EarlyStopping, ProgressBar, Trackers
 from ddp_accel.checkpoint import Checkpoints
-from ddp_accel.comm_hooks import PowerSGD, register_powersgd
+from ddp_accel.comm_hooks import PowerSGD, check_model, register_powersgd
 from ddp_accel.config import TrainConfig
 from ddp_accel.ema import WeightAverage
 from ddp_accel.profiling import ProfilerWindow
@@ -96,6 +96,7 @@ def prepare_task(accelerator: Accelerator, config: TrainConfig, task: Task) -> P
         mode = None if config.compile == "default" or config.compile_backend != "inductor" else config.compile
         task.model.compile(mode=mode, backend=config.compile_backend)
     before_prepare(accelerator, task.model)  # under FSDP2's bf16: BatchNorm in fp32
+    check_model(task.model, config.ddp_comm_hook)
     model, optimizer, prepared_train = accelerator.prepare(task.model, task.optimizer, train_loader)
     eval_loader = accelerator.prepare(task.eval_loader) if task.eval_loader is not None else None
     test_loader = accelerator.prepare(task.test_loader) if task.test_loader is not None else None

@@ -21,7 +21,6 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from ddp_accel import engines, loaders, run_end, run_start
-from ddp_accel.async_save import CheckpointWriter
 from ddp_accel.budget import BudgetGuard, BudgetPlan, command_started, epochs_text
 from ddp_accel.callback_state import CallbackStates
 from ddp_accel.callbacks import Callback, Callbacks
@@ -85,10 +84,7 @@ class TrainingRun:
         self.best_metric = config.best_metric or task.best_metric  # --best-metric, else the script's
         check_evaluation(config, self.best_metric, task.eval_loader is not None, tuple(task.metric_names))
         check_strategy(config, shards_weights(accelerator), accelerator.distributed_type == DistributedType.DEEPSPEED)
-        self.checkpoints = Checkpoints(
-            accelerator, self.folder.checkpoints, config.checkpointing_steps, config.checkpoint_limit
-        )
-        self.checkpoints.writer = CheckpointWriter(shards_weights(accelerator)) if config.async_checkpoint else None
+        self.checkpoints = Checkpoints.of_run(accelerator, config, self.folder.checkpoints)
         self.started = command_started(time.time())  # --time-budget's clock
         self.budget: BudgetPlan | None = None
         self.budget_kept = False
@@ -131,7 +127,7 @@ class TrainingRun:
             phase=lambda: self.signals.phase,
             exit=loaders.exit_now,
         )
-        self.checkpoints.activity = lambda what: self.watchdog.activity(what, kind="checkpoint")
+        self.checkpoints.activity = lambda what, kind: self.watchdog.activity(what, kind=kind)
         self.checkpoints.on_saved.append(self.after_save)
         self.hyperparameters = dataclasses.replace(config, epochs=self.epochs).hyperparameters()
         self.context = RunContext(
@@ -145,6 +141,7 @@ class TrainingRun:
 
     def __exit__(self, *exc: object) -> None:
         self.watchdog.stop()
+        self.checkpoints.abandon_writes()  # a failed run's write in flight: not past the folder's release
         self.callbacks.call("on_close", self.context)
         self.folder.release()  # the output dir, to the next run
 

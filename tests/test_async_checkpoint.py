@@ -2,6 +2,7 @@
 The files are a synchronous save's, byte for byte; a checkpoint is `latest` only once complete; a stop waits for the
 write in flight and then saves its own step; a process killed mid-write resumes from the previous checkpoint."""
 
+import contextlib
 import json
 import shutil
 import threading
@@ -124,3 +125,70 @@ def test_on_two_processes_async_checkpoints_are_the_synchronous_ones_and_a_stop_
     sync, background = checkpoint_files(tmp_path / "sync"), checkpoint_files(tmp_path / "async")
     for name in ("step_5/optimizer.bin", "step_10/model.safetensors", "step_20/random_states_1.pkl"):
         assert sync[name] == background[name], name
+
+
+@inprocess
+def test_staging_keeps_tied_weights_tied_and_containers_as_they_were(tmp_path):
+    # tied weights share one staged storage, so that Accelerate drops the duplicate name as in a synchronous save
+    # (model.safetensors would otherwise hold both, and the resume's strict load fail); a Counter, a defaultdict
+    # and a state dict's _metadata come back as they went in
+    import collections
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.out = torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False)
+            self.out.weight = self.embed.weight
+
+    try:
+        accelerator = Accelerator(cpu=True)
+        model = accelerator.prepare(Tied())
+        accelerator.save_state(str(tmp_path / "sync"))
+        with async_save.deferred_writes() as staged:
+            accelerator.save_state(str(tmp_path / "async"))
+        staged.write_all()
+        assert (tmp_path / "async" / "model.safetensors").read_bytes() == (
+            tmp_path / "sync" / "model.safetensors"
+        ).read_bytes()
+        accelerator.load_state(str(tmp_path / "async"))
+        assert model.out.weight is model.embed.weight
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    state = collections.OrderedDict(w=torch.ones(2))
+    state._metadata = {"": {"version": 1}}
+    values = {"counts": collections.Counter(a=3), "lists": collections.defaultdict(list, b=[1]), "state": state}
+    copied = async_save.StagedWrites()._copied(values)
+    assert copied["counts"] == collections.Counter(a=3) and copied["lists"]["new"] == []
+    assert copied["state"]._metadata == {"": {"version": 1}} and copied["state"]["w"] is not state["w"]
+
+
+@inprocess
+def test_waiting_for_a_write_is_watched_with_the_generous_bound_and_a_stop_s_save_has_its_own_kind(tmp_path):
+    # the staging copy teaches the watchdog a short bound for "checkpoint"; neither the wait for a write (the disk's
+    # pace) nor a stop's save at once may be held to it
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from ddp_accel.checkpoint import Checkpoints
+    from ddp_accel.state import RunIdentity, TrainState
+
+    activities = []
+    try:
+        accelerator = Accelerator(cpu=True)
+        accelerator.prepare(torch.nn.Linear(2, 2))
+        checkpoints = Checkpoints(accelerator, tmp_path)
+        checkpoints.writer = async_save.CheckpointWriter()
+        checkpoints.activity = lambda what, kind: activities.append((what, kind)) or contextlib.nullcontext()
+        checkpoints.save_now(TrainState(step=1), RunIdentity())
+        checkpoints.save_reached(TrainState(step=2), RunIdentity())
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert activities == [
+        ("the checkpoint of step 1", "checkpoint"),
+        ("the write of step_1", None),
+        ("the checkpoint of step 2", "checkpoint written at once"),
+    ], activities
+    assert [path.name for path in complete_checkpoints(tmp_path)] == ["step_1", "step_2"]

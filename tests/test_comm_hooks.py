@@ -60,3 +60,43 @@ def test_a_hook_where_it_cannot_apply_is_one_line(tmp_path):
     orphan = run_script(PROBE, "--output-dir", tmp_path / "c", "--powersgd-rank", 2)
     assert_clean_error(orphan, "--powersgd-rank: only with --ddp-comm-hook powersgd")
     assert not any((tmp_path / name).exists() for name in "abc")
+
+
+class Keeper:
+    """Stands for comm_hooks.PowerSGD in load_states: what it is given."""
+
+    def __init__(self):
+        self.given = None
+
+    def load_state_dict(self, values, feedback=True):
+        self.given = (values["iter"], values["rng"], feedback)
+
+
+@inprocess
+def test_on_another_world_size_every_rank_takes_rank_0_s_step_count_and_generator(tmp_path):
+    # the ranks must compress from the same step with the same random factors, or their all-reduces differ in size
+    # (a rank with no file of its own, grown by an elastic restart, used to start at step 0 alone)
+    from ddp_accel import comm_hooks
+
+    state = {"iter": 12, "rng": "rank 0's", "matrix_approximation_rank": 1, "by_parameter": {}}
+    torch.save({"world_size": 2, "states": [state]}, tmp_path / "comm_hook_state_0.pt")
+    torch.save({"world_size": 2, "states": [{**state, "rng": "rank 1's"}]}, tmp_path / "comm_hook_state_1.pt")
+    same = [Keeper(), Keeper()]
+    assert comm_hooks.load_states([same[0]], tmp_path, 0, 2) is None
+    assert comm_hooks.load_states([same[1]], tmp_path, 1, 2) is None
+    assert [keeper.given for keeper in same] == [(12, "rank 0's", True), (12, "rank 1's", True)]
+    grown = [Keeper() for _ in range(3)]
+    notes = [comm_hooks.load_states([keeper], tmp_path, rank, 3) for rank, keeper in enumerate(grown)]
+    assert all("error feedback starts afresh" in note for note in notes), notes
+    assert [keeper.given for keeper in grown] == [(12, "rank 0's", False)] * 3
+
+
+@inprocess
+def test_a_hook_is_refused_for_sparse_gradients_in_one_line(tmp_path):
+    from ddp_accel import comm_hooks
+    from ddp_accel.errors import UserError
+
+    bag = torch.nn.EmbeddingBag(10, 4, sparse=True)
+    with pytest.raises(UserError, match="sparse ones"):
+        comm_hooks.check_model(torch.nn.Sequential(bag), "bf16")
+    comm_hooks.check_model(torch.nn.Sequential(bag), "none")

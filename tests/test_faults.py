@@ -80,10 +80,24 @@ def test_sigkill_a_worker_mid_epoch_restart_resumes_to_identical_weights(uninter
     )
 
 
+# --async-checkpoint: the write runs in a background thread while training goes on; under FSDP (the variables
+# accelerate launch gives an FSDP config) its shards are written over the writers' own process group
+WRITES = {
+    "at-once": ([], {}),
+    "async": (["--async-checkpoint"], {}),
+    "fsdp-async": (["--async-checkpoint"], {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}),
+}
+
+
 @pytest.mark.multiprocess
-def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(uninterrupted, tmp_path):
+@pytest.mark.parametrize("writes", list(WRITES))
+def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(uninterrupted, tmp_path, writes):
+    # the elastic agent restarts the group; under FSDP it resumes from the shards, and 2 ranks' FSDP steps are
+    # bitwise DDP's (the gradients' average is a sum and an exact halving either way)
     output_dir = tmp_path / "mid_save"
-    agent = torchrun(output_dir, *COMMON, "--step-ms", "20", "--resume-from-checkpoint", "latest", max_restarts=2)
+    extra, env = WRITES[writes]
+    command = [*COMMON, "--step-ms", "20", *extra, "--resume-from-checkpoint", "latest"]
+    agent = torchrun(output_dir, *command, max_restarts=2, env=env)
     checkpoints = output_dir / "checkpoints"
     wait_for(lambda: 5 in checkpoint_steps(output_dir))  # one complete checkpoint to fall back on
     # the moment the next one is being written (its files go to .tmp_step_N until complete)

@@ -158,7 +158,7 @@ def test_a_sharded_checkpoint_keeps_the_runs_identity_and_its_strategy(tmp_path)
     other_model = one_process(resume_copy(tmp_path / "sharded", 10, tmp_path / "a"), *resume, "--hidden", 32)
     assert_clean_error(other_model, "was written by another model")
     without_fsdp = one_process(resume_copy(tmp_path / "sharded", 10, tmp_path / "b"), *resume, fsdp=False)
-    assert_clean_error(without_fsdp, "holds FSDP shards (pytorch_model_fsdp_0/), and this run does not shard")
+    assert_clean_error(without_fsdp, "holds an FSDP model (pytorch_model_fsdp_0/ or .bin), and this run does not")
     check_ok(one_process(tmp_path / "whole", "--epochs", 1, fsdp=False))
     under_fsdp = one_process(resume_copy(tmp_path / "whole", 10, tmp_path / "c"), *resume)
     assert_clean_error(under_fsdp, "holds whole weights (written without FSDP), and this run shards them")
@@ -274,3 +274,14 @@ def test_ddp_accel_ray_hands_its_workers_the_configs_strategy_as_accelerate_laun
     (tmp_path / "deepspeed.yaml").write_text("distributed_type: DEEPSPEED\nnum_processes: 2\nmixed_precision: 'no'\n")
     with pytest.raises(UserError, match="ddp-accel ray runs DDP or FSDP|deepspeed"):
         RayJob(str(ROOT / PROBE), config_file=str(tmp_path / "deepspeed.yaml")).environment()
+
+
+@inprocess
+def test_a_full_state_dict_fsdp_checkpoint_resumes_and_is_evaluated(tmp_path):
+    # fsdp_state_dict_type FULL_STATE_DICT writes pytorch_model_fsdp.bin, not a folder of shards: still FSDP's
+    env = {**FSDP_ENV, "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"}
+    common = ["--output-dir", tmp_path / "run", *ARGS, "--batch-size", 8]
+    check_ok(run_script(PROBE, *common, "--max-steps", 10, env=env))
+    assert (tmp_path / "run" / "checkpoints" / "step_10" / "pytorch_model_fsdp.bin").is_file()
+    output = check_ok(run_script(PROBE, *common, "--resume-from-checkpoint", "latest", env=env))
+    assert "resumed from" in output, output[-2000:]
