@@ -392,8 +392,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "async_staging_keeps_references": (
         "ddp_accel/async_save.py",
-        '            return obj.detach().to("cpu", copy=True)',
-        "            return obj",
+        "        copied = self.buffers.copy(tensor)",
+        "        copied = tensor",
     ),
     "async_checkpoint_written_at_once": (
         "ddp_accel/checkpoint.py",
