@@ -34,9 +34,12 @@ def slurm(tmp_path_factory):
         yield cluster
 
 
-def submit(slurm: LocalSlurm, output_dir: Path, extra: str = "", options=(), cwd: Path = ROOT) -> tuple[str, Path]:
+def submit(
+    slurm: LocalSlurm, output_dir: Path, extra: str = "", options=(), cwd: Path = ROOT, config: str | None = None
+) -> tuple[str, Path]:
     log = output_dir.parent / f"{output_dir.name}.slurm.log"
     env = {
+        **({"CONFIG": config} if config else {}),
         "SCRIPT": "tests/probe.py",
         "SCRIPT_ARGS": f"{PROBE_ARGS} {extra}".strip(),
         "OUTPUT_DIR": str(output_dir),
@@ -132,6 +135,28 @@ def test_signal_checkpoint_requeue_resume_loses_nothing(slurm, uninterrupted, tm
         f"the requeued run started {rerun_s:.0f} s after the signal (the test starts it once the nodes are idle)",
         file=sys.stderr,
     )
+
+
+@pytest.mark.system
+def test_an_fsdp_config_shards_across_the_nodes_and_a_signalled_step_resumes_to_the_ddp_run_s_weights(
+    slurm, uninterrupted, tmp_path
+):
+    # CONFIG=accelerate_configs/fsdp.yaml: each node's accelerate launch takes it (its process counts are the job's);
+    # fp32, where 2 ranks' FSDP steps are bitwise DDP's; the checkpoints written in the background
+    output_dir = tmp_path / "fsdp"
+    extra = "--mixed-precision no --async-checkpoint"
+    job, log = submit(slurm, output_dir, extra=extra, config="accelerate_configs/fsdp.yaml")
+    wait_for_checkpoint(output_dir, 5)
+    time.sleep(0.4)
+    subprocess.run(["scancel", "--signal=TERM", f"{job}.0"], env=slurm.env, check=True)
+    text = finish(slurm, job, log, requeues=1)
+    assert re.search(r"distributed_type\s+FSDP", text) and "89 on rank 0, 89 on rank 1" in text, text[-3000:]
+    stopped = int(re.search(r"preempted by \S+ at step (\d+)", text).group(1))
+    resumed = re.search(r"resumed from \S+: step (\d+),", text)
+    assert resumed and int(resumed.group(1)) == stopped, text[-3000:]
+    assert (output_dir / "checkpoints" / f"step_{stopped}" / "pytorch_model_fsdp_0").is_dir()
+    reference, final = weights(uninterrupted[0]), weights(output_dir)
+    assert all(torch.equal(reference[key], final[key]) for key in reference), "weights differ from the DDP run"
 
 
 @pytest.mark.system
