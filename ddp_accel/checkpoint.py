@@ -171,7 +171,7 @@ def save_checkpoint(
         staging = deferred_writes(writer.buffers, writer.group) if writer is not None else contextlib.nullcontext()
         with staging as staged:
             write_state(accelerator, partial, states)
-    if writer is None or staged is None:
+    if writer is None or staged is None:  # written at once (both: for the type checker)
         accelerator.wait_for_everyone()
         if main:
             with writing(partial, cleanup=partial):

@@ -4,9 +4,10 @@
 - `powersgd`: after `--powersgd-start-step` plain steps, each bucket's gradient matrix is sent as two rank-r factors
   (`--powersgd-rank`), with error feedback: what the compression dropped is added to the next step's gradient.
 
-Accelerate registers them (`DistributedDataParallelKwargs(comm_hook=...)`); ddp_accel keeps PowerSGD's per-rank
-state (the error feedback, the warm-started factors, its step count and random generator) in each checkpoint,
-one file per rank, so that a resume continues the same compression bitwise.
+Accelerate registers fp16/bf16 (`DistributedDataParallelKwargs(comm_hook=...)`); ddp_accel registers PowerSGD
+after `prepare` (`register_powersgd`) and keeps its per-rank state (the error feedback, the warm-started factors,
+its step count and random generator) in each checkpoint, one file per rank, so that a resume continues the same
+compression bitwise.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import Any
 
 from ddp_accel.errors import UserError
 
-HOOKS = ("none", "fp16", "bf16", "powersgd")
 STATE_FILE = "comm_hook_state_{rank}.pt"
 
 
@@ -46,8 +46,8 @@ ONE_BUCKET_MB = 1_000_000
 
 
 def ddp_kwargs(options: DdpOptions, gloo: bool = False) -> Any:
-    """Accelerate's DDP options with the hook asked for (PowerSGD: torch's defaults but rank and start; over
-    `gloo`, one gradient bucket)."""
+    """Accelerate's DDP options with the fp16/bf16 hook asked for (PowerSGD is registered after prepare; over
+    `gloo` it gets one gradient bucket)."""
     from accelerate import DistributedDataParallelKwargs
     from accelerate.utils import DDPCommunicationHookType
 
@@ -57,13 +57,11 @@ def ddp_kwargs(options: DdpOptions, gloo: bool = False) -> Any:
         "bf16": DDPCommunicationHookType.BF16,
         "powersgd": DDPCommunicationHookType.NO,  # registered by register_powersgd after prepare
     }
-    powersgd = {"matrix_approximation_rank": options.powersgd_rank, "start_powerSGD_iter": options.powersgd_start_step}
     one_bucket = gloo and options.comm_hook == "powersgd"
     return DistributedDataParallelKwargs(
         find_unused_parameters=options.find_unused_parameters,
         bucket_cap_mb=ONE_BUCKET_MB if one_bucket else 25,
         comm_hook=kinds[options.comm_hook],
-        comm_state_option=powersgd if options.comm_hook == "powersgd" else {},
     )
 
 

@@ -160,7 +160,10 @@ def make_accelerator(
 def ddp_options(config: TrainConfig, find_unused_parameters: bool = False) -> DdpOptions:
     """DDP's options of a run: --ddp-comm-hook and --powersgd-*, with their defaults."""
     return DdpOptions(
-        config.ddp_comm_hook, config.powersgd_rank or 1, config.powersgd_start_step or 1000, find_unused_parameters
+        config.ddp_comm_hook,
+        config.powersgd_rank or PLAIN_DDP.powersgd_rank,
+        config.powersgd_start_step or PLAIN_DDP.powersgd_start_step,
+        find_unused_parameters,
     )
 
 
