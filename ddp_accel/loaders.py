@@ -24,7 +24,6 @@ import contextlib
 import ctypes
 import functools
 import gc
-import json
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
@@ -41,17 +40,19 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from ddp_accel.errors import UserError
+from ddp_accel.startup import (
+    PR_SET_PDEATHSIG,
+    WORKER_SERVER_MODULES,
+    WORKER_SERVER_VARIABLE,
+    WORKER_START_VARIABLE,
+    end_forkserver,
+    forkserver_running,
+    signals_blocked,
+    start_forkserver,
+)
 from ddp_accel.stopping import PREEMPTION_SIGNALS
 
-WORKER_START_VARIABLE = "DDP_ACCEL_WORKER_START"
 WORKER_START_METHODS = ("forkserver", "fork", "spawn")
-# the forkserver's environment is the training process's at its start: these tell ddp_accel.worker_server what to
-# import; WORKER_SERVER_VARIABLE is set there, and tells the workers they came from it
-FORKSERVER_MAIN_VARIABLE = "DDP_ACCEL_FORKSERVER_MAIN"
-FORKSERVER_MAIN_MODULE_VARIABLE = "DDP_ACCEL_FORKSERVER_MAIN_MODULE"
-FORKSERVER_SYS_PATH_VARIABLE = "DDP_ACCEL_FORKSERVER_SYS_PATH"
-WORKER_SERVER_VARIABLE = "DDP_ACCEL_WORKER_SERVER"
-PR_SET_PDEATHSIG = 1  # Linux prctl: a signal when the parent thread ends
 
 
 def _ignore_preemption(user_init: Callable[[int], None] | None, worker_id: int) -> None:
@@ -118,37 +119,11 @@ def worker_context(loader: Any) -> multiprocessing.context.BaseContext:
             )
             method = "fork"
     if method != "fork":
-        with _preemption_signals_blocked():  # the tracker keeps the mask it starts with (it unblocks only SIGINT/TERM)
+        with signals_blocked():  # the tracker keeps the mask it starts with (it unblocks only SIGINT/TERM)
             multiprocessing.resource_tracker.ensure_running()
-    if method == "forkserver" and not _forkserver_running():
-        multiprocessing.forkserver.set_forkserver_preload(_modules_for(loader))
-        main = multiprocessing.spawn.get_preparation_data("ignore")
-        start_with = {
-            FORKSERVER_MAIN_VARIABLE: main.get("init_main_from_path", ""),
-            FORKSERVER_MAIN_MODULE_VARIABLE: main.get("init_main_from_name", ""),
-            FORKSERVER_SYS_PATH_VARIABLE: json.dumps(sys.path),
-        }
-        os.environ.update(start_with)
-        try:
-            with _preemption_signals_blocked():
-                multiprocessing.forkserver.ensure_running()
-        finally:
-            for name in start_with:
-                os.environ.pop(name, None)
+    if method == "forkserver" and not forkserver_running():
+        start_forkserver(_modules_for(loader))
     return multiprocessing.get_context(method)
-
-
-@contextlib.contextmanager
-def _preemption_signals_blocked() -> Generator[None, None, None]:
-    """Blocks the preemption signals in this thread while the helper processes of the workers' start method are
-    started: they inherit the mask through exec. A job-wide SIGUSR1 (SLURM's time-limit warning) would otherwise kill
-    the resource tracker, whose successor then prints a `KeyError` traceback for each queue the loader releases, and
-    the forkserver before it has blocked them itself. A signal sent meanwhile is delivered when this ends."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _forkserver_refusal(loader: Any) -> str | None:
@@ -185,15 +160,10 @@ def _module_of(thing: Any) -> str:
     return getattr(thing, "__module__", None) or type(thing).__module__
 
 
-def _forkserver_running() -> bool:
-    server = multiprocessing.forkserver._forkserver
-    return getattr(server, "_forkserver_pid", None) is not None
-
-
 def _modules_for(loader: Any) -> list[str]:
     """What a worker unpickles its dataset, collate and init functions from, imported once in the forkserver instead
     of in every worker (torch alone takes seconds); `ddp_accel.worker_server` also imports the training script."""
-    modules = ["ddp_accel.worker_server", "torch"]
+    modules = list(WORKER_SERVER_MODULES)
     for thing in _sent_to_workers(loader):
         module = _module_of(thing)
         if module and module not in modules and module != "builtins" and not module.startswith("__"):
@@ -289,16 +259,10 @@ def end_worker_processes(timeout_s: float = 5.0) -> None:
     tracker end only after the process has (at the end of their pipe, or by the parent-death signal): a command
     would return with its helpers still in its process group."""
     kill_leftover_workers(timeout_s)
-    server = multiprocessing.forkserver._forkserver
-    if _end_helper(server, "_forkserver_pid", "_forkserver_alive_fd", timeout_s):
-        address = getattr(server, "_forkserver_address", None)
-        if address and not multiprocessing.util.is_abstract_socket_namespace(address):  # a socket file
-            with contextlib.suppress(OSError):
-                os.unlink(address)
-        server._forkserver_address = None  # type: ignore[attr-defined]
+    end_forkserver()
     # never killed: it unlinks the semaphores and shared memory left registered, and a process of the user's that
     # still holds its pipe (a spawned one) keeps it for good reason
-    _end_helper(multiprocessing.resource_tracker._resource_tracker, "_pid", "_fd", timeout_s, kill=False)
+    _end_helper(multiprocessing.resource_tracker._resource_tracker, "_pid", "_fd", timeout_s)
 
 
 def exit_now(code: int) -> None:
@@ -309,10 +273,10 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _end_helper(helper: Any, pid_name: str, fd_name: str, timeout_s: float, kill: bool = True) -> bool:
-    """A multiprocessing helper process that ends when its "alive" pipe closes: close it, wait up to `timeout_s`,
-    then SIGKILL it (or leave it to end by itself). Its pid is cleared, so that this process starts a new one when
-    it needs one again. False when none was running."""
+def _end_helper(helper: Any, pid_name: str, fd_name: str, timeout_s: float) -> bool:
+    """A multiprocessing helper process that ends when its "alive" pipe closes: close it and wait up to `timeout_s`
+    for it to end by itself. Its pid is cleared, so that this process starts a new one when it needs one again.
+    False when none was running."""
     pid, fd = getattr(helper, pid_name, None), getattr(helper, fd_name, None)
     if pid is None or fd is None:
         return False
@@ -321,12 +285,7 @@ def _end_helper(helper: Any, pid_name: str, fd_name: str, timeout_s: float, kill
     setattr(helper, fd_name, None)
     deadline = time.monotonic() + timeout_s
     try:
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                if kill:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                break
+        while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
             time.sleep(0.005)
     except ChildProcessError:  # reaped already (SIGCHLD ignored, or a waitpid elsewhere)
         pass

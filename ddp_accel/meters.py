@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from accelerate import Accelerator
 
@@ -37,14 +39,16 @@ def improves(metric: str, value: float, reference: float | None, min_delta: floa
 class ThroughputMeter:
     """Global samples/s and the share of step time spent waiting for data: over the whole run, over each log
     window (what the run does now), and steady (after the first window: cuDNN autotuning, compilation and
-    worker start-up left out)."""
+    worker start-up left out); and the start-up: from the process's start to the end of its first step."""
 
     def __init__(self) -> None:
         self.samples, self.train_time, self.data_wait = 0, 0.0, 0.0
+        self.first_step_at: float | None = None
         self._window_start = (0, 0.0, 0.0)
         self._steady_start: tuple[int, float, float] | None = None
 
     def add(self, samples: int, step_time: float, data_wait: float) -> None:
+        self.first_step_at = self.first_step_at or time.time()
         self.samples += samples
         self.train_time += step_time
         self.data_wait += data_wait
@@ -71,6 +75,9 @@ class ThroughputMeter:
             "steady_data_wait_share": (self.data_wait - steady[2]) / (self.train_time - steady[1])
             if steady and after_first
             else None,
+            # this process's (under a launcher: the rank's, not the launcher's); null without a step
+            "startup_s": self.first_step_at - psutil.Process().create_time() if self.first_step_at else None,
+            "first_step_at": self.first_step_at,
         }
 
 

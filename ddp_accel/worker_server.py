@@ -31,21 +31,25 @@ import os
 import signal
 import sys
 
-from ddp_accel.loaders import (
+# standard library only, up to the parent-death signal: a training process that dies while this one imports torch
+# (seconds; it may start with the script's own imports) must not leave it behind
+from ddp_accel.startup import (
     FORKSERVER_MAIN_MODULE_VARIABLE,
     FORKSERVER_MAIN_VARIABLE,
     FORKSERVER_SYS_PATH_VARIABLE,
     PR_SET_PDEATHSIG,
+    SIGNALS,
     WORKER_SERVER_VARIABLE,
 )
-from ddp_accel.stopping import PREEMPTION_SIGNALS
 
-signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
+signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
 
 if sys.platform.startswith("linux"):  # had the training process died already, multiprocessing's own pipe ends us
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 os.environ[WORKER_SERVER_VARIABLE] = str(os.getpid())  # the workers' parent, which they die with
 gc.disable()
+
+import ddp_accel.loaders  # noqa: E402, F401  what each worker's first function is unpickled from
 
 _main_path = os.environ.pop(FORKSERVER_MAIN_VARIABLE, "")
 _main_name = os.environ.pop(FORKSERVER_MAIN_MODULE_VARIABLE, "")

@@ -11,12 +11,14 @@ for a whole 8-GPU node is `-b 32`). Unreadable images stop the run with the file
 
 from __future__ import annotations
 
-# A preemption signal during the imports below ends the process at once with its marker (ddp_accel/startup.py);
-# only when run as a script: a program that imports this module keeps its own signal handling
+# A preemption signal during the imports below ends the process at once with its marker (ddp_accel/startup.py), and
+# the DataLoader workers' forkserver imports beside them; only when run as a script: a program that imports this
+# module keeps its own signal handling
 if __name__ == "__main__":
-    from ddp_accel.startup import stop_during_imports
+    from ddp_accel.startup import start_worker_server_early, stop_during_imports
 
     stop_during_imports(default_output_dir="outputs/imagenet")
+    start_worker_server_early(("-j", "--workers"), default=4)
 
 import argparse
 import os

@@ -6,13 +6,15 @@ import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ddp_accel import loaders
+from ddp_accel import loaders, startup
 from ddp_accel.errors import UserError
 
 pytestmark = pytest.mark.inprocess
@@ -148,3 +150,39 @@ def test_encoded_reviews_reach_a_worker_by_their_arrow_table_and_read_the_same()
     copy = pickle.loads(pickle.dumps(reviews))
     for index in range(3):
         assert copy[index][0].tolist() == reviews[index][0].tolist() and copy[index][1] == reviews[index][1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "asked"),
+    [([], 4), (["-j", "2"], 2), (["-j0"], 0), (["--workers=3"], 3), (["--workers", "x"], 0), (["-e", "-j", "1"], 1)],
+)
+def test_the_workers_a_command_asks_for_are_read_as_argparse_will(argv, asked):
+    assert startup.workers_asked(argv, ("-j", "--workers"), default=4) == asked
+
+
+EARLY_START = """
+import multiprocessing.forkserver, os, sys
+sys.argv = ["train.py", *sys.argv[1:]]
+from ddp_accel.startup import start_worker_server_early
+started = start_worker_server_early(("-j", "--workers"), default=0)
+server = multiprocessing.forkserver._forkserver
+print(started, server._forkserver_pid, "torch" in sys.modules, flush=True)
+"""
+
+
+@pytest.mark.parametrize(("args", "started"), [(["-j", "2"], True), ([], False), (["-j", "0"], False)])
+def test_a_command_that_asks_for_workers_starts_their_forkserver_before_its_own_imports_and_ends_it_at_exit(
+    tmp_path, args, started
+):
+    # what the scripts run first: the forkserver's imports (torch, the script) then run beside the script's own
+    result = subprocess.run(
+        [sys.executable, "-c", EARLY_START, *args], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    said, pid, torch_imported = result.stdout.split()
+    assert said == str(started) and torch_imported == "False"
+    if started:
+        # ended at the exit even though run_main never ran (--help, a wrong option): nothing outlives the command
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    else:
+        assert pid == "None"

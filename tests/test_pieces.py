@@ -7,9 +7,11 @@ import math
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 from accelerate import Accelerator
@@ -186,6 +188,10 @@ def test_the_throughput_meter_reports_windows_and_the_steady_rate_after_the_firs
     summary = meter.summary()
     assert summary["train_samples"] == 500 and summary["train_samples_per_s"] == 250.0
     assert summary["steady_samples_per_s"] == 400.0 and summary["steady_data_wait_share"] == 0.0
+    # the start-up: from this process's start to its first step (not to the last one, nor from the meter's creation)
+    age = time.time() - psutil.Process().create_time()
+    assert summary["startup_s"] < age and summary["startup_s"] > age - 5.0
+    assert ThroughputMeter().summary()["startup_s"] is None
 
 
 def test_a_resume_at_twice_the_global_batch_continues_from_the_same_sample():

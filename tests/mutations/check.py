@@ -307,8 +307,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "helpers_outlive_the_command": (
         "ddp_accel/loaders.py",
-        "    kill_leftover_workers(timeout_s)\n    server = multiprocessing.forkserver._forkserver\n",
-        "    kill_leftover_workers(timeout_s)\n    return\n    server = multiprocessing.forkserver._forkserver\n",
+        "    kill_leftover_workers(timeout_s)\n    end_forkserver()\n",
+        "    kill_leftover_workers(timeout_s)\n    return\n",
     ),
     "watchdog_exit_leaves_the_forkserver": (
         "ddp_accel/training.py",
