@@ -310,6 +310,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    kill_leftover_workers(timeout_s)\n    end_forkserver()\n",
         "    kill_leftover_workers(timeout_s)\n    return\n",
     ),
+    "workers_forkserver_started_at_the_first_batch": (
+        "ddp_accel/startup.py",
+        "    start_forkserver(WORKER_SERVER_MODULES)\n    atexit.register(end_forkserver)",
+        "    return False\n    atexit.register(end_forkserver)",
+    ),
     "watchdog_exit_leaves_the_forkserver": (
         "ddp_accel/training.py",
         "            exit=loaders.exit_now,\n",
