@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import torch
 from accelerate import Accelerator
 
+from ddp_accel import allocator
 from ddp_accel.budget import BudgetPlan
 from ddp_accel.callbacks import Callbacks
 from ddp_accel.checkpoint import Checkpoints
@@ -68,6 +69,7 @@ def print_run_banner(run: StartingRun) -> None:
         **({"sharding": shards.describe()} if (shards := sharding_summary(run.accelerator, prepared.model)) else {}),
         **({"ddp_comm_hook": hook} if (hook := ddp_options(run.config).describe()) else {}),
         **({"time_budget": budget} if budget else {}),
+        **({"allocator": kept} if (kept := allocator.describe()) else {}),
     )
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from ddp_accel import engines, loaders, run_end, run_start
+from ddp_accel import allocator, engines, loaders, run_end, run_start
 from ddp_accel.budget import BudgetGuard, BudgetPlan, command_started, epochs_text
 from ddp_accel.callback_state import CallbackStates
 from ddp_accel.callbacks import Callback, Callbacks
@@ -148,6 +148,7 @@ class TrainingRun:
     # --- start: every check first, then the first writes ---
     def start(self) -> dict[str, Any] | None:
         """Resume (or not), check the output dir; returns the committed metrics when the run is already complete."""
+        allocator.keep_freed_memory()  # from here on: each step's tensors reuse the previous step's memory
         run_start.print_run_banner(self)
         complete = run_start.committed_run(self)
         if complete is not None:

@@ -1,0 +1,58 @@
+"""The C allocator of a training process (Linux, glibc): the memory a step frees is kept for the next step.
+
+PyTorch allocates CPU tensors with malloc. glibc serves a large allocation (above 128 KiB, a threshold it raises
+up to 32 MiB as it goes) with its own mmap, and gives it back to the system when it is freed; it also gives back
+the free memory at the top of its heap beyond a small threshold. A training step allocates the same activations
+and gradients again each step, so each step faulted its pages in again, zeroed by the kernel: measured on a 2-core
+AMD EPYC (resnet18, batch 32, 224 px, fp32 on the CPU, 8 steps), 2.1 M page faults and 5.4 s of system time; with
+the memory kept, 0.53 M and 1.6 s, steps 2.45 s -> 2.2 s, peak memory 2.0 -> 2.5 GB. An MLP's small steps fell
+into the faulting pattern in some processes and not in others (4 in 10 runs: 1.5x the system time and 0.7x the
+samples/s). jemalloc and tcmalloc, which PyTorch's CPU tuning guide suggests preloading, keep freed memory alike.
+
+So when the training loop starts, glibc is told to serve every allocation from its heap (no mmap) and to give back
+free memory at its top only beyond KEEP_FREE_BYTES. What was allocated before (the data, the model) keeps where it
+is. Left alone: another allocator preloaded (LD_PRELOAD), glibc's own MALLOC_* tuning variables set, or
+DDP_ACCEL_MALLOC=system.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+ALLOCATOR_VARIABLE = "DDP_ACCEL_MALLOC"  # "system": glibc's defaults
+KEEP_FREE_BYTES = 512 * 1024 * 1024
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+GLIBC_VARIABLES = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+
+_kept = False
+
+
+def keep_freed_memory() -> bool:
+    """Tell glibc to keep what the training steps free (once per process); True when it is (now or before)."""
+    global _kept
+    if _kept or not applies():
+        return _kept
+    libc = ctypes.CDLL(None)
+    _kept = bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREE_BYTES))
+    return _kept
+
+
+def describe() -> str | None:
+    """The banner's line, when the memory is kept."""
+    return f"glibc keeps what a step frees for the next ({ALLOCATOR_VARIABLE}=system: its defaults)" if _kept else None
+
+
+def applies() -> bool:
+    """glibc's allocator, which the user has neither replaced nor tuned."""
+    if os.environ.get(ALLOCATOR_VARIABLE, "").strip().lower() == "system":
+        return False
+    if any(name in os.environ.get("LD_PRELOAD", "") for name in OTHER_ALLOCATORS):
+        return False
+    if any(os.environ.get(name) for name in GLIBC_VARIABLES):
+        return False
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")  # type: ignore[union-attr]
+    except (ValueError, OSError, AttributeError):  # not glibc (musl, macOS, Windows)
+        return False
