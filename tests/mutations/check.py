@@ -315,6 +315,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    start_forkserver(WORKER_SERVER_MODULES)\n    atexit.register(end_forkserver)",
         "    return False\n    atexit.register(end_forkserver)",
     ),
+    "allocator_left_to_its_defaults": (
+        "ddp_accel/training.py",
+        "        allocator.keep_freed_memory()  # from here on",
+        "        pass  # from here on",
+    ),
+    "allocator_still_maps_each_large_tensor": (
+        "ddp_accel/allocator.py",
+        "bool(libc.mallopt(M_MMAP_MAX, 0)) and ",
+        "",
+    ),
     "watchdog_exit_leaves_the_forkserver": (
         "ddp_accel/training.py",
         "            exit=loaders.exit_now,\n",
