@@ -26,7 +26,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,17 +35,13 @@ import threading
 import time
 from pathlib import Path
 
+from overhead import free_port
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BIN = Path(sys.executable).parent
 PEER_REPOSITORY = "https://github.com/pytorch/examples"
 PEER_LOG_LINE = re.compile(r"Epoch: \[0\]\[\s*(\d+)/\d+\]\s+Time\s+([\d.]+)")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def fetch_peer(commit: str, into: Path) -> Path:

@@ -51,16 +51,23 @@ WORKER_SERVER_MODULES = ["ddp_accel.worker_server", "torch"]  # what every forks
 PR_SET_PDEATHSIG = 1  # Linux prctl: a signal when the parent thread ends
 
 
-def output_dir_of(argv: list[str], default: str) -> str:
-    """--output-dir (or --output_dir) from the command line, as argparse will read it; else the script's default."""
-    found = default
+def option_value(argv: Sequence[str], flags: Sequence[str]) -> str | None:
+    """The last value the command line gives one of `flags` (`--flag V`, `--flag=V`, and a short flag's `-jV`), as
+    argparse will read it; None when none does."""
+    found = None
     for index, arg in enumerate(argv):
-        for flag in ("--output-dir", "--output_dir"):
+        for flag in flags:
             if arg == flag and index + 1 < len(argv):
                 found = argv[index + 1]
-            elif arg.startswith(flag + "="):
-                found = arg.split("=", 1)[1]
+            elif arg.startswith(flag + "=") or (not flag.startswith("--") and arg.startswith(flag) and arg != flag):
+                found = arg[len(flag) :].removeprefix("=")
     return found
+
+
+def output_dir_of(argv: list[str], default: str) -> str:
+    """--output-dir (or --output_dir) from the command line, as argparse will read it; else the script's default."""
+    found = option_value(argv, ("--output-dir", "--output_dir"))
+    return default if found is None else found
 
 
 def stop_during_imports(default_output_dir: str) -> None:
@@ -101,13 +108,8 @@ def _stop(signum: int, frame: FrameType | None, output_dir: str) -> None:
 def workers_asked(argv: Sequence[str], flags: Sequence[str], default: int) -> int:
     """The number of DataLoader workers the command line asks for through `flags` (`-j 4`, `-j4`, `--workers=4`),
     as argparse will read it; else `default`. A value that is not a number counts as none (argparse says why)."""
-    found = str(default)
-    for index, arg in enumerate(argv):
-        for flag in flags:
-            if arg == flag and index + 1 < len(argv):
-                found = argv[index + 1]
-            elif arg.startswith(flag + "=") or (not flag.startswith("--") and arg.startswith(flag) and arg != flag):
-                found = arg[len(flag) :].lstrip("=")
+    found = option_value(argv, flags)
+    found = str(default) if found is None else found
     return int(found) if found.isdigit() else 0
 
 

@@ -35,9 +35,10 @@ import torch
 import torch.distributed as dist
 
 from ddp_accel.files import write_json
+from ddp_accel.startup import SIGNALS
 
 # SIGHUP: a closed terminal or SSH session saves and stops like a preemption (unless started under nohup)
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+PREEMPTION_SIGNALS = SIGNALS  # (SIGTERM, SIGUSR1, SIGHUP): the start-up guard's, which imports no torch
 PREEMPTED_EXIT_CODE = 0  # a launcher neither restarts the group in place nor reports a crash; see docs/clusters.md
 # a rank that stopped only because a peer was signalled: non-zero, so that its elastic agent (which was not signalled)
 # forms the group again with the machines that remain (a node leaving), instead of ending the run unfinished
