@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from ddp_accel.accelerate_config import check_config
-from ddp_accel.cli import ArgumentParser, positive, positive_int
+from ddp_accel.cli import ArgumentParser, nonnegative, positive, positive_int
 from ddp_accel.errors import UserError
 
 
@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--timeout-s", type=positive, default=30.0, help="how long to wait for the others")
     doctor.add_argument("--megabytes", type=positive_int, default=64, help="the all-reduce that measures bandwidth")
     doctor.add_argument("--data", help="a data file or folder: is it the same on every machine")
+    doctor.add_argument(
+        "--min-free-gb", type=nonnegative, default=5.0, help="less free disk than this under --output-dir is a problem"
+    )
     commands.add_parser(
         "launch", help="accelerate launch whose wait for the other machines speaks and ends: ddp-accel launch --help"
     )
@@ -46,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         from ddp_accel.doctor import run  # imports torch: not for check-config
 
-        return run(args.output_dir, args.timeout_s, args.megabytes, args.data)
+        return run(args.output_dir, args.timeout_s, args.megabytes, args.data, args.min_free_gb)
     failed = False
     for path in args.files:
         try:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ddp_accel.identity import file_sha256
 
 CLOCK_SKEW_S = 2.0
-LOW_DISK_GB = 5.0
+LOW_DISK_GB = 5.0  # the default of --min-free-gb: a few checkpoints of a large model
 
 
 @dataclass
@@ -169,7 +169,9 @@ def measure(report: Report, megabytes: int) -> None:
     report.bandwidth_mb_s = 3 * megabytes / (time.perf_counter() - started)
 
 
-def compare(reports: list[Report], output_dir: str | None, data: str | None = None) -> list[str]:
+def compare(
+    reports: list[Report], output_dir: str | None, data: str | None = None, min_free_gb: float = LOW_DISK_GB
+) -> list[str]:
     """Rank 0's view: what differs between the processes."""
     problems = []
     reference = reports[0]
@@ -196,7 +198,7 @@ def compare(reports: list[Report], output_dir: str | None, data: str | None = No
                     f"host {report.host}, rank {report.rank}: --output-dir {output_dir} is not the folder rank 0 "
                     f"({reference.host}) writes to: checkpoints need a folder every machine sees (a shared filesystem)"
                 )
-            if report.free_gb is not None and report.free_gb < LOW_DISK_GB:
+            if report.free_gb is not None and report.free_gb < min_free_gb:
                 problems.append(f"host {report.host}: {report.free_gb:.1f} GB free under --output-dir {output_dir}")
     clocks = [report.clock for report in reports]
     if max(clocks) - min(clocks) > CLOCK_SKEW_S:
@@ -228,7 +230,9 @@ def table(reports: list[Report]) -> str:
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
 
 
-def run(output_dir: str | None, timeout_s: float, megabytes: int, data: str | None = None) -> int:
+def run(
+    output_dir: str | None, timeout_s: float, megabytes: int, data: str | None = None, min_free_gb: float = LOW_DISK_GB
+) -> int:
     env, host = dict(os.environ), socket.gethostname()
     rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
     problems = precheck(env, host, timeout_s)
@@ -264,7 +268,7 @@ def run(output_dir: str | None, timeout_s: float, megabytes: int, data: str | No
     reports = sorted((Report(**item) for item in gathered), key=lambda item: item.rank)
     if marker is not None and rank == 0:
         marker.unlink(missing_ok=True)
-    problems = compare(reports, output_dir, data)
+    problems = compare(reports, output_dir, data, min_free_gb)
     if rank == 0:
         say(reports, problems)
     if world > 1:

@@ -7,6 +7,7 @@ twice, callback states of one key, and the start-up guard under nohup."""
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -184,15 +185,24 @@ def test_the_doctor_command_reports_data_missing_here_and_a_disk_nearly_full(tmp
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     (tmp_path / "data").mkdir()
-    assert main(["doctor", "--output-dir", str(tmp_path / "out"), "--data", str(tmp_path / "data")]) == 0
+    # the disk is this machine's own (CI's had 4.5 GB free): what the command does with it is asked by --min-free-gb
+    free_gb = shutil.disk_usage(tmp_path).free / 2**30
+    below_this_disk = ["--min-free-gb", f"{free_gb / 2:.3f}"]
+    assert (
+        main(["doctor", "--output-dir", str(tmp_path / "out"), "--data", str(tmp_path / "data"), *below_this_disk]) == 0
+    )
     assert "doctor: all is well: 1 process(es)" in capsys.readouterr().out
-    assert main(["doctor", "--output-dir", str(tmp_path / "out"), "--data", str(tmp_path / "nowhere")]) == 1
+    assert (
+        main(["doctor", "--output-dir", str(tmp_path / "out"), "--data", str(tmp_path / "nowhere"), *below_this_disk])
+        == 1
+    )
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("doctor: ")]
     assert len(lines) == 1 and f"--data {tmp_path / 'nowhere'} does not exist there" in lines[0], lines
     monkeypatch.setattr("ddp_accel.doctor.shutil.disk_usage", lambda path: SimpleNamespace(free=2**30))
-    assert main(["doctor", "--output-dir", str(tmp_path / "out")]) == 1
+    assert main(["doctor", "--output-dir", str(tmp_path / "out")]) == 1  # 1 GB under the default 5
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("doctor: ")]
     assert len(lines) == 1 and f"1.0 GB free under --output-dir {tmp_path / 'out'}" in lines[0], lines
+    assert main(["doctor", "--output-dir", str(tmp_path / "out"), "--min-free-gb", "0.5"]) == 0
 
 
 # --- helper processes die with the training process ---
