@@ -248,8 +248,13 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     # 4. a doctor check tested through its helper, not through the command
     "doctor_command_drops_the_data_check": (
         "ddp_accel/doctor.py",
-        "    problems = compare(reports, output_dir, data)\n",
-        "    problems = compare(reports, output_dir)\n",
+        "    problems = compare(reports, output_dir, data, min_free_gb)\n",
+        "    problems = compare(reports, output_dir, None, min_free_gb)\n",
+    ),
+    "doctor_ignores_the_asked_free_disk_bar": (
+        "ddp_accel/doctor.py",
+        "            if report.free_gb is not None and report.free_gb < min_free_gb:\n",
+        "            if report.free_gb is not None and report.free_gb < LOW_DISK_GB:\n",
     ),
     # 5. a process that must die with its training process after a SIGKILL
     "forkserver_outlives_its_training_process": (
