@@ -57,9 +57,12 @@ from ddp_accel.vision import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     BatchMixing,
+    DeviceDecode,
     DeviceNormalize,
     SyntheticImages,
     build_model,
+    collate_encoded,
+    encoded_image_folders,
     image_folders,
     image_transforms,
     list_archs,
@@ -69,6 +72,8 @@ from ddp_accel.vision import (
 IDENTITY_OPTIONS = ("arch", "image_size", "augment", "mean", "std", "dummy", "dummy_classes", "sync_bn")
 RECIPE_OPTIONS = {"auto_augment": "none", "random_erasing": 0.0, "mixup_alpha": 0.0, "cutmix_alpha": 0.0}
 RECIPE_OPTIONS |= {"mix_prob": 1.0, "mix_switch_prob": 0.5}
+# the decoder and resampler shape the pixels (within one level of 255): recorded when not the workers' PIL
+DECODER = {"decode_on": "loader"}
 # what the validation images and so the predictions depend on: -e refuses weights trained with other values
 EVALUATION_OPTIONS = ("arch", "image_size", "augment", "mean", "std")
 # what the input means to weights fine-tuned (--pretrained FILE, --resume FILE.safetensors): another image size or
@@ -79,6 +84,7 @@ EVALUATE_READS = {"output_dir", "batch_size", "seed", "mixed_precision", "compil
 EVALUATE_READS |= {"hang_timeout_s", "local_rank", "data", "arch", "list_archs", "workers", "print_freq", "resume"}
 EVALUATE_READS |= {"evaluate", "tta_flip", "channels_last", "image_size", "augment", "mean", "std", "dummy"}
 EVALUATE_READS |= {
+    "decode_on",
     "dummy_classes",
     "normalize_on",
     "deterministic",
@@ -165,6 +171,14 @@ def parse_args(argv=None):
         "collate, pin and copy); loader: float images from the workers; auto: device on a GPU",
     )
     parser.add_argument(
+        "--decode-on",
+        choices=["auto", "device", "loader"],
+        default="auto",
+        help="device: the workers read the JPEG files and draw the crops, the device decodes a batch at once (nvJPEG "
+        "on a GPU) and crops, resizes, flips and normalises it; loader: PIL in the workers; auto: device on a GPU "
+        "with --augment imagenet and no --auto-augment or --random-erasing",
+    )
+    parser.add_argument(
         "--deterministic",
         action="store_true",
         help="deterministic cuDNN/cuBLAS kernels (bitwise-repeatable GPU runs, somewhat slower)",
@@ -191,7 +205,35 @@ def parse_args(argv=None):
     if not (args.list_archs or args.dummy or args.data):
         parser.error("give DATA_DIR (with train/ and val/), or --dummy for synthetic images")
     args.uint8 = args.normalize_on == "device" or args.normalize_on == "auto" and torch.cuda.is_available()
+    args.decode_on = decode_place(parser, args)
     return args
+
+
+def decode_place(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """Where the JPEGs are decoded: --decode-on, with auto resolved (device on a GPU, where the PIL path's CPU
+    work per image bounds the run) and what the device path cannot do said in one line."""
+    pil_only = {
+        "--augment cifar": args.augment == "cifar",
+        f"--auto-augment {args.auto_augment}": args.auto_augment != "none",
+        "--random-erasing": args.random_erasing > 0,
+        "--dummy": args.dummy,
+        "--normalize-on loader": args.normalize_on == "loader",
+    }
+    given = [option for option, used in pil_only.items() if used]
+    if args.decode_on == "device" and given:
+        parser.error(
+            f"--decode-on device decodes, crops and normalises JPEGs on the device: {given[0]} needs the "
+            "workers' PIL path (--decode-on loader)"
+        )
+    if args.decode_on == "auto":
+        return "device" if torch.cuda.is_available() and not given else "loader"
+    return args.decode_on
+
+
+def batch_form(args) -> str:
+    if args.decode_on == "device":
+        return "JPEG bytes, decoded, cropped and normalised on the device"
+    return "uint8, normalised on the device" if args.uint8 else "float"
 
 
 def check_evaluation_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -216,6 +258,8 @@ def datasets_for(args):
             SyntheticImages(10 * args.batch_size, args.image_size, args.dummy_classes, args.uint8),
             [str(i) for i in range(args.dummy_classes)],
         )
+    if args.decode_on == "device":
+        return encoded_image_folders(args.data, args.seed)
     transform_pair = image_transforms(
         args.image_size, args.mean, args.std, args.augment, args.uint8, args.auto_augment, args.random_erasing
     )
@@ -231,13 +275,20 @@ def loader(dataset, args, shuffle: bool) -> DataLoader:
         shuffle=shuffle,
         num_workers=args.workers,
         pin_memory=torch.cuda.is_available(),
+        collate_fn=collate_encoded if args.decode_on == "device" else None,
     )
 
 
-def make_eval_fn(model_input: DeviceNormalize, tta_flip: bool = False):
+def make_model_input(args) -> DeviceNormalize | DeviceDecode:
+    """What turns a batch into the model's input on its device: JPEGs decoded there, or images normalised."""
+    if args.decode_on == "device":
+        return DeviceDecode(args.image_size, args.mean, args.std, args.channels_last)
+    return DeviceNormalize(args.mean, args.std, args.channels_last)
+
+
+def make_eval_fn(model_input: DeviceNormalize | DeviceDecode, tta_flip: bool = False):
     def eval_fn(model, batch):
-        images, targets = batch
-        images = model_input(images)
+        images, targets = model_input.inputs(batch)
         logits = model(images)
         if tta_flip:  # test-time augmentation: the mean of the image's and its mirror image's logits
             logits = (logits + model(torch.flip(images, dims=[3]))) / 2
@@ -250,10 +301,11 @@ def identity_of(args, accelerator, evaluation: bool = False) -> dict:
     """What shapes the model and the data: a resume must match it; an evaluation, what its predictions depend on."""
     if evaluation:
         return make_identity({key: getattr(args, key) for key in EVALUATION_OPTIONS})
-    options = {key: getattr(args, key) for key in (*IDENTITY_OPTIONS, *RECIPE_OPTIONS)}
+    options = {key: getattr(args, key) for key in (*IDENTITY_OPTIONS, *RECIPE_OPTIONS, *DECODER)}
     sources = {"data": None if args.dummy else args.data}  # by content; an --output-dir inside it is not data
     # the recipes recorded only when used: a run from before they existed resumes
-    return make_identity(options, sources, exclude=[args.output_dir], accelerator=accelerator, unset=RECIPE_OPTIONS)
+    unset = RECIPE_OPTIONS | DECODER
+    return make_identity(options, sources, exclude=[args.output_dir], accelerator=accelerator, unset=unset)
 
 
 def set_backends(args) -> None:
@@ -318,7 +370,7 @@ def main(signals: StopSignals) -> None:
     accelerator = make_accelerator(config, signals, check_output_dir=not args.evaluate)
     train_set, val_set, classes = datasets_for(args)
     model, sync_bn_layers = make_model(args, accelerator, classes)
-    model_input = DeviceNormalize(args.mean, args.std, args.channels_last)
+    model_input = make_model_input(args)
     eval_fn = make_eval_fn(model_input, args.tta_flip)
 
     def metrics_fn(values):
@@ -335,7 +387,7 @@ def main(signals: StopSignals) -> None:
     )
 
     def loss_fn(model, batch):
-        images, targets = mixing(model_input(batch[0]), batch[1])  # soft targets when mixing
+        images, targets = mixing(*model_input.inputs(batch))  # soft targets when mixing
         return torch.nn.functional.cross_entropy(model(images), targets, label_smoothing=args.label_smoothing)
 
     task = Task(
@@ -356,7 +408,7 @@ def main(signals: StopSignals) -> None:
         "data": "SYNTHETIC (--dummy)" if args.dummy else args.data,
         "image_size": args.image_size,
         "channels_last": args.channels_last,
-        "batches": "uint8, normalised on the device" if args.uint8 else "float",
+        "batches": batch_form(args),
         "sync_bn_layers": sync_bn_layers,
         "recipes": ", ".join(
             f"{key} {getattr(args, key)}" for key, off in RECIPE_OPTIONS.items() if getattr(args, key) != off

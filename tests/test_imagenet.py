@@ -12,6 +12,7 @@ from helpers import assert_clean_error, check_ok, launch, load_script, metrics_o
 from PIL import Image
 from safetensors.torch import load_file
 
+from ddp_accel.errors import UserError
 from ddp_accel.metrics import classification_metrics, classification_values
 from ddp_accel.runtime import cpu_has_fast_bf16
 from ddp_accel.vision import BatchMixing
@@ -287,10 +288,14 @@ def test_two_processes_learn_real_cifar10_mini(tmp_path):
 RECIPES = {
     "workers-1-then-2": ["--auto-augment", "trivialaugment", "--random-erasing", "0.5", "--mixup-alpha", "0.4"],
     "main-process": ["--auto-augment", "randaugment", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0"],
+    # the JPEGs decoded, cropped and flipped where the model runs (its boxes: the PIL path's, tested below)
+    "decode-on-device": ["--augment", "imagenet", "--decode-on", "device", "--mixup-alpha", "0.2"],
 }
 
 
-@pytest.mark.parametrize("workers", [("1", "2"), ("0", "0")], ids=["workers-1-then-2", "main-process"])
+@pytest.mark.parametrize(
+    "workers", [("1", "2"), ("0", "0"), ("0", "0")], ids=["workers-1-then-2", "main-process", "decode-on-device"]
+)
 @pytest.mark.inprocess
 def test_resume_mid_epoch_with_augmentation_is_exact_with_another_worker_count(tmp_path, workers, request):
     # random crops and flips, RandAugment / TrivialAugment and random erasing: each sample's augmentation has a seed
@@ -457,3 +462,72 @@ def test_tta_flip_scores_the_mean_of_an_image_and_its_mirror_image_and_runs_with
     weights = out / "model.safetensors"
     check_ok(run_script("scripts/imagenet.py", *dummy, "--tta-flip", "-e", "--resume", weights, "--output-dir", out))
     assert (out / "evaluate.json").is_file()
+
+
+def make_mixed_folder(root: Path) -> Path:
+    """JPEGs of ImageNet's shapes (landscape, portrait), a grey and a CMYK JPEG, and a PNG, in each split."""
+    rng = np.random.default_rng(1)
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            folder = root / split / c
+            folder.mkdir(parents=True, exist_ok=True)
+            for name, (height, width), mode in (
+                ("wide.jpg", (75, 100), "RGB"),
+                ("tall.jpg", (90, 60), "RGB"),
+                ("grey.jpg", (60, 80), "L"),
+                ("cmyk.jpg", (50, 70), "CMYK"),
+                ("lossless.png", (40, 52), "RGB"),
+            ):
+                coarse = Image.fromarray((rng.random((height // 10 + 2, width // 10 + 2, 3)) * 255).astype("uint8"))
+                image = coarse.resize((width, height), Image.BICUBIC).convert(mode)
+                image.save(folder / name, **({"quality": 90} if name.endswith(".jpg") else {}))
+    return root
+
+
+@pytest.mark.inprocess
+def test_jpegs_decoded_on_the_device_are_the_pil_paths_images_within_a_level_of_255(tmp_path):
+    # the same crop boxes and flips from the same per-sample seeds, the same resize and centre crop: a run can move
+    # between the paths' machines and see its images; what the device decoder cannot take is decoded in the worker
+    from ddp_accel.vision import DeviceDecode, collate_encoded, encoded_image_folders, image_folders, image_transforms
+
+    data = make_mixed_folder(tmp_path / "images")
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    pil_train, pil_val, _ = image_folders(str(data), image_transforms(32, mean, std, "imagenet"), seed=5)
+    train, val, classes = encoded_image_folders(str(data), seed=5)
+    assert classes == ["a", "b"] and len(train) == len(pil_train) == 10
+    for epoch in (0, 1):
+        for pil, encoded in ((pil_train, train), (pil_val, val)):
+            pil.set_epoch(epoch), encoded.set_epoch(epoch)
+            batch = collate_encoded([encoded[i] for i in range(len(encoded))])
+            assert [item.dim() for item in batch["images"].data] == [
+                3,
+                1,
+                3,
+                1,
+                1,
+            ] * 2  # cmyk, grey, png, tall, wide: the CMYK and the PNG as pixels
+            images, targets = DeviceDecode(32, mean, std).inputs(batch)
+            expected = torch.stack([pil[i][0] for i in range(len(pil))])
+            assert targets.tolist() == [pil[i][1] for i in range(len(pil))]
+            level = 1 / 255 / min(std)  # one level of 255, normalised
+            difference = (images - expected).abs()
+            assert difference.max() < 2 * level and difference.mean() < level / 2, (
+                epoch,
+                difference.max(),
+            )  # PIL rounds
+
+
+@pytest.mark.inprocess
+def test_on_the_device_path_a_damaged_jpeg_is_named_and_what_it_cannot_do_is_one_line(tmp_path):
+    from ddp_accel.vision import DeviceDecode, collate_encoded, encoded_image_folders
+
+    data = make_mixed_folder(tmp_path / "images")
+    damaged = data / "val" / "a" / "wide.jpg"
+    damaged.write_bytes(damaged.read_bytes()[:-200])  # the header reads, the pixels do not
+    _, val, _ = encoded_image_folders(str(data))
+    batch = collate_encoded([val[i] for i in range(len(val))])
+    with pytest.raises(UserError, match=f"cannot decode image {damaged} "):
+        DeviceDecode(32, (0.5,) * 3, (0.5,) * 3).inputs(batch)
+    for option in (["--augment", "cifar"], ["--random-erasing", "0.25"], ["--normalize-on", "loader"]):
+        result = run_script("scripts/imagenet.py", data, "--decode-on", "device", *option)
+        assert_clean_error(result, f"--decode-on device decodes, crops and normalises JPEGs on the device: {option[0]}")

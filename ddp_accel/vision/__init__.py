@@ -10,6 +10,7 @@ from ddp_accel.vision.data import (
     image_transforms,
     load_image,
 )
+from ddp_accel.vision.device_decode import DeviceDecode, collate_encoded, encoded_image_folders
 from ddp_accel.vision.mixing import BatchMixing
 from ddp_accel.vision.models import build_model, list_archs
 
@@ -18,9 +19,12 @@ __all__ = [
     "BatchMixing",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "DeviceDecode",
     "DeviceNormalize",
     "SyntheticImages",
     "build_model",
+    "collate_encoded",
+    "encoded_image_folders",
     "image_folders",
     "image_transforms",
     "list_archs",

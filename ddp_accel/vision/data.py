@@ -226,6 +226,10 @@ class DeviceNormalize:
             images = images.float().sub_(self.mean).div_(self.std)
         return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
 
+    def inputs(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(images, targets) of an (images, targets) batch, the images normalised."""
+        return self(batch[0]), batch[1]
+
 
 class SyntheticImages(Dataset):
     """`--dummy`: the same random image for every index (no decoding cost), labels cycling over the classes."""
