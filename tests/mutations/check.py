@@ -420,6 +420,22 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        background = in_background and self.writer is not None",
         "        background = False",
     ),
+    # --decode-on device: the PIL path's boxes, its validation crop, a damaged JPEG named
+    "device_decode_boxes_from_the_global_generator": (
+        "ddp_accel/vision/device_decode.py",
+        "                    with augmentation_seed(self.seed, self.epoch, index):\n",
+        "                    with torch.no_grad():\n",
+    ),
+    "device_decode_validation_crop_from_the_top": (
+        "ddp_accel/vision/device_decode.py",
+        "            top = int(round((size[0] - self.image_size) / 2.0))\n",
+        "            top = 0\n",
+    ),
+    "device_decode_damaged_jpeg_unnamed": (
+        "ddp_accel/vision/device_decode.py",
+        '        raise UserError(f"cannot decode image {path} (a damaged JPEG); delete or replace it") from None\n',
+        "        raise\n",
+    ),
 }
 
 
