@@ -126,17 +126,24 @@ class CheckedImageFolder(datasets.ImageFolder):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path, target = self.samples[index]
-        try:
+        with named_if_unreadable(path):
             image = self.loader(path)
-        except Image.DecompressionBombError:
-            raise UserError(
-                f"image {path} has more pixels than PIL's decompression-bomb limit ({Image.MAX_IMAGE_PIXELS}); "
-                "delete it or replace it with a smaller copy"
-            ) from None
-        except (OSError, ValueError, SyntaxError) as error:  # PIL's UnidentifiedImageError is an OSError
-            raise UserError(f"cannot read image {path} ({type(error).__name__}); delete or replace it") from None
         with augmentation_seed(self.seed, self.epoch, index):
             return self.transform(image), target
+
+
+@contextlib.contextmanager
+def named_if_unreadable(path: str) -> Iterator[None]:
+    """An image PIL cannot read (or refuses: a decompression bomb) is one line naming it."""
+    try:
+        yield
+    except Image.DecompressionBombError:
+        raise UserError(
+            f"image {path} has more pixels than PIL's decompression-bomb limit ({Image.MAX_IMAGE_PIXELS}); "
+            "delete it or replace it with a smaller copy"
+        ) from None
+    except (OSError, ValueError, SyntaxError) as error:  # PIL's UnidentifiedImageError is an OSError
+        raise UserError(f"cannot read image {path} ({type(error).__name__}); delete or replace it") from None
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from torchvision import transforms
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from ddp_accel.errors import UserError
-from ddp_accel.vision.data import CheckedImageFolder, augmentation_seed, check_image_folder
+from ddp_accel.vision.data import CheckedImageFolder, augmentation_seed, check_image_folder, named_if_unreadable
 
 JPEG_START = b"\xff\xd8\xff"
 # what nvJPEG and libjpeg decode to RGB themselves; other JPEGs (CMYK, YCCK) are decoded by PIL in the worker
@@ -56,7 +56,7 @@ class EncodedImageFolder(CheckedImageFolder):
     # (bytes, box, class, path), which collate_encoded batches, where the PIL folder gives (image, class)
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int, str]:  # type: ignore[override]
         path, target = self.samples[index]
-        try:
+        with named_if_unreadable(path):
             raw = Path(path).read_bytes()
             with Image.open(io.BytesIO(raw)) as header:  # the header only: size and mode, no decoding
                 box = (0, 0, 0, 0, CENTER)
@@ -65,13 +65,6 @@ class EncodedImageFolder(CheckedImageFolder):
                         box = self.draw_box(header)
                 decodable = raw.startswith(JPEG_START) and header.mode in DECODABLE_MODES
             pixels = None if decodable else self.loader(path)
-        except Image.DecompressionBombError:
-            raise UserError(
-                f"image {path} has more pixels than PIL's decompression-bomb limit ({Image.MAX_IMAGE_PIXELS}); "
-                "delete it or replace it with a smaller copy"
-            ) from None
-        except (OSError, ValueError, SyntaxError) as error:
-            raise UserError(f"cannot read image {path} ({type(error).__name__}); delete or replace it") from None
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if pixels is None else _pixels(pixels)
         return data, torch.tensor(box), target, path
 
