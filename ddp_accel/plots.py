@@ -8,11 +8,12 @@ from ddp_accel.files import replaced_atomically
 
 
 def plot_history(history: list[dict], path: str | Path, title: str = "") -> None:
-    """Left: training and evaluation loss; right: every other evaluation metric in [0, 1] (accuracies)."""
-    import matplotlib
+    """Left: training and evaluation loss; right: every other evaluation metric in [0, 1] (accuracies).
 
-    matplotlib.use("Agg")  # no display on training machines
-    import matplotlib.pyplot as plt
+    Drawn on a bare Agg figure (no pyplot: no global figure manager) with a fixed layout: matplotlib's
+    tight_layout measured every text first and took a third of the plot's time, at the end of every run."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     epochs = [record["epoch"] for record in history]
     losses = [key for key in ("train_loss", "eval_loss") if any(key in record for record in history)]
@@ -28,7 +29,9 @@ def plot_history(history: list[dict], path: str | Path, title: str = "") -> None
             and 0.0 <= value <= 1.0
         }
     )
-    figure, (loss_axis, score_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    figure = Figure(figsize=(11, 4))
+    FigureCanvasAgg(figure)
+    loss_axis, score_axis = figure.subplots(1, 2)
     for key in losses:
         loss_axis.plot(epochs, [record.get(key, float("nan")) for record in history], marker="o", label=key)
     for key in scores:
@@ -40,7 +43,6 @@ def plot_history(history: list[dict], path: str | Path, title: str = "") -> None
         if axis.lines:
             axis.legend()
     figure.suptitle(title)
-    figure.tight_layout()
+    figure.subplots_adjust(left=0.06, right=0.98, bottom=0.13, top=0.85, wspace=0.15)
     with replaced_atomically(path) as partial:
         figure.savefig(partial, dpi=100, format="png")
-    plt.close(figure)
