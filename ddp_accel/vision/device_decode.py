@@ -147,8 +147,8 @@ class DeviceDecode:
 
 
 def _decode_jpegs(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    # torchvision 0.29 deprecates its decoders for TorchCodec's, whose PyPI wheel is not built with nvJPEG; the same
-    # call there (torchcodec.decoders.decode_jpeg) when torchvision drops it
+    # torchvision 0.29 deprecates its decoders for TorchCodec's (not tried on a GPU here; torchvision's wheel carries
+    # nvJPEG): the same call there (torchcodec.decoders.decode_jpeg, a list and a device) when torchvision drops it
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The image decoding and encoding capabilities", DeprecationWarning)
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
