@@ -386,6 +386,11 @@ def check_evaluation(
             "--early-stopping-patience needs an evaluation to watch: an eval loader and a metric (--best-metric, "
             "e.g. eval_loss)"
         )
+    if config.best_metric and not evaluated:  # (a script's own default metric waits for its evaluation silently)
+        raise UserError(
+            f"--best-metric {config.best_metric} picks model_best.safetensors by an evaluation: this run has none "
+            "(no validation data); drop it, or keep a validation part"
+        )
     if best_metric and best_metric.startswith("ema_") and not config.ema_decay:
         raise UserError(f"--best-metric {best_metric} is a metric of the weights' average: add --ema-decay")
     reported = [f"{prefix}_{name}" for prefix in ("eval", "ema")[: 1 + bool(config.ema_decay)] for name in metric_names]

@@ -81,6 +81,7 @@ RECIPE = dict(
 
 
 MODEL_OPTIONS = ("dim", "ngrams", "buckets", "pool", "dropout", "kernel_size", "stride", "nb_weights")
+HELD_OUT = cli.number(float, low=0, high=1, high_open=True)  # 0 (nothing held out) up to, not including, 1
 IDENTITY_OPTIONS = ("model", "dataset", "val_fraction", "fold", "min_freq", "max_vocab", "max_length", "loss", "recipe")
 IDENTITY_OPTIONS += ("group_size", "nb_alpha")
 UNSET = {"group_size": 1, "nb_alpha": 1.0}  # recorded where they differ: runs saved before the options resume
@@ -105,7 +106,11 @@ def parse_args(argv=None):
     data.add_argument("--train-file", help="jsonl/csv/parquet with text and label columns")
     data.add_argument("--test-file", help="jsonl/csv/parquet evaluated at the end")
     data.add_argument(
-        "--val-fraction", type=cli.fraction, default=None, help="held out from the training data (default 0.1)"
+        "--val-fraction",
+        type=HELD_OUT,
+        default=None,
+        help="held out from the training data (default 0.1); 0: a final model on every review, measured only by the "
+        "test split (--test-file, --data-dir's test/)",
     )
     data.add_argument(
         "--fold",
@@ -203,6 +208,10 @@ def parse_args(argv=None):
         parser.error(f"--fold {args.fold} holds out its own part of the data: give --fold or --val-fraction, not both")
     if args.val_fraction is None:
         args.val_fraction = 0.1
+    if args.val_fraction == 0 and args.group_size > 1:
+        parser.error(
+            f"--group-size {args.group_size} holds out runs of reviews: with --val-fraction 0 none is held out"
+        )
     if args.recipe:  # the classic values, except where an option was given (a value other than its default)
         for key, value in RECIPE.items():
             if getattr(args, key) == parser.get_default(key):
@@ -332,7 +341,7 @@ def train(args: argparse.Namespace, signals: StopSignals) -> None:
     task = make_task(args, config, text, model)
     banner = {
         "data": ("SYNTHETIC corpus (offline fallback)" if text.synthetic else text.source),
-        "train/val/test reviews": f"{len(text.train)}/{len(text.val)}/{len(text.test) if text.test else 0}",
+        "train/val/test reviews": "/".join(str(len(part) if part else 0) for part in (text.train, text.val, text.test)),
         "vocabulary": len(text.vocab),
         "truncated_reviews": text.truncated,
         "preprocess_s": round(text.preprocess_s, 1),
@@ -382,7 +391,7 @@ def make_task(args: argparse.Namespace, config: TrainConfig, text, model: torch.
         make_model_optimizer(model, args, config.lr),
         loader(text.train, True),
         loss_function(args.loss),
-        eval_loader=loader(text.val, False),
+        eval_loader=loader(text.val, False) if text.val is not None else None,
         eval_fn=eval_fn,
         test_loader=loader(text.test, False) if text.test is not None else None,
         metric_names=classification_names(2),

@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -404,6 +405,43 @@ def test_nb_weights_favour_the_features_that_tell_the_classes_apart():
         bag.fit_nb_weights([(reviews, torch.tensor([1, 1, 1, 0, 0, 0]))], alpha=alpha)
         rare_vs_common.append((bag.nb_weights[5] / bag.nb_weights[2]).item())
     assert rare_vs_common[1] < 0.8 * rare_vs_common[0], rare_vs_common
+
+
+@pytest.mark.inprocess
+def test_val_fraction_0_trains_a_final_model_on_every_review_measured_by_the_test_split(tmp_path):
+    # the NB weights and the model see all of the training file; the test file is the run's only figure
+    from accelerate import Accelerator
+    from safetensors.torch import load_file
+
+    from ddp_accel.text.pipeline import TextOptions, TextSource, make_loader, prepare_text_data
+
+    rows = [{"text": f"{'great fun' if i % 2 else 'awful mess'} film {i}", "label": i % 2} for i in range(60)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:20]))
+    files = ["--train-file", tmp_path / "train.jsonl", "--test-file", tmp_path / "test.jsonl", "--min-freq", 1]
+    options = [*files, "--ngrams", 2, "--buckets", 500, "--val-fraction", 0, "--epochs", 2, "--batch-size", 8]
+    output = check_ok(run_script("scripts/imdb.py", *options, "--output-dir", tmp_path / "out"))
+    assert re.search(r"train/val/test reviews\s+60/0/20", output), output
+    metrics = metrics_of(tmp_path / "out")
+    assert metrics["test_samples"] == 20 and "eval_accuracy" not in metrics, metrics
+    text = prepare_text_data(
+        Accelerator(cpu=True),
+        TextSource(train_file=str(tmp_path / "train.jsonl")),
+        TextOptions(val_fraction=0, min_freq=1),
+    )
+    assert text.val is None and len(text.train) == 60
+    bag = NgramBag(len(text.vocab), text.vocab.pad_id, TextModelConfig("bag", ngrams=2, buckets=500, nb_weights=True))
+    bag.fit_nb_weights(make_loader(text.train, 64, text.vocab.pad_id, shuffle=False, seed=0), alpha=4.0)
+    assert torch.equal(load_file(str(tmp_path / "out" / "model.safetensors"))["nb_weights"], bag.nb_weights)
+    for wrong, said in (
+        (["--group-size", 50], "--group-size 50 holds out runs"),
+        (
+            ["--best-metric", "eval_accuracy"],
+            "--best-metric eval_accuracy picks model_best.safetensors by an evaluation",
+        ),
+    ):
+        result = run_script("scripts/imdb.py", *options, *wrong, "--output-dir", tmp_path / "x")
+        assert_clean_error(result, said)
 
 
 @pytest.mark.inprocess

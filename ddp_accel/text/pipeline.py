@@ -34,7 +34,7 @@ PIPELINE_VERSION = "basic_english-1/int32-ids"
 @dataclass
 class TextData:
     train: datasets.Dataset
-    val: datasets.Dataset
+    val: datasets.Dataset | None  # None with --val-fraction 0: every review trains
     test: datasets.Dataset | None
     vocab: Vocab
     source: str
@@ -166,7 +166,7 @@ def prepare_text_data(accelerator: Accelerator, source: TextSource, options: Tex
         )
     with accelerator.main_process_first():
         train_ids = encoding.encoded(train, "train", vocab, tokenized=tokens)
-        val_ids = encoding.encoded(val, "val", vocab)
+        val_ids = encoding.encoded(val, "val", vocab) if val is not None else None
         test_ids = encoding.encoded(test, "test", vocab) if test is not None else None
     full_lengths = train_ids.data.table.column("full_length").to_numpy()
     truncated = int((full_lengths > options.max_length).sum()) if options.max_length else 0
@@ -186,9 +186,12 @@ def prepare_text_data(accelerator: Accelerator, source: TextSource, options: Tex
 
 def _hold_out(
     train: datasets.Dataset, options: TextOptions, source: str
-) -> tuple[datasets.Dataset, datasets.Dataset, Any]:
-    """The training part, the held-out part, and what was held out (a part of the encoded data's cache key)."""
+) -> tuple[datasets.Dataset, datasets.Dataset | None, Any]:
+    """The training part, the held-out part (None: --val-fraction 0), and what was held out (a part of the encoded
+    data's cache key)."""
     fold, group_size, seed = options.fold, options.group_size, options.seed
+    if fold is None and options.val_fraction == 0:  # a final model: every review trains
+        return train, None, 0.0
     if fold is not None:
         train, val = _fold_split(train, fold, seed, source, group_size)
         return train, val, f"fold {fold}" + (f" in runs of {group_size}" if group_size > 1 else "")

@@ -420,6 +420,17 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        background = in_background and self.writer is not None",
         "        background = False",
     ),
+    # a final model on every review (--val-fraction 0), and what would watch its missing evaluation
+    "val_fraction_0_still_holds_out": (
+        "ddp_accel/text/pipeline.py",
+        "    if fold is None and options.val_fraction == 0:  # a final model: every review trains\n",
+        "    if fold is None and options.val_fraction < 0:  # a final model: every review trains\n",
+    ),
+    "best_metric_without_an_evaluation_accepted": (
+        "ddp_accel/config.py",
+        "    if config.best_metric and not evaluated:  # (a script's own default metric waits for its evaluation silently)\n",
+        "    if config.best_metric and not evaluated and False:\n",
+    ),
     # --decode-on device: the PIL path's boxes, its validation crop, a damaged JPEG named
     "device_decode_boxes_from_the_global_generator": (
         "ddp_accel/vision/device_decode.py",
