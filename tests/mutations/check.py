@@ -428,7 +428,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "best_metric_without_an_evaluation_accepted": (
         "ddp_accel/config.py",
-        "    if config.best_metric and not evaluated:  # (a script's own default metric waits for its evaluation silently)\n",
+        "    if config.best_metric and not evaluated:"
+        "  # (a script's own default metric waits for its evaluation silently)\n",
         "    if config.best_metric and not evaluated and False:\n",
     ),
     # --decode-on device: the PIL path's boxes, its validation crop, a damaged JPEG named
