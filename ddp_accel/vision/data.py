@@ -6,7 +6,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -74,7 +74,7 @@ def walk_images(folder: Path) -> Iterator[Path]:
                 yield Path(current, name)
 
 
-def load_image(path: str) -> Image.Image:
+def load_image(path: str | IO[bytes]) -> Image.Image:
     """An RGB image as it is: 16-bit and 32-bit grey (which PIL's convert("RGB") clips to white) scaled to 8 bits,
     palette, CMYK, grey and alpha images converted. A decompression bomb (more pixels than PIL's limit) is refused."""
     with Image.open(path) as image:
@@ -228,9 +228,14 @@ class DeviceNormalize:
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         if images.dtype == torch.uint8:
-            if self.mean.device != images.device:  # moved once, not per batch
-                self.mean, self.std = self.mean.to(images.device), self.std.to(images.device)
-            images = images.float().sub_(self.mean).div_(self.std)
+            return self.scaled(images.float())
+        return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
+
+    def scaled(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Float pixels in 0..255 (changed in place) -> normalised, on their device; channels_last if asked."""
+        if self.mean.device != pixels.device:  # moved once, not per batch
+            self.mean, self.std = self.mean.to(pixels.device), self.std.to(pixels.device)
+        images = pixels.sub_(self.mean).div_(self.std)
         return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
 
     def inputs(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,9 +21,16 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision import transforms
 from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms.functional import pil_to_tensor
 
 from ddp_accel.errors import UserError
-from ddp_accel.vision.data import CheckedImageFolder, augmentation_seed, check_image_folder, named_if_unreadable
+from ddp_accel.vision.data import (
+    CheckedImageFolder,
+    DeviceNormalize,
+    augmentation_seed,
+    check_image_folder,
+    named_if_unreadable,
+)
 
 JPEG_START = b"\xff\xd8\xff"
 # what nvJPEG and libjpeg decode to RGB themselves; other JPEGs (CMYK, YCCK) are decoded by PIL in the worker
@@ -64,8 +71,8 @@ class EncodedImageFolder(CheckedImageFolder):
                     with augmentation_seed(self.seed, self.epoch, index):
                         box = self.draw_box(header)
                 decodable = raw.startswith(JPEG_START) and header.mode in DECODABLE_MODES
-            pixels = None if decodable else self.loader(path)
-        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if pixels is None else _pixels(pixels)
+            pixels = None if decodable else self.loader(io.BytesIO(raw))  # from the bytes read, not the file again
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if pixels is None else pil_to_tensor(pixels)
         return data, torch.tensor(box), target, path
 
     @staticmethod
@@ -101,19 +108,13 @@ class DeviceDecode:
         self, image_size: int, mean: Sequence[float], std: Sequence[float], channels_last: bool = False
     ) -> None:
         self.image_size, self.resize_to = image_size, round(image_size / 0.875)
-        self.mean = torch.tensor(mean).view(1, -1, 1, 1) * 255
-        self.std = torch.tensor(std).view(1, -1, 1, 1) * 255
-        self.channels_last = channels_last
+        self.normalize = DeviceNormalize(mean, std, channels_last)
 
     def inputs(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         targets, encoded = batch["targets"], batch["images"]
-        device = targets.device
-        if self.mean.device != device:  # moved once, not per batch
-            self.mean, self.std = self.mean.to(device), self.std.to(device)
-        decoded = self.decode(encoded, device)
-        images = torch.cat([self.crop(image, box) for image, box in zip(decoded, encoded.boxes.tolist(), strict=True)])
-        images = images.sub_(self.mean).div_(self.std)
-        return (images.contiguous(memory_format=torch.channels_last) if self.channels_last else images), targets
+        decoded = self.decode(encoded, targets.device)
+        pixels = torch.cat([self.crop(image, box) for image, box in zip(decoded, encoded.boxes.tolist(), strict=True)])
+        return self.normalize.scaled(pixels), targets
 
     @staticmethod
     def decode(encoded: EncodedImages, device: torch.device) -> list[torch.Tensor]:
@@ -160,10 +161,6 @@ def _decode_one(data: torch.Tensor, path: str, device: torch.device) -> torch.Te
         return _decode_jpegs([data], torch.device("cpu"))[0].to(device)
     except RuntimeError:
         raise UserError(f"cannot decode image {path} (a damaged JPEG); delete or replace it") from None
-
-
-def _pixels(image: Image.Image) -> torch.Tensor:
-    return transforms.functional.pil_to_tensor(image)
 
 
 def _unused(image: Any) -> Any:  # (ImageFolder wants a transform; this folder's items are not transformed)
