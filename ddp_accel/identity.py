@@ -8,6 +8,7 @@ workers, the launcher, the output path, and options that only change the schedul
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -24,6 +25,11 @@ VERSIONS = ("torch", "accelerate", "ddp-accel")
 
 
 def versions() -> dict[str, str]:
+    return dict(_installed_versions())
+
+
+@functools.cache  # the versions this process imported: an upgrade after the first read does not change them
+def _installed_versions() -> dict[str, str]:
     found = {}
     for package in VERSIONS:
         try:

@@ -349,7 +349,7 @@ def wait_for_the_cluster(address: str, timeout_s: float) -> None:
                     f"--start-timeout-s {timeout_s:g} ({error.strerror or type(error).__name__}): start it there "
                     f"(ray start --head --port {port}) or give its address"
                 ) from None
-        time.sleep(1.0)
+        time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))  # a retry a second, none past the deadline
 
 
 def run(job: RayJob) -> int:

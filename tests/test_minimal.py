@@ -22,6 +22,7 @@ def test_two_processes_form_one_world(tmp_path, launcher):
 
 @pytest.mark.inprocess
 def test_single_process_plain_python(tmp_path):
-    output = check_ok(run_script("scripts/minimal.py", "--output-dir", tmp_path))
+    output = check_ok(run_script("scripts/minimal.py", "--output-dir", tmp_path, curves=True))
     assert "world_size 1" in output
     assert metrics_of(tmp_path)["world_size"] == 1
+    assert (tmp_path / "training_curves.png").is_file()  # the one in-process run that draws its curves

@@ -182,7 +182,7 @@ def test_the_driver_finds_bad_options_before_any_worker_starts(tmp_path, capsys)
     address = f"127.0.0.1:{free_port()}"
     output_dir = tmp_path / "nowhere"
     assert (
-        ray_launch.main(["--address", address, "--start-timeout-s", "2", PROBE, "--output-dir", str(output_dir)]) == 2
+        ray_launch.main(["--address", address, "--start-timeout-s", "0.5", PROBE, "--output-dir", str(output_dir)]) == 2
     )
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"nothing answers at {address} (the Ray cluster's head" in errors[0], errors

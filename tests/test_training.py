@@ -810,20 +810,20 @@ def test_a_time_budget_plans_on_batches_that_change_nothing_and_a_resume_keeps_t
 
 @inprocess
 def test_a_machine_that_slows_down_after_the_plan_ends_training_early_and_says_so(tmp_path, monkeypatch):
-    # the plan is made from fast batches (timed costs of 1 ms), then every step takes 20 ms: the 40 planned epochs
+    # the plan is made from fast batches (timed costs of 1 ms), then every step takes 20 ms: the 20 planned epochs
     # would take about four times the budget; the guard ends training at an epoch's end, and the run is complete
     from ddp_accel.budget import Costs
 
     costs = Costs(train_batch_s=0.001, train_start_s=0.0, eval_batch_s=0.001, eval_start_s=0.0, spent_s=0.1)
     monkeypatch.setattr("ddp_accel.budget.measure_costs", lambda *args: Costs(**vars(costs)))
-    monkeypatch.setattr("ddp_accel.budget.FIXED_RESERVE_S", 0.5)  # the guard's work, not the exit's, is tested
+    monkeypatch.setattr("ddp_accel.budget.FIXED_RESERVE_S", 0.25)  # the guard's work, not the exit's, is tested
     common = [
         "--batch-size",
         4,
         "--epochs",
-        40,
+        20,
         "--time-budget",
-        "3s",
+        "1.5s",
         "--step-ms",
         20,
         "--checkpointing-steps",
@@ -831,7 +831,7 @@ def test_a_machine_that_slows_down_after_the_plan_ends_training_early_and_says_s
     ]
     output = probe(tmp_path, *common, nproc=1)
     metrics = metrics_of(tmp_path)
-    assert metrics["time_budget"]["epochs"] == 40 and metrics["progress"]["epoch"] < 40, metrics
+    assert metrics["time_budget"]["epochs"] == 20 and metrics["progress"]["epoch"] < 20, metrics
     assert metrics["end_reason"].startswith("time budget: the machine ran slower than planned"), metrics
     assert "the next would end past the budget, so training ends after" in output, output[-2000:]
     rerun = probe(tmp_path, *common, "--resume-from-checkpoint", "latest", nproc=1)

@@ -27,22 +27,23 @@ class Exits:
 @pytest.mark.inprocess
 def test_a_progressing_run_never_fires_and_a_stalled_one_fires_within_the_bound(tmp_path, capsys):
     exits = Exits()
-    watchdog = ProgressWatchdog(tmp_path, rank=3, bounds=Bounds(floor_s=0.4, factor=4, first_s=1.5), exit=exits).start()
+    watchdog = ProgressWatchdog(tmp_path, rank=3, bounds=Bounds(floor_s=0.2, factor=4, first_s=0.75), exit=exits)
+    watchdog.start()
     try:
-        time.sleep(1.0)  # a slow first step (compilation, worker start-up): under first_s
-        for step in range(8):  # steps of 0.05-0.1 s, a checkpoint save of 0.8 s between two of them
-            time.sleep(0.05 + 0.05 * (step % 2))
+        time.sleep(0.5)  # a slow first step (compilation, worker start-up): under first_s
+        for step in range(8):  # steps of 0.025-0.05 s, a checkpoint save of 0.4 s between two of them
+            time.sleep(0.025 + 0.025 * (step % 2))
             watchdog.beat(f"step {step + 1}")
             if step == 4:
                 with watchdog.activity("checkpoint save"):
-                    time.sleep(0.8)
+                    time.sleep(0.4)
         assert not watchdog.fired.is_set() and not exits.codes
         stalled = time.monotonic()
         assert watchdog.fired.wait(5)
         waited = time.monotonic() - stalled
     finally:
         watchdog.stop()
-    assert 0.4 <= waited < 1.5, waited  # the bound: max(floor 0.4 s, 4 x the slowest step 0.1 s)
+    assert 0.2 <= waited < 0.75, waited  # the bound: max(floor 0.2 s, 4 x the slowest step 0.05 s)
     assert exits.codes == [HANG_EXIT_CODE]
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("error: rank 3 made no progress for") and "in phase train, after step 8" in line, line

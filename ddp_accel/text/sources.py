@@ -6,6 +6,7 @@ Labels everywhere: 1 = positive, 0 = negative (the Hugging Face IMDB convention)
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import socket
@@ -208,8 +209,10 @@ NEUTRAL = [
 ]
 
 
+@functools.lru_cache(maxsize=4)  # a notebook's or a test session's later runs: the same corpus, drawn once
 def synthetic_imdb(size: int = 4000, seed: int = 0) -> datasets.Dataset:
-    """A deterministic, learnable sentiment corpus for offline runs and tests (5% label noise)."""
+    """A deterministic, learnable sentiment corpus for offline runs and tests (5% label noise). The dataset is
+    shared between the calls with the same arguments: like every Dataset, transformed into new ones, never in place."""
     rng = random.Random(seed)
     texts, labels = [], []
     for _ in range(size):
