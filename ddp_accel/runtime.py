@@ -44,6 +44,7 @@ from ddp_accel.errors import UserError
 from ddp_accel.loaders import end_worker_processes, kill_leftover_workers
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.sharding import accelerate_version_note, adopt_fsdp_on_cpu
+from ddp_accel.startup import start_wanted_worker_server
 from ddp_accel.stopping import PEER_STOPPED_EXIT_CODE, PREEMPTED_EXIT_CODE, Phase, Preempted, StopSignals
 from ddp_accel.tracking import check_trackers, make_trackers, tracker_names
 
@@ -638,6 +639,7 @@ def run_main(main: Callable[..., Any]) -> None:
     distributed shutdown (exit 0). The process's StopSignals watch SIGTERM/SIGUSR1/SIGHUP from here to the exit; a main
     that takes one argument receives them (to pass to fit). How it ended is recorded (engines.last_outcome) for a
     launcher that ran the script in its own process."""
+    start_wanted_worker_server()  # first: a fork while this process runs one thread of Python
     signals = StopSignals()
     note_command_start(started_as_script=getattr(main, "__module__", None) == "__main__")  # --time-budget's clock
     try:

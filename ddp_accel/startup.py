@@ -15,17 +15,17 @@ Standard library only, and `import ddp_accel.startup` imports nothing else of th
 
 `run_main` installs the process's own handlers when it starts; these are replaced then.
 
-The same place starts the DataLoader workers' forkserver early (`start_worker_server_early`), when the command asks
-for workers: its imports (torch, the script: seconds) then run beside the training process's own, on another core,
-instead of after them while the first batch waits (about 3 s of every command on a 2-core machine).
+The same place says whether the command asks for DataLoader workers (`start_worker_server_early`): `run_main` then
+forks their forkserver from the training process as its first act, with torch and the script already imported,
+instead of a new interpreter importing them again while the first batch waits (about 3.5 s of CPU a process).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import multiprocessing.spawn
 import multiprocessing.util
 import os
@@ -113,21 +113,96 @@ def workers_asked(argv: Sequence[str], flags: Sequence[str], default: int) -> in
     return int(found) if found.isdigit() else 0
 
 
+_worker_server_wanted = False  # the command asks for workers: run_main forks their forkserver before main() runs
+
+
 def start_worker_server_early(flags: Sequence[str] = ("--workers",), default: int = 0) -> bool:
-    """Start the forkserver that `ddp_accel.loaders` forks DataLoader workers from now, at the start of the script,
-    when its command line asks for workers: its imports run beside the script's own. True when started. Not in a
-    thread other than the main one (Ray Train's), nor when DDP_ACCEL_WORKER_START asks for another start method; a
-    guess that turns out wrong costs a background import and nothing else: the loaders start one when they need it,
-    and an unused one is ended at the exit."""
+    """Have the forkserver that `ddp_accel.loaders` forks DataLoader workers from ready before the first batch, when
+    the command line asks for workers: `run_main` forks it from the training process as its first act, once the
+    script's imports are done (`start_wanted_worker_server`), so that it imports nothing again. True when asked. Not
+    in a thread other than the main one (Ray Train's), nor when DDP_ACCEL_WORKER_START asks for another start
+    method; a guess that turns out wrong costs a fork and nothing else: an unused server is ended at the exit."""
+    global _worker_server_wanted
     if threading.current_thread() is not threading.main_thread() or forkserver_running():
         return False
     if os.environ.get(WORKER_START_VARIABLE, "forkserver").strip() not in ("", "forkserver"):
         return False
     if workers_asked(sys.argv[1:], flags, default) <= 0:
         return False
-    start_forkserver(WORKER_SERVER_MODULES)
-    atexit.register(end_forkserver)  # an exit before run_main (--help, a wrong option): not left running
+    _worker_server_wanted = True
     return True
+
+
+def start_wanted_worker_server() -> None:
+    """The forkserver `start_worker_server_early` asked for: forked from this process while it runs one thread of
+    Python, else started as Python does (a new interpreter that imports torch and the script: seconds)."""
+    global _worker_server_wanted
+    if not _worker_server_wanted or forkserver_running():
+        return
+    _worker_server_wanted = False
+    if not fork_forkserver():
+        start_forkserver(WORKER_SERVER_MODULES)
+
+
+def fork_forkserver() -> bool:
+    """Start this process's forkserver as a fork of it: with everything this process imported (torch, the script,
+    the dataset's modules) already there, it starts in milliseconds, where a new interpreter took about 3.5 s of CPU
+    (on 2 cores and 2 ranks, four processes importing torch at once). Only while this process runs one thread of
+    Python: a fork while another thread holds one of the interpreter's locks can hang the child (CPython gh-112275,
+    Python < 3.11.7); run_main's start, after the imports and before the Accelerator, the progress bar or the
+    watchdog start any, is such a moment. False (nothing started) otherwise, or off Linux."""
+    if not sys.platform.startswith("linux") or threading.active_count() != 1:
+        return False
+    with signals_blocked():
+        multiprocessing.resource_tracker.ensure_running()  # a small new interpreter of its own, as Python starts it
+        multiprocessing.forkserver.set_forkserver_preload(["ddp_accel.worker_server"])
+        spawn = multiprocessing.util.spawnv_passfds
+        multiprocessing.util.spawnv_passfds = _run_in_a_fork  # what Python's forkserver starts, run in a fork
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            multiprocessing.util.spawnv_passfds = spawn
+    return True
+
+
+def _run_in_a_fork(path: str, args: Sequence[str], passfds: Sequence[int]) -> int:
+    """`multiprocessing.util.spawnv_passfds`'s stand-in: the code a new interpreter would run (`-c CODE`: the
+    forkserver's main loop), run by a fork of this process instead. Returns the child's pid."""
+    for stream in (sys.stdout, sys.stderr):  # a child that prints would otherwise print what is buffered here too
+        with contextlib.suppress(Exception):
+            stream.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        _close_the_pipes_other_ends(passfds)
+        exec(args[-1], {"__name__": "__forkserver__"})  # noqa: S102  multiprocessing's own command
+        code = 0
+    except SystemExit as exit_:  # the end of its pipe: every client gone
+        code = exit_.code if isinstance(exit_.code, int) else 0
+    except BaseException:
+        with contextlib.suppress(Exception):
+            import traceback
+
+            traceback.print_exc()
+    finally:
+        os._exit(code)  # never back into the training process's frames or its atexit handlers
+
+
+def _close_the_pipes_other_ends(passfds: Sequence[int]) -> None:
+    """In the forked server: close the write ends of the pipes it was handed the read ends of (multiprocessing's
+    'alive' pipe). A new interpreter never had them; this fork inherited them, and holding one, it would never see
+    its training process go."""
+    handed = {os.fstat(fd).st_ino for fd in passfds}
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd in passfds:
+            continue
+        with contextlib.suppress(OSError):
+            info = os.fstat(fd)
+            if info.st_ino in handed and (info.st_mode & 0o170000) == 0o010000:  # S_IFIFO: the same pipe
+                os.close(fd)
 
 
 @contextlib.contextmanager

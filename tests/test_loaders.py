@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 from ddp_accel import loaders, startup
 from ddp_accel.errors import UserError
 
-pytestmark = pytest.mark.inprocess
+inprocess = pytest.mark.inprocess
 
 # held by a thread of the training process while its workers start: a forked worker inherits it held, forever
 HELD_AT_FORK = threading.Lock()
@@ -50,6 +50,7 @@ def read_all(loader) -> torch.Tensor:
         return torch.cat(list(batches))
 
 
+@inprocess
 def test_workers_start_while_another_thread_holds_a_lock_they_need():
     # what CPython gh-112275 does with an interpreter lock (Debian 12's Python 3.11.2), here with a lock of our own:
     # a worker forked while another thread holds it inherits it held and waits forever (the loader's timeout says so)
@@ -81,12 +82,14 @@ def test_workers_start_while_another_thread_holds_a_lock_they_need():
     assert tracker is not None and has(signal_masks(tracker)["SigBlk"], signal.SIGUSR1)
 
 
+@inprocess
 def test_a_loader_with_its_own_start_method_keeps_it():
     loader = DataLoader(WhereAmI(), batch_size=2, num_workers=1, multiprocessing_context="spawn")
     loaders.shield_workers(loader)
     assert loader.multiprocessing_context.get_start_method() == "spawn"
 
 
+@inprocess
 def test_the_start_method_can_be_chosen_and_a_wrong_one_is_one_line(monkeypatch):
     monkeypatch.setenv(loaders.WORKER_START_VARIABLE, "fork")
     assert loaders.worker_start_method() == "fork"
@@ -97,6 +100,7 @@ def test_the_start_method_can_be_chosen_and_a_wrong_one_is_one_line(monkeypatch)
     assert loaders.worker_start_method() == "forkserver"
 
 
+@inprocess
 def test_an_interactive_session_forks_its_workers(monkeypatch):
     # a notebook's `__main__` cannot be imported again by a forkserver's children, so classes defined in it could
     # not reach the workers
@@ -107,6 +111,7 @@ def test_an_interactive_session_forks_its_workers(monkeypatch):
     assert loaders.worker_start_method() == "fork"
 
 
+@inprocess
 def test_a_first_batch_that_fails_shuts_its_workers_down():
     class Broken(Dataset):
         def __len__(self) -> int:
@@ -123,6 +128,7 @@ def test_a_first_batch_that_fails_shuts_its_workers_down():
     assert not left, "a worker that ignores SIGTERM would hang the interpreter's exit"
 
 
+@inprocess
 def test_a_dataset_that_cannot_be_pickled_is_forked_with_a_warning(capsys):
     class Local(Dataset):  # defined in a function: a forkserver's worker could not unpickle it
         def __len__(self) -> int:
@@ -136,6 +142,7 @@ def test_a_dataset_that_cannot_be_pickled_is_forked_with_a_warning(capsys):
     assert "warning: DataLoader workers are forked from the training process" in capsys.readouterr().err
 
 
+@inprocess
 def test_encoded_reviews_reach_a_worker_by_their_arrow_table_and_read_the_same():
     import pickle
 
@@ -156,6 +163,7 @@ def test_encoded_reviews_reach_a_worker_by_their_arrow_table_and_read_the_same()
     ("argv", "asked"),
     [([], 4), (["-j", "2"], 2), (["-j0"], 0), (["--workers=3"], 3), (["--workers", "x"], 0), (["-e", "-j", "1"], 1)],
 )
+@inprocess
 def test_the_workers_a_command_asks_for_are_read_as_argparse_will(argv, asked):
     assert startup.workers_asked(argv, ("-j", "--workers"), default=4) == asked
 
@@ -164,25 +172,99 @@ EARLY_START = """
 import multiprocessing.forkserver, os, sys
 sys.argv = ["train.py", *sys.argv[1:]]
 from ddp_accel.startup import start_worker_server_early
-started = start_worker_server_early(("-j", "--workers"), default=0)
+asked = start_worker_server_early(("-j", "--workers"), default=0)
 server = multiprocessing.forkserver._forkserver
-print(started, server._forkserver_pid, "torch" in sys.modules, flush=True)
+print(asked, server._forkserver_pid, "torch" in sys.modules, flush=True)
 """
 
 
-@pytest.mark.parametrize(("args", "started"), [(["-j", "2"], True), ([], False), (["-j", "0"], False)])
-def test_a_command_that_asks_for_workers_starts_their_forkserver_before_its_own_imports_and_ends_it_at_exit(
-    tmp_path, args, started
-):
-    # what the scripts run first: the forkserver's imports (torch, the script) then run beside the script's own
+@inprocess
+@pytest.mark.parametrize(("args", "asked"), [(["-j", "2"], True), ([], False), (["-j", "0"], False)])
+def test_a_command_that_asks_for_workers_says_so_before_its_imports_and_starts_nothing_yet(tmp_path, args, asked):
+    # what the scripts run first; the forkserver is forked by run_main, once the imports are done
     result = subprocess.run(
         [sys.executable, "-c", EARLY_START, *args], capture_output=True, text=True, timeout=60, cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr
-    said, pid, torch_imported = result.stdout.split()
-    assert said == str(started) and torch_imported == "False"
-    if started:
-        # ended at the exit even though run_main never ran (--help, a wrong option): nothing outlives the command
-        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
-    else:
-        assert pid == "None"
+    assert result.stdout.split() == [str(asked), "None", "False"]
+
+
+FORKED_SERVER = """
+if __name__ == "__main__":
+    from ddp_accel.startup import start_worker_server_early
+
+    start_worker_server_early(("-j",), default=0)
+
+import multiprocessing.forkserver, os, threading
+import torch
+from torch.utils.data import DataLoader, Dataset
+from ddp_accel import loaders, run_main
+
+HELD_AT_FORK = threading.Lock()
+
+
+class WhereAmI(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        with HELD_AT_FORK:  # held by the training process's other thread while the workers start
+            return torch.tensor([os.getppid()])
+
+
+def main():
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    stat = open(f"/proc/{server}/stat").read().rsplit(")", 1)[1].split()
+    cpu_s = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    forked = open(f"/proc/{server}/cmdline").read() == open("/proc/self/cmdline").read()
+    taken, release = threading.Event(), threading.Event()
+
+    def hold():
+        with HELD_AT_FORK:
+            taken.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    taken.wait(10)
+    try:
+        with loaders.batches(DataLoader(WhereAmI(), batch_size=2, num_workers=2, timeout=20)) as batches:
+            parents = set(torch.cat(list(batches))[:, 0].tolist())
+    finally:
+        release.set()
+        holder.join()
+    print(server, forked, cpu_s, parents == {server}, flush=True)
+
+
+if __name__ == "__main__":
+    run_main(main)
+"""
+
+
+@pytest.mark.multiprocess
+def test_the_forkserver_is_forked_from_the_imported_script_and_its_workers_start_beside_a_held_lock(tmp_path):
+    # forked at run_main's start, while the process runs one thread of Python: nothing to import again (a new
+    # interpreter took ~3.5 s of CPU for torch and the script); its workers come from it, never from the training
+    # process, whose other thread holds a lock they need; it is gone when the command returns
+    (tmp_path / "train.py").write_text(FORKED_SERVER)
+    result = subprocess.run(
+        [sys.executable, "train.py", "-j", "2"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    server, forked, cpu_s, from_server = result.stdout.split()
+    assert forked == "True" and from_server == "True", result.stdout
+    assert float(cpu_s) < 0.5, cpu_s  # it imported nothing
+    assert not os.path.exists(f"/proc/{server}") or "zombie" in open(f"/proc/{server}/status").read().lower()
+
+
+@inprocess
+def test_with_another_thread_of_python_running_the_forkserver_is_not_forked():
+    # a fork then could inherit one of the interpreter's locks held (gh-112275): Python's own start instead
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert startup.fork_forkserver() is False
+    finally:
+        stop.set()
+        other.join()

@@ -317,8 +317,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "workers_forkserver_started_at_the_first_batch": (
         "ddp_accel/startup.py",
-        "    start_forkserver(WORKER_SERVER_MODULES)\n    atexit.register(end_forkserver)",
-        "    return False\n    atexit.register(end_forkserver)",
+        "    _worker_server_wanted = True\n    return True\n",
+        "    return False\n",
     ),
     "allocator_left_to_its_defaults": (
         "ddp_accel/training.py",
@@ -447,6 +447,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "ddp_accel/vision/device_decode.py",
         '        raise UserError(f"cannot decode image {path} (a damaged JPEG); delete or replace it") from None\n',
         "        raise\n",
+    ),
+    "forkserver_started_as_a_new_interpreter": (
+        "ddp_accel/startup.py",
+        "    if not fork_forkserver():\n",
+        "    if True:\n",
+    ),
+    "curves_drawn_without_the_scores": (
+        "ddp_accel/plots.py",
+        "    for key in scores:\n",
+        "    for key in scores[:0]:\n",
     ),
 }
 
