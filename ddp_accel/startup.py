@@ -36,6 +36,7 @@ import time
 from collections.abc import Generator, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 MARKER = "preempted.json"  # ddp_accel.stopping.PREEMPTED_MARKER (not imported: that module imports torch)
@@ -165,7 +166,7 @@ def fork_forkserver() -> bool:
     return True
 
 
-def _run_in_a_fork(path: str, args: Sequence[str], passfds: Sequence[int]) -> int:
+def _run_in_a_fork(path: Any, args: Sequence[Any], passfds: Sequence[int]) -> int:
     """`multiprocessing.util.spawnv_passfds`'s stand-in: the code a new interpreter would run (`-c CODE`: the
     forkserver's main loop), run by a fork of this process instead. Returns the child's pid."""
     for stream in (sys.stdout, sys.stderr):  # a child that prints would otherwise print what is buffered here too
@@ -177,7 +178,7 @@ def _run_in_a_fork(path: str, args: Sequence[str], passfds: Sequence[int]) -> in
     code = 1
     try:
         _close_the_pipes_other_ends(passfds)
-        exec(args[-1], {"__name__": "__forkserver__"})  # noqa: S102  multiprocessing's own command
+        exec(str(args[-1]), {"__name__": "__forkserver__"})  # noqa: S102  multiprocessing's own command
         code = 0
     except SystemExit as exit_:  # the end of its pipe: every client gone
         code = exit_.code if isinstance(exit_.code, int) else 0
