@@ -458,6 +458,21 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    for key in scores:\n",
         "    for key in scores[:0]:\n",
     ),
+    "process_torn_down_at_its_exit": (
+        "ddp_accel/runtime.py",
+        "        leave_the_process(outcome.code)\n",
+        "        pass\n",
+    ),
+    "process_leaves_before_its_threads_end": (
+        "ddp_accel/runtime.py",
+        "    shutdown_threads()\n",
+        "",
+    ),
+    "process_leaves_with_its_files_unflushed": (
+        "ddp_accel/runtime.py",
+        "                    opened.flush()\n",
+        "                    pass\n",
+    ),
 }
 
 
