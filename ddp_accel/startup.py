@@ -177,6 +177,8 @@ def _run_in_a_fork(path: Any, args: Sequence[Any], passfds: Sequence[int]) -> in
         return pid
     code = 1
     try:
+        # forked inside ensure_running's `with self._lock`: a worker that starts a forkserver of its own needs it free
+        multiprocessing.forkserver._forkserver._lock = threading.Lock()  # type: ignore[attr-defined]
         _close_the_pipes_other_ends(passfds)
         exec(str(args[-1]), {"__name__": "__forkserver__"})  # noqa: S102  multiprocessing's own command
         code = 0
