@@ -214,9 +214,10 @@ import time
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddp_accel import loaders
+from ddp_accel import loaders, startup
 
 if __name__ == "__main__":
+    assert startup.fork_forkserver()  # as run_main does for a command that asks for workers
     loader = DataLoader(TensorDataset(torch.arange(64)), batch_size=1, num_workers=2)
     with loaders.batches(loader) as batches:
         for _ in range(4):  # a batch from each worker: both run their loop, which watches their parent
