@@ -22,6 +22,7 @@ instead of a new interpreter importing them again while the first batch waits (a
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import multiprocessing.forkserver
@@ -143,6 +144,7 @@ def start_wanted_worker_server() -> None:
     _worker_server_wanted = False
     if not fork_forkserver():
         start_forkserver(WORKER_SERVER_MODULES)
+    atexit.register(end_forkserver)  # a main that leaves by SystemExit (--help, argparse's errors) passes run_main's end
 
 
 def fork_forkserver() -> bool:

@@ -195,7 +195,7 @@ if __name__ == "__main__":
 
     start_worker_server_early(("-j",), default=0)
 
-import atexit, multiprocessing.forkserver, os, threading, time
+import atexit, multiprocessing.forkserver, os, sys, threading, time
 import torch
 from torch.utils.data import DataLoader, Dataset
 from ddp_accel import UserError, loaders, run_main
@@ -222,6 +222,9 @@ class WhereAmI(Dataset):
 
 def main():
     server = multiprocessing.forkserver._forkserver._forkserver_pid
+    if "--help" in sys.argv:  # what argparse does: SystemExit from inside main, past run_main's own ending
+        print(server, flush=True)
+        sys.exit(0)
     stat = open(f"/proc/{server}/stat").read().rsplit(")", 1)[1].split()
     cpu_s = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
     forked = open(f"/proc/{server}/cmdline").read() == open("/proc/self/cmdline").read()
@@ -276,6 +279,12 @@ def test_the_forkserver_is_forked_from_the_imported_script_and_the_process_leave
     assert atexit_ran == "atexit ran" and "modules torn down" not in result.stdout, result.stdout
     assert (tmp_path / "never_closed.txt").read_text() == "written, never flushed nor closed"
     assert (tmp_path / "thread.txt").read_text() == "a thread ends"
+    # a main that leaves by SystemExit (--help, a wrong option): its forkserver is ended by then all the same
+    result = subprocess.run(
+        [sys.executable, "train.py", "-j", "2", "--help"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    server = result.stdout.split()[0]
+    assert result.returncode == 0 and not os.path.exists(f"/proc/{server}"), (result.stdout, result.stderr[-2000:])
 
 
 @inprocess

@@ -473,6 +473,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "                    opened.flush()\n",
         "                    pass\n",
     ),
+    "forkserver_left_after_a_systemexit": (
+        "ddp_accel/startup.py",
+        "    atexit.register(end_forkserver)  # a main that leaves by SystemExit",
+        "    pass  # a main that leaves by SystemExit",
+    ),
 }
 
 
