@@ -144,7 +144,7 @@ def start_wanted_worker_server() -> None:
     _worker_server_wanted = False
     if not fork_forkserver():
         start_forkserver(WORKER_SERVER_MODULES)
-    atexit.register(end_forkserver)  # a main that leaves by SystemExit (--help, argparse's errors) passes run_main's end
+    atexit.register(end_forkserver)  # a main that leaves by SystemExit (--help, argparse) skips run_main's end
 
 
 def fork_forkserver() -> bool:
