@@ -47,7 +47,7 @@ from ddp_accel.errors import UserError
 from ddp_accel.loaders import end_worker_processes, kill_leftover_workers
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.sharding import accelerate_version_note, adopt_fsdp_on_cpu
-from ddp_accel.startup import start_wanted_worker_server
+from ddp_accel.startup import flush_std_streams, start_wanted_worker_server
 from ddp_accel.stopping import PEER_STOPPED_EXIT_CODE, PREEMPTED_EXIT_CODE, Phase, Preempted, StopSignals
 from ddp_accel.tracking import check_trackers, make_trackers, tracker_names
 
@@ -697,9 +697,7 @@ def leave_the_process(code: int) -> None:
         sys.exit(code)
     shutdown_threads()
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    flush_std_streams()
     for opened in gc.get_objects():  # a file a script opened and never closed: flushed, as its finalizer would
         if issubclass(type(opened), WRITABLE_FILES):  # type(): a lazy module attribute warns when asked its class
             with contextlib.suppress(Exception):

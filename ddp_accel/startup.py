@@ -31,6 +31,7 @@ import multiprocessing.spawn
 import multiprocessing.util
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -171,9 +172,7 @@ def fork_forkserver() -> bool:
 def _run_in_a_fork(path: Any, args: Sequence[Any], passfds: Sequence[int]) -> int:
     """`multiprocessing.util.spawnv_passfds`'s stand-in: the code a new interpreter would run (`-c CODE`: the
     forkserver's main loop), run by a fork of this process instead. Returns the child's pid."""
-    for stream in (sys.stdout, sys.stderr):  # a child that prints would otherwise print what is buffered here too
-        with contextlib.suppress(Exception):
-            stream.flush()
+    flush_std_streams()  # a child that prints would otherwise print what is buffered here too
     pid = os.fork()
     if pid:
         return pid
@@ -206,8 +205,15 @@ def _close_the_pipes_other_ends(passfds: Sequence[int]) -> None:
             continue
         with contextlib.suppress(OSError):
             info = os.fstat(fd)
-            if info.st_ino in handed and (info.st_mode & 0o170000) == 0o010000:  # S_IFIFO: the same pipe
+            if info.st_ino in handed and stat.S_ISFIFO(info.st_mode):  # the other end of a handed pipe
                 os.close(fd)
+
+
+def flush_std_streams() -> None:
+    """Write out what stdout and stderr hold, before a fork or an exit that skips Python's own flush."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
 
 
 @contextlib.contextmanager
