@@ -44,6 +44,7 @@ from ddp_accel.elastic import (
 )
 from ddp_accel.engines import Outcome, record_outcome
 from ddp_accel.errors import UserError
+from ddp_accel.lazy_compiler import defer_compiler_import
 from ddp_accel.loaders import end_worker_processes, kill_leftover_workers
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.sharding import accelerate_version_note, adopt_fsdp_on_cpu
@@ -94,6 +95,7 @@ def build_accelerator(
       steps it num_processes times per step).
     """
     _cache_per_step_package_probe()
+    defer_compiler_import()  # before the script makes its optimizer: ~1 s of CPU a process, unless it compiles
     cpu = not has_accelerator()
     # accelerate launch --mixed_precision and the YAML's mixed_precision reach the Accelerator by this variable
     if cpu and (mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")) == "fp16":

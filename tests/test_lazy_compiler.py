@@ -1,0 +1,130 @@
+"""torch._dynamo imported when something compiles, not at an optimizer's first use (ddp_accel/lazy_compiler.py)."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from helpers import ROOT
+from torch.optim.optimizer import _use_grad_for_differentiable
+
+from ddp_accel import lazy_compiler
+
+inprocess = pytest.mark.inprocess
+
+
+def probe_optimizer_class():
+    """torch's two decorations on an optimizer of the test's own (a new class each time), so that no class of
+    torch's is changed."""
+
+    class ProbeOptimizer(torch.optim.Optimizer):
+        def __init__(self, params, differentiable=False):
+            super().__init__(params, {"differentiable": differentiable})
+            self.calls = []
+
+        @_use_grad_for_differentiable
+        def step(self, closure=None):
+            self.calls.append(("step", torch.is_grad_enabled()))
+
+        @torch._disable_dynamo
+        def cleared(self, value):
+            self.calls.append(("cleared", value))
+            return value
+
+    return ProbeOptimizer
+
+
+def make(optimizer_class, differentiable=False):
+    return optimizer_class([torch.nn.Parameter(torch.ones(1))], differentiable=differentiable)
+
+
+@inprocess
+def test_until_the_compiler_is_imported_the_wrapped_functions_run_as_they_are(monkeypatch):
+    import torch._dynamo  # noqa: F401
+
+    make(probe_optimizer_class())  # torch's base class's wrappers made with the compiler, as in pytest's process
+    probe = probe_optimizer_class()
+    monkeypatch.setitem(sys.modules, lazy_compiler.COMPILER, None)  # as if never imported; an import raises
+    assert lazy_compiler.defer_compiler_import(owners=[probe]) == 2
+    optimizer, differentiable = make(probe), make(probe, differentiable=True)
+    assert optimizer.cleared(7) == 7  # torch's own wrapper would import torch._dynamo here: ImportError
+    with torch.enable_grad():
+        optimizer.step()
+        assert torch.is_grad_enabled()  # the grad mode the step found, back after it
+        differentiable.step()
+    assert optimizer.calls == [("cleared", 7), ("step", False)] and differentiable.calls == [("step", True)]
+    assert lazy_compiler.defer_compiler_import(owners=[probe]) == 0  # idempotent
+
+
+@inprocess
+def test_once_the_compiler_is_imported_torchs_own_wrappers_run_again(monkeypatch):
+    import torch._dynamo  # noqa: F401 (the compiler imported, as --compile does)
+
+    probe = probe_optimizer_class()
+    with monkeypatch.context() as patch:
+        patch.setitem(sys.modules, lazy_compiler.COMPILER, None)
+        lazy_compiler.defer_compiler_import(owners=[probe])
+    optimizer = make(probe)
+    function = vars(probe)["cleared"].__wrapped__
+    deferred = getattr(function, "__dynamo_disable")
+    assert optimizer.cleared(3) == 3
+    assert getattr(function, "__dynamo_disable") is not deferred  # torch's torch._dynamo.disable(fn) now
+    called = []
+    monkeypatch.setattr(torch._dynamo, "graph_break", lambda: called.append("graph break"))
+    optimizer.step()
+    assert called == ["graph break", "graph break"] and optimizer.calls[-1] == ("step", False)
+
+
+@inprocess
+def test_the_stand_in_answers_as_the_unimported_compiler_would_and_imports_it_for_anything_else(monkeypatch):
+    import torch._dynamo.utils
+
+    default_mode = torch._dynamo.utils.get_optimize_ddp_mode()
+    stand_in = lazy_compiler._stand_in()
+    monkeypatch.setitem(sys.modules, lazy_compiler.COMPILER, None)
+    assert stand_in.utils.get_optimize_ddp_mode() == default_mode == "ddp_optimizer"
+    assert not isinstance(torch.nn.Linear(1, 1), stand_in.eval_frame.OptimizedModule)
+    with pytest.raises(ImportError):  # anything else is the module's to answer: imported
+        getattr(stand_in, "config")  # noqa: B009
+    monkeypatch.undo()
+    assert stand_in.config is torch._dynamo.config
+    assert stand_in.eval_frame.OptimizedModule is torch._dynamo.eval_frame.OptimizedModule
+
+
+RUN_WITHOUT_THE_COMPILER = textwrap.dedent(
+    """
+    import runpy, sys
+    import torch
+    sys.argv = ["minimal.py", "--output-dir", sys.argv[1], "--epochs", "1"]
+    from ddp_accel.runtime import run_main
+    module = runpy.run_path("scripts/minimal.py", run_name="minimal")  # run_main below: not the script's exit
+    try:
+        run_main(module["main"])
+    except SystemExit as ended:
+        assert ended.code == 0, ended.code
+    # DDP on a world of one: its constructor and its forward asked torch._dynamo before
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    optimizer.load_state_dict(optimizer.state_dict())
+    from accelerate.utils import extract_model_from_parallel
+    assert extract_model_from_parallel(model) is model.module
+    torch.distributed.destroy_process_group()
+    print("torch._dynamo imported:", "torch._dynamo" in sys.modules)
+    """
+)
+
+
+@pytest.mark.multiprocess
+def test_a_run_and_ddp_train_without_importing_the_compiler(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", RUN_WITHOUT_THE_COMPILER, str(tmp_path / "run")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "torch._dynamo imported: False" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
+    assert (tmp_path / "run" / "model.safetensors").is_file()
