@@ -8,6 +8,7 @@ Every test belongs to exactly one tier (a pytest marker; collection fails otherw
 
 import gc
 import os
+import shutil
 import signal
 import tempfile
 
@@ -15,8 +16,16 @@ import pytest
 
 TIERS = ("inprocess", "multiprocess", "system")
 
-# the IMDB pipeline's encoded-data cache: one per test session, shared by its runs, not the user's own
-os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="ddp_accel_test_cache_"))
+# the IMDB pipeline's encoded-data cache: one per test session, shared by its runs, not the user's own; removed at
+# the session's end (~180 MB a session)
+SESSION_CACHE = None if "XDG_CACHE_HOME" in os.environ else tempfile.mkdtemp(prefix="ddp_accel_test_cache_")
+if SESSION_CACHE is not None:
+    os.environ["XDG_CACHE_HOME"] = SESSION_CACHE
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if SESSION_CACHE is not None:
+        shutil.rmtree(SESSION_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -478,6 +478,22 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    atexit.register(end_forkserver)  # a main that leaves by SystemExit",
         "    pass  # a main that leaves by SystemExit",
     ),
+    # torch._dynamo imported when something compiles (ddp_accel/lazy_compiler.py)
+    "compiler_imported_at_the_first_optimizer": (
+        "ddp_accel/runtime.py",
+        "    defer_compiler_import()  # before the script makes its optimizer",
+        "    pass  # before the script makes its optimizer",
+    ),
+    "ddp_asks_the_compiler_itself": (
+        "ddp_accel/lazy_compiler.py",
+        "        torch._dynamo = _stand_in()\n",
+        "        pass\n",
+    ),
+    "deferred_step_ignores_the_grad_mode": (
+        "ddp_accel/lazy_compiler.py",
+        '            torch.set_grad_enabled(args[0].defaults["differentiable"])\n',
+        "",
+    ),
 }
 
 
