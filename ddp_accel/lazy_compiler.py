@@ -49,7 +49,8 @@ def _defer_disable_dynamo(wrapper: Callable[..., Any]) -> bool:
 
     def until_the_compiler(*args: Any, **kwargs: Any) -> Any:
         if compiler_imported():
-            delattr(function, _DISABLED_ATTRIBUTE)
+            if function.__dict__.get(_DISABLED_ATTRIBUTE) is until_the_compiler:  # (another thread may have)
+                function.__dict__.pop(_DISABLED_ATTRIBUTE, None)
             return wrapper(*args, **kwargs)
         return function(*args, **kwargs)
 
@@ -124,7 +125,8 @@ class _CompilerStandIn(types.ModuleType):
     """`torch._dynamo` as torch's attribute until the module is imported. It answers the two questions asked of it
     outside compilation with what the module would say before anything changed it: DDP's constructor reads the
     default `optimize_ddp` mode, Accelerate asks whether a model is compiled. Anything else imports torch._dynamo
-    (which then replaces this attribute) and is answered by it."""
+    (which then replaces this attribute) and is answered by it. (`from torch import _dynamo` before that import
+    keeps this object: what it reads comes from the module, what it sets stays here; torch itself never does it.)"""
 
     def __init__(self, name: str, known: dict[str, Any]):
         super().__init__(name)
@@ -133,8 +135,7 @@ class _CompilerStandIn(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
         if not compiler_imported() and name in self._known:
             return self._known[name]
-        module = importlib.import_module(self.__name__)
-        return getattr(module, name)
+        return getattr(importlib.import_module(self.__name__), name)
 
 
 def _stand_in() -> _CompilerStandIn:
