@@ -28,9 +28,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(script, *args, nproc: int = 2, launcher: str = "accelerate", timeout: int = 300, env=None, config=None):
+def launch(
+    script, *args, nproc: int = 2, launcher: str = "accelerate", timeout: int = 300, env=None, config=None,
+    max_restarts: int = 0,
+):  # fmt: skip
     """Run a script the way a user would: under accelerate launch (multi_gpu.yaml, or `config`) / torchrun with
-    nproc processes, or plain python."""
+    nproc processes (and `max_restarts`), or plain python."""
     script = str(ROOT / script) if not os.path.isabs(str(script)) else str(script)
     args = [str(arg) for arg in args]
     if launcher == "accelerate":
@@ -48,7 +51,7 @@ def launch(script, *args, nproc: int = 2, launcher: str = "accelerate", timeout:
         ]
     elif launcher == "torchrun":
         command = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
-        command += [script, *args]
+        command += ["--max_restarts", str(max_restarts), script, *args]
     elif launcher == "python":
         command = [sys.executable, script, *args]
     else:

@@ -11,7 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BIN, ROOT, assert_same_weights, checkpoint_steps, rank_of, wait_for, weights, workers
+from helpers import (
+    BIN,
+    ROOT,
+    assert_same_weights,
+    check_ok,
+    checkpoint_steps,
+    rank_of,
+    run_script,
+    wait_for,
+    weights,
+    workers,
+)
 
 PROBE = str(ROOT / "tests" / "probe.py")
 # 256 samples, 2 ranks x batch 4: 32 steps an epoch, 3 epochs; a checkpoint every 5 steps; dropout on, so
@@ -209,9 +220,8 @@ def test_a_stopped_job_resumes_at_another_world_size(tmp_path):
         "--checkpointing-steps",
         "100",
     ]
-    reference = tmp_path / "reference"
-    code, log = finish(torchrun(reference, *common), reference)
-    assert code == 0, log[-3000:]
+    reference = tmp_path / "reference"  # 1 process x 8, in this process: the same global batch as 2 x 4
+    check_ok(run_script(PROBE, "--output-dir", reference, *common, "--batch-size", "8"))
     output_dir = tmp_path / "resized"
     agent = torchrun(output_dir, *common, "--step-ms", "40", "--resume-from-checkpoint", "latest")
     wait_for(lambda: "train:" in output_dir.with_suffix(".log").read_text())
@@ -219,24 +229,10 @@ def test_a_stopped_job_resumes_at_another_world_size(tmp_path):
     agent.send_signal(signal.SIGTERM)
     marker = wait_for(lambda: read_marker(output_dir), timeout=60)
     finish(agent, output_dir)
-    command = [
-        sys.executable,
-        PROBE,
-        "--output-dir",
-        str(output_dir),
-        *common,
-        "--batch-size",
-        "8",
-        "--resume-from-checkpoint",
-        "latest",
-    ]
-    result = subprocess.run(
-        command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (
-        f"resumed from {output_dir / 'checkpoints' / ('step_' + str(marker['step']))}" in result.stdout + result.stderr
-    )
+    # the same command on 1 process x 8 (in this process: what crosses processes is the checkpoint)
+    resume = ["--batch-size", "8", "--resume-from-checkpoint", "latest"]
+    output = check_ok(run_script(PROBE, "--output-dir", output_dir, *common, *resume))
+    assert f"resumed from {output_dir / 'checkpoints' / ('step_' + str(marker['step']))}" in output, output[-3000:]
     a, b = weights(reference), weights(output_dir)
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-5)

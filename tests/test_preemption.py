@@ -1,9 +1,10 @@
 """Preemption as clusters deliver it: a signal to every process of the job (launcher, ranks, DataLoader workers) at
 any moment of its life. One chained run is signalled again and again, at moments drawn from a seeded random
 generator, until every phase was hit (before training, training, an evaluation, the final evaluations, the commit of
-the final artifacts); each stop leaves `preempted.json` with its phase (or a complete run), no process of the tree
-outlives the stop by 10 s, and the chain ends bitwise equal to an uninterrupted run. Then one moment each for
-accelerate launch, one process, SIGUSR1 and a second signal during the save."""
+the final artifacts); one of its runs is under accelerate launch with persistent DataLoader workers, one gets SIGUSR1
+and a second one during the save; each stop leaves `preempted.json` with its phase (or a complete run), no process
+of the tree outlives the stop by 10 s, and the chain ends bitwise equal to an uninterrupted run. Then one moment for
+one process."""
 
 import json
 import os
@@ -160,11 +161,20 @@ def test_signals_to_every_process_at_any_moment_lose_nothing(tmp_path, reference
     # then the final evaluations and the commit (after which the run is complete): 10 signals
     plan = rng.sample(["startup", "train", "eval"] + [rng.choice(["startup", "train", "eval"]) for _ in range(5)], 8)
     plan += ["final", "commit"]
+    # the first run aimed at an evaluation runs under accelerate launch with persistent DataLoader workers (the
+    # others start theirs each epoch); the first aimed at training gets SLURM's time-limit warning (SIGUSR1) to
+    # every process, and again while the processes save
+    under_accelerate, signalled_twice = plan.index("eval"), plan.index("train")
     for number, phase in enumerate(plan, 1):
         (output_dir / "preempted.json").unlink(missing_ok=True)  # as slurm/train.sbatch does before each run
-        agent = start(output_dir)
+        accelerate, twice = number - 1 == under_accelerate, number - 1 == signalled_twice
+        signum = signal.SIGUSR1 if twice else signal.SIGTERM
+        agent = start(output_dir, "accelerate", extra=("--persistent-workers",)) if accelerate else start(output_dir)
         pids_before = process_tree(agent.pid)
-        sent = stop_at(output_dir, agent, phase, rng, signal.SIGTERM)
+        sent = stop_at(output_dir, agent, phase, rng, signum)
+        if twice:  # again, while the processes save
+            wait_for(lambda: any(output_dir.glob("checkpoints/.tmp_step_*")) or marker(output_dir), interval=0.002)
+            signal_every_process(agent, signum)
         pids = list(set(pids_before) | set(process_tree(agent.pid)))
         try:
             code = agent.wait(timeout=60)
@@ -179,12 +189,15 @@ def test_signals_to_every_process_at_any_moment_lose_nothing(tmp_path, reference
             stops.append((number, phase, "complete", code))
             hit.add("commit")
             break
-        assert found["signal"] == "SIGTERM", found
+        assert found["signal"] == signal.Signals(signum).name, found
         assert found["phase"] in PHASES, found
+        if accelerate or twice:
+            assert found["phase"] in ("train", "eval"), (found, "under accelerate" if accelerate else "SIGUSR1 twice")
         if found["phase"] != "startup":
             assert Path(found["checkpoint"]).joinpath("training_state.json").is_file(), found
         hit.add(found["phase"])
-        stops.append((number, phase, found["phase"], found.get("step"), found.get("save_s"), code))
+        how = "accelerate" if accelerate else "SIGUSR1 twice" if twice else "torchrun"
+        stops.append((number, phase, found["phase"], found.get("step"), found.get("save_s"), code, how))
     print("\n" + "\n".join(f"signal {s[0]}: aimed at {s[1]}, hit {s[2:]}" for s in stops), file=sys.stderr)
     assert len(stops) >= 10, stops
     assert hit >= set(PHASES), f"phases hit: {hit}"
@@ -198,23 +211,15 @@ def test_signals_to_every_process_at_any_moment_lose_nothing(tmp_path, reference
     assert metrics["steps"] == LAST_STEP and metrics["test_samples"] == 24
 
 
-@pytest.mark.parametrize("how", ["accelerate", "one_process", "sigusr1_twice"])
-def test_one_moment_each_for_another_launcher_one_process_sigusr1_and_a_second_signal(tmp_path, how, references):
-    # sigusr1_twice: SLURM's time-limit warning to every process, and again while the processes save;
-    # accelerate: with persistent DataLoader workers (the others start workers each epoch)
-    output_dir = tmp_path / how
-    launcher = {"accelerate": "accelerate", "one_process": "python"}.get(how, "torchrun")
-    signum = signal.SIGUSR1 if how == "sigusr1_twice" else signal.SIGTERM
-    extra = ("--persistent-workers",) if how == "accelerate" else ()
-    agent = start(output_dir, launcher, epochs=2, extra=extra)
+def test_one_process_stopped_mid_training_resumes_bitwise(tmp_path, references):
+    # (accelerate launch and SIGUSR1 twice have their moments in the chain above)
+    output_dir = tmp_path / "one_process"
+    agent = start(output_dir, "python", epochs=2)
     wait_for(lambda: (output_dir / "checkpoints" / "step_10" / "training_state.json").is_file(), alive=agent,
              what="the checkpoint of step 10")  # fmt: skip
     time.sleep(0.2)
     pids = process_tree(agent.pid)
-    signal_every_process(agent, signum)
-    if how == "sigusr1_twice":  # again, while the processes save
-        wait_for(lambda: any(output_dir.glob("checkpoints/.tmp_step_*")) or marker(output_dir), interval=0.002)
-        signal_every_process(agent, signum)
+    signal_every_process(agent, signal.SIGTERM)
     try:
         agent.wait(timeout=60)
         assert_nothing_left(agent.pid, agent.args)
@@ -222,14 +227,14 @@ def test_one_moment_each_for_another_launcher_one_process_sigusr1_and_a_second_s
         kill_tree(agent)
     assert_all_gone(pids, by=time.monotonic() + 10)
     found = marker(output_dir)
-    assert found is not None and found["signal"] == signal.Signals(signum).name, log_of(output_dir)[-3000:]
+    assert found is not None and found["signal"] == "SIGTERM", log_of(output_dir)[-3000:]
     assert found["phase"] in ("train", "eval"), found
     assert_only_the_launchers_traceback(log_of(output_dir))
-    again = start(output_dir, launcher, epochs=2, extra=extra)
+    again = start(output_dir, "python", epochs=2)
     assert again.wait(timeout=300) == 0, log_of(output_dir)[-3000:]
     assert f"resumed from {found['checkpoint']}: step {found['step']}," in log_of(output_dir)
     assert marker(output_dir) is None
-    expected, final = weights(references(launcher, epochs=2)), weights(output_dir)
+    expected, final = weights(references("python", epochs=2)), weights(output_dir)
     assert all(torch.equal(expected[key], final[key]) for key in expected)
 
 

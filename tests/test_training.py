@@ -38,9 +38,9 @@ def probe(output_dir, *args, nproc=2, launcher="accelerate"):
 
 @pytest.fixture(scope="module")
 def two_process_job(tmp_path_factory):
-    """One 2-process run that several tests read (read-only)."""
+    """One 2-process run that several tests read (read-only); it keeps its 2 newest checkpoints of steps 3, 6, 9."""
     output_dir = tmp_path_factory.mktemp("two_process_job")
-    probe(output_dir, *SHARED)
+    probe(output_dir, *SHARED, "--checkpointing-steps", 3, "--checkpoint-limit", 2)
     return output_dir
 
 
@@ -249,9 +249,8 @@ def test_resume_mid_epoch_gives_identical_weights(tmp_path):
 
 
 @multiprocess
-def test_checkpoint_limit_keeps_newest(tmp_path):
-    probe(tmp_path, "--batch-size", 4, "--epochs", 2, "--checkpointing-steps", 3, "--checkpoint-limit", 2)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_12", "step_15"]
+def test_checkpoint_limit_keeps_newest(two_process_job):
+    assert sorted(p.name for p in (two_process_job / "checkpoints").iterdir()) == ["step_6", "step_9"]
 
 
 @inprocess
