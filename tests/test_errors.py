@@ -177,11 +177,9 @@ def test_an_empty_vocabulary_is_refused(tmp_path):
 
 @multiprocess
 def test_a_loss_that_becomes_infinite_stops_every_rank_with_one_line(tmp_path):
-    # under torchrun with restarts: one line also says that its restarts were not spent on it (each attempt prints it)
     result = launch(
-        "tests/probe.py", "--lr", "1e38", "--train-size", "256", "--batch-size", "4", "--output-dir", tmp_path,
-        launcher="torchrun", max_restarts=3,
-    )  # fmt: skip
+        "tests/probe.py", "--lr", "1e38", "--train-size", "256", "--batch-size", "4", "--output-dir", tmp_path
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
@@ -224,9 +222,9 @@ def test_a_user_error_under_a_launcher_is_one_line_and_appears_in_the_launchers_
 @multiprocess
 @pytest.mark.parametrize(
     "args, fragment",
-    [(["--bogus-option"], "unrecognized arguments: --bogus-option")],
-    ids=["bad-option"],
-)  # (a user error in the run, a loss that is not finite: the test above)
+    [(["--bogus-option"], "unrecognized arguments: --bogus-option"), (["--lr", "1e38"], "not finite")],
+    ids=["bad-option", "loss-not-finite"],
+)
 def test_a_user_error_does_not_burn_the_launchers_restarts(tmp_path, args, fragment):
     # torchrun restarts a failed group up to --max_restarts times whatever the cause: a typo made 4 attempts in 49 s,
     # printing its line each time. The failing worker stops its agent instead; crashes still restart (test_faults)

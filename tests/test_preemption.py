@@ -165,9 +165,11 @@ def test_signals_to_every_process_at_any_moment_lose_nothing(tmp_path, reference
     # others start theirs each epoch); the first aimed at training gets SLURM's time-limit warning (SIGUSR1) to
     # every process, and again while the processes save
     under_accelerate, signalled_twice = plan.index("eval"), plan.index("train")
+    last_saved = None  # the marker of the newest stop that saved a checkpoint: where the next run must resume
     for number, phase in enumerate(plan, 1):
         (output_dir / "preempted.json").unlink(missing_ok=True)  # as slurm/train.sbatch does before each run
         accelerate, twice = number - 1 == under_accelerate, number - 1 == signalled_twice
+        log_start = len(log_of(output_dir)) if output_dir.with_suffix(".log").is_file() else 0
         signum = signal.SIGUSR1 if twice else signal.SIGTERM
         agent = start(output_dir, "accelerate", extra=("--persistent-workers",)) if accelerate else start(output_dir)
         pids_before = process_tree(agent.pid)
@@ -184,6 +186,9 @@ def test_signals_to_every_process_at_any_moment_lose_nothing(tmp_path, reference
         assert_all_gone(pids, by=sent + 10)
         found = marker(output_dir)
         assert_only_the_launchers_traceback(log_of(output_dir))
+        if last_saved is not None and (found is None or found["phase"] != "startup"):  # it trained: it resumed
+            resumed = f"resumed from {last_saved['checkpoint']}: step {last_saved['step']},"
+            assert resumed in log_of(output_dir)[log_start:], (number, resumed, log_of(output_dir)[log_start:][-3000:])
         if found is None:  # complete: only a signal in the commit, which finishes its work
             assert phase == "commit" and (output_dir / "metrics.json").is_file(), log_of(output_dir)[-3000:]
             stops.append((number, phase, "complete", code))
@@ -195,6 +200,7 @@ def test_signals_to_every_process_at_any_moment_lose_nothing(tmp_path, reference
             assert found["phase"] in ("train", "eval"), (found, "under accelerate" if accelerate else "SIGUSR1 twice")
         if found["phase"] != "startup":
             assert Path(found["checkpoint"]).joinpath("training_state.json").is_file(), found
+            last_saved = found
         hit.add(found["phase"])
         how = "accelerate" if accelerate else "SIGUSR1 twice" if twice else "torchrun"
         stops.append((number, phase, found["phase"], found.get("step"), found.get("save_s"), code, how))
