@@ -3,10 +3,10 @@
 torch.optim imports torch._dynamo at an optimizer's first `add_param_group`, `zero_grad`, `state_dict` and
 `step`, to keep the compiler out of those functions (`torch._disable_dynamo`) or to break its graph around the step
 (`torch._dynamo.graph_break()`). Until torch._dynamo is imported nothing can be compiling, so both are no-ops, and
-the import costs about 1 s of CPU in every process of every command (2 ranks and their launcher on 2 cores wait
-for it). `defer_compiler_import` makes those functions call the undecorated function while torch._dynamo is not
-imported; from the moment it is (`--compile`, or anything else importing it), each call goes through torch's own
-wrapper again, as if nothing had been changed.
+the import costs about 0.6 s of CPU in every process that trains (measured on 2 cores: 3.0 -> 2.4 s of CPU for
+a one-process command). `defer_compiler_import` makes those functions call the undecorated function while
+torch._dynamo is not imported; from the moment it is (`--compile`, or anything else importing it), each call goes
+through torch's own wrapper again, as if nothing had been changed.
 """
 
 from __future__ import annotations
@@ -74,7 +74,6 @@ def _step_without_compiler(use_grad: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             torch.set_grad_enabled(was_enabled)
 
-    step_with_grad_mode.torch_step = use_grad  # type: ignore[attr-defined]
     return step_with_grad_mode
 
 

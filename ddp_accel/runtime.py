@@ -95,7 +95,7 @@ def build_accelerator(
       steps it num_processes times per step).
     """
     _cache_per_step_package_probe()
-    defer_compiler_import()  # before the script makes its optimizer: ~1 s of CPU a process, unless it compiles
+    defer_compiler_import()  # before the script makes its optimizer: ~0.6 s of CPU a process, unless it compiles
     cpu = not has_accelerator()
     # accelerate launch --mixed_precision and the YAML's mixed_precision reach the Accelerator by this variable
     if cpu and (mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")) == "fp16":

@@ -28,12 +28,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(
-    script, *args, nproc: int = 2, launcher: str = "accelerate", timeout: int = 300, env=None, config=None,
-    max_restarts: int = 0,
-):  # fmt: skip
+def launch(script, *args, nproc: int = 2, launcher: str = "accelerate", timeout: int = 300, env=None, config=None):
     """Run a script the way a user would: under accelerate launch (multi_gpu.yaml, or `config`) / torchrun with
-    nproc processes (and `max_restarts`), or plain python."""
+    nproc processes, or plain python."""
     script = str(ROOT / script) if not os.path.isabs(str(script)) else str(script)
     args = [str(arg) for arg in args]
     if launcher == "accelerate":
@@ -51,7 +48,7 @@ def launch(
         ]
     elif launcher == "torchrun":
         command = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
-        command += ["--max_restarts", str(max_restarts), script, *args]
+        command += [script, *args]
     elif launcher == "python":
         command = [sys.executable, script, *args]
     else:

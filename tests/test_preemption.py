@@ -188,7 +188,8 @@ def test_signals_to_every_process_at_any_moment_lose_nothing(tmp_path, reference
         assert_only_the_launchers_traceback(log_of(output_dir))
         if last_saved is not None and (found is None or found["phase"] != "startup"):  # it trained: it resumed
             resumed = f"resumed from {last_saved['checkpoint']}: step {last_saved['step']},"
-            assert resumed in log_of(output_dir)[log_start:], (number, resumed, log_of(output_dir)[log_start:][-3000:])
+            this_run = log_of(output_dir)[log_start:]
+            assert resumed in this_run, (number, resumed, this_run[-3000:])
         if found is None:  # complete: only a signal in the commit, which finishes its work
             assert phase == "commit" and (output_dir / "metrics.json").is_file(), log_of(output_dir)[-3000:]
             stops.append((number, phase, "complete", code))
