@@ -125,7 +125,7 @@ def main(signals: StopSignals | None = None) -> None:
     parser.add_argument("--dropout", type=float, default=0.2)
     parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after the first layer (buffers)")
     parser.add_argument("--step-ms", type=float, default=0, help="stand-in for a real step's compute time")
-    parser.add_argument("--complex", action="store_true", help="a complex-valued first layer (|z| feeds the rest)")
+    parser.add_argument("--complex", action="store_true", help="a complex-valued layer (|z| feeds the rest)")
     parser.add_argument(
         "--sparse-embedding",
         action="store_true",
@@ -148,13 +148,12 @@ def main(signals: StopSignals | None = None) -> None:
     config = TrainConfig.from_args(args)
     accelerator = make_accelerator(config, signals)
 
-    if args.sparse_embedding:
-        first, activation = QuantizedBag(args.hidden, sparse=True), torch.nn.ReLU()
-    elif args.complex:
-        first, activation = ComplexLinear(8, args.hidden), Magnitude()
-    else:
-        first, activation = torch.nn.Linear(8, args.hidden), torch.nn.ReLU()
-    layers = [first, torch.nn.BatchNorm1d(args.hidden)] if args.batchnorm else [first]
+    layers: list[torch.nn.Module] = [QuantizedBag(args.hidden, sparse=True)] if args.sparse_embedding else []
+    if args.complex:  # after the table when both are asked: one job proves both all-reduces
+        layers.append(ComplexLinear(args.hidden if layers else 8, args.hidden))
+    layers = layers or [torch.nn.Linear(8, args.hidden)]
+    layers += [torch.nn.BatchNorm1d(args.hidden)] if args.batchnorm else []
+    activation = Magnitude() if args.complex else torch.nn.ReLU()
     model = torch.nn.Sequential(*layers, activation, torch.nn.Dropout(args.dropout), torch.nn.Linear(args.hidden, 2))
     if args.sparse_embedding:
         table = model[0].table.weight
