@@ -361,19 +361,9 @@ def test_a_resume_under_another_optimizer_names_the_options_that_decide_the_spar
 @pytest.mark.skipif(not SHARED_IMDB.is_file(), reason="../shared/data/imdb_train.jsonl.gz not present")
 @pytest.mark.system
 def test_nb_weighted_bag_on_real_imdb_reaches_92_percent_held_out(tmp_path):
-    # the defaults (NB weights, trigrams in 4M buckets, sparse updates); bigrams in 1M gave 93.2% after 2 epochs on
-    # this split, 91.3% without NB
-    check_ok(
-        run_script(
-            "scripts/imdb.py",
-            "--train-file",
-            SHARED_IMDB,
-            "--output-dir",
-            tmp_path,
-            "--epochs",
-            2,
-        )
-    )
+    # the defaults (NB weights, trigrams in 4M buckets, sparse updates) for one epoch: 92.8% on this split (bigrams
+    # in 1M gave 93.2% after 2 epochs, 91.3% without NB)
+    check_ok(run_script("scripts/imdb.py", "--train-file", SHARED_IMDB, "--output-dir", tmp_path, "--epochs", 1))
     metrics = metrics_of(tmp_path)
     assert metrics["eval_samples"] == 2500
     assert metrics["eval_accuracy"] > 0.92, metrics
