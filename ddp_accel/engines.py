@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import sys
+import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +94,11 @@ class Engine:
         the resource tracker are the process's, not the script's, to end."""
         return False
 
+    def waiting_line(self, waited_s: float, timeout_s: float) -> str | None:
+        """What this process says while its process group has not formed after `waited_s` (None: nothing to say; a
+        launcher's agent met the other machines before it started this process)."""
+        return None
+
     def check(self) -> None:
         """The launcher variables this process started with describe one job: mistakes here otherwise end in a
         hang, a traceback deep in torch, or N duplicate trainings into one folder."""
@@ -143,6 +152,22 @@ class EnvLaunch(Engine):
             )
         return world_size
 
+    def waiting_line(self, waited_s: float, timeout_s: float) -> str | None:
+        """torch's env:// rendezvous waits in silence for the whole --timeout-s: rank 0 for the others to connect to
+        its port, the others for rank 0 to listen there (a peer that failed before it, a wrong MASTER_ADDR)."""
+        if self.world_size < 2:
+            return None
+        address, port = self.env.get("MASTER_ADDR", ""), self.env.get("MASTER_PORT", "")
+        if self.rank == 0:
+            what = f"rank 0 of {self.world_size}: waiting at {address}:{port} for the other processes to join"
+        else:
+            answers = _answers(address, int(port)) if port.isdigit() else False
+            there = (
+                "rank 0 answers there" if answers else "nothing answers there yet (rank 0 not started, or elsewhere)"
+            )
+            what = f"rank {self.rank} of {self.world_size}: waiting for the group at {address}:{port}: {there}"
+        return f"{what}; {waited_s:.0f} s so far, --timeout-s {timeout_s:g} ends the wait"
+
     def check(self) -> None:
         env, world_size = self.env, self.check_rank()
         missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
@@ -170,6 +195,9 @@ class TorchElastic(EnvLaunch):
 
     def check(self) -> None:
         self.check_rank()  # (the agent's rendezvous gives the address of rank 0)
+
+    def waiting_line(self, waited_s: float, timeout_s: float) -> str | None:
+        return None  # the agents met before starting the workers (ddp-accel launch speaks for that wait)
 
 
 @dataclass(frozen=True)
@@ -214,6 +242,42 @@ class CheckOnly(Engine):
     @property
     def outlives_the_script(self) -> bool:
         return True
+
+
+def _answers(address: str, port: int) -> bool:
+    try:
+        socket.create_connection((address, port), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
+
+
+FIRST_WAIT_REPORT_S, WAIT_REPORT_S = 10.0, 30.0
+
+
+@contextlib.contextmanager
+def saying_what_the_group_waits_for(timeout_s: float, engine: Engine | None = None) -> Iterator[None]:
+    """Inside: the process group forms. If that takes longer than FIRST_WAIT_REPORT_S, the engine's waiting line is
+    said on stderr, then every WAIT_REPORT_S until the group forms or --timeout-s ends the wait."""
+    engine = engine or current()
+    formed, started = threading.Event(), time.monotonic()
+
+    def report() -> None:
+        wait = FIRST_WAIT_REPORT_S
+        while not formed.wait(wait):
+            line = engine.waiting_line(time.monotonic() - started, timeout_s)
+            if line is None or formed.is_set():
+                return
+            print(f"waiting: {line}", file=sys.stderr, flush=True)
+            wait = WAIT_REPORT_S
+
+    reporter = threading.Thread(target=report, name="ddp_accel group wait", daemon=True)
+    reporter.start()
+    try:
+        yield
+    finally:
+        formed.set()
+        reporter.join()
 
 
 _chosen: list[Engine] = []  # set by use(): a launcher that runs the script in this process

@@ -105,23 +105,24 @@ def build_accelerator(
         )
     check_launch_environment()
     check_no_inherited_process_group()
-    init_elastic_process_group(cpu, timeout_s)
-    mixed_precision, _ = resolve_mixed_precision(mixed_precision, cpu)
-    accelerator = Accelerator(
-        cpu=cpu,
-        mixed_precision=mixed_precision,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        log_with=log_with,
-        # trackers write to logging_dir/<project name>: OUTPUT_DIR/tensorboard
-        project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=output_dir),
-        # non_blocking: host-to-GPU copies of pinned batches overlap the previous step's compute
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed, non_blocking=True),
-        step_scheduler_with_optimizer=False,
-        kwargs_handlers=[
-            InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s)),
-            comm_hooks.ddp_kwargs(ddp, gloo=cpu),
-        ],
-    )
+    with engines.saying_what_the_group_waits_for(timeout_s):  # an env:// rendezvous waits in silence
+        init_elastic_process_group(cpu, timeout_s)
+        mixed_precision, _ = resolve_mixed_precision(mixed_precision, cpu)
+        accelerator = Accelerator(
+            cpu=cpu,
+            mixed_precision=mixed_precision,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            log_with=log_with,
+            # trackers write to logging_dir/<project name>: OUTPUT_DIR/tensorboard
+            project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=output_dir),
+            # non_blocking: host-to-GPU copies of pinned batches overlap the previous step's compute
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed, non_blocking=True),
+            step_scheduler_with_optimizer=False,
+            kwargs_handlers=[
+                InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s)),
+                comm_hooks.ddp_kwargs(ddp, gloo=cpu),
+            ],
+        )
     if adopt_fsdp_on_cpu(accelerator):  # an FSDP config on a machine without GPUs: FSDP2 over gloo, not DDP
         note = accelerate_version_note(accelerate.__version__)
         if note and accelerator.is_main_process:

@@ -3,6 +3,8 @@ of the launcher's variables, and the typed outcome run_main records for a launch
 
 import contextlib
 import signal
+import socket
+import time
 
 import pytest
 from helpers import run_script
@@ -122,3 +124,52 @@ def test_a_script_ends_the_processes_helpers_unless_the_process_outlives_it(monk
         run()
     assert ended == ["workers and helpers", "workers", "workers"]
     assert not engines.Engine().outlives_the_script and not engines.TorchElastic().outlives_the_script
+
+
+def test_an_env_launch_says_what_its_group_waits_for_and_a_launchers_worker_has_nothing_to_say():
+    with socket.socket() as listening:  # a rank 0 that answers
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        spawned = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        rank_0, rank_1 = (engines.current({**spawned, "RANK": rank}) for rank in ("0", "1"))
+        line = rank_0.waiting_line(12.3, 600)
+        assert line.startswith(f"rank 0 of 2: waiting at 127.0.0.1:{port} for the other processes to join")
+        assert line.endswith("12 s so far, --timeout-s 600 ends the wait")
+        assert "rank 1 of 2: waiting for the group at" in rank_1.waiting_line(12, 600)
+        assert "rank 0 answers there" in rank_1.waiting_line(12, 600)
+    assert "nothing answers there yet" in rank_1.waiting_line(12, 600)  # closed: a peer that failed before it
+    for quiet in (engines.current({}), engines.current({**TORCHRUN, "MASTER_ADDR": "h", "MASTER_PORT": "1"})):
+        assert quiet.waiting_line(12, 600) is None
+    assert engines.current({"WORLD_SIZE": "1", "RANK": "0"}).waiting_line(12, 600) is None
+
+
+def test_a_group_that_forms_late_is_reported_until_it_forms_and_one_that_forms_at_once_is_not(monkeypatch, capsys):
+    monkeypatch.setattr(engines, "FIRST_WAIT_REPORT_S", 0.05)
+    monkeypatch.setattr(engines, "WAIT_REPORT_S", 0.05)
+    spawned = engines.EnvLaunch({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    with engines.saying_what_the_group_waits_for(30, spawned):
+        pass
+    assert capsys.readouterr().err == ""
+    with engines.saying_what_the_group_waits_for(30, spawned):
+        time.sleep(0.4)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) >= 2 and all(line.startswith("waiting: rank 0 of 2: waiting at h:1") for line in lines), lines
+    time.sleep(0.2)
+    assert capsys.readouterr().err == "", "the report ends when the group forms"
+
+
+def test_a_rank_whose_rank_0_never_starts_says_so_then_ends_at_the_timeout_with_one_line(monkeypatch, tmp_path):
+    # torch's env:// rendezvous: rank 1 waits for rank 0's port for the whole --timeout-s (600 s) without a word
+    monkeypatch.setattr(engines, "FIRST_WAIT_REPORT_S", 0.3)
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    result = run_script("scripts/minimal.py", "--output-dir", tmp_path, "--timeout-s", 2, env=env)
+    assert result.returncode != 0
+    waiting = [line for line in result.stderr.splitlines() if line.startswith("waiting: ")]
+    assert waiting and f"rank 1 of 2: waiting for the group at 127.0.0.1:{port}: nothing answers" in waiting[0]
+    assert "--timeout-s 2 ends the wait" in waiting[0], waiting
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "lost contact" in errors[0], result.stderr[-2000:]

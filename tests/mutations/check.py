@@ -295,6 +295,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        if world_size > 1 and missing:",
         "        if missing:",
     ),
+    "env_launch_waits_in_silence": (
+        "ddp_accel/runtime.py",
+        "    with engines.saying_what_the_group_waits_for(timeout_s):  # an env:// rendezvous waits in silence\n",
+        "    with contextlib.nullcontext():\n",
+    ),
     "worker_outlives_a_dead_forkserver": (
         "ddp_accel/loaders.py",
         "        if server.isdigit() and os.getppid() != int(server):\n            os._exit(0)\n",
