@@ -2,9 +2,9 @@
 model): a lone process, an env:// launch (srun tasks, mp.spawn, a shell that exported the variables), torch elastic
 (torchrun, accelerate launch), and Ray Train (`ddp-accel ray`). Each answers the same questions: this process's
 rank and the world size, how often the group was restarted, where its stop signals come from, whether every
-machine runs the same number of processes, the banner's line; and checks that its launcher's variables describe
-one job (`check`). SLURM and Kubernetes are the scheduler around a launcher (`scheduler`): they decide who is
-signalled at a preemption and how a job is requeued.
+machine runs the same number of processes, the banner's line, what it says while its group forms; and checks that
+its launcher's variables describe one job (`check`). SLURM and Kubernetes are the scheduler around a launcher
+(`scheduler`): they decide who is signalled at a preemption and how a job is requeued.
 
 `current()` is this process's engine, read from its environment; a launcher that runs the script inside its own
 process (Ray's worker, the Ray driver's option check) says so with `use(engine)`, not through a variable.
@@ -18,9 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import sys
-import threading
-import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,9 +91,14 @@ class Engine:
         the resource tracker are the process's, not the script's, to end."""
         return False
 
+    @property
+    def forms_its_own_group(self) -> bool:
+        """The processes meet by themselves (torch's env:// rendezvous), not through a launcher's agent that met the
+        other machines before it started this process."""
+        return False
+
     def waiting_line(self, waited_s: float, timeout_s: float) -> str | None:
-        """What this process says while its process group has not formed after `waited_s` (None: nothing to say; a
-        launcher's agent met the other machines before it started this process)."""
+        """What this process says while its process group has not formed after `waited_s` (None: nothing to say)."""
         return None
 
     def check(self) -> None:
@@ -152,6 +154,10 @@ class EnvLaunch(Engine):
             )
         return world_size
 
+    @property
+    def forms_its_own_group(self) -> bool:
+        return self.world_size > 1
+
     def waiting_line(self, waited_s: float, timeout_s: float) -> str | None:
         """torch's env:// rendezvous waits in silence for the whole --timeout-s: rank 0 for the others to connect to
         its port, the others for rank 0 to listen there (a peer that failed before it, a wrong MASTER_ADDR)."""
@@ -196,8 +202,12 @@ class TorchElastic(EnvLaunch):
     def check(self) -> None:
         self.check_rank()  # (the agent's rendezvous gives the address of rank 0)
 
+    @property
+    def forms_its_own_group(self) -> bool:
+        return False  # the agents met before starting the workers (ddp-accel launch speaks for that wait)
+
     def waiting_line(self, waited_s: float, timeout_s: float) -> str | None:
-        return None  # the agents met before starting the workers (ddp-accel launch speaks for that wait)
+        return None
 
 
 @dataclass(frozen=True)
@@ -250,34 +260,6 @@ def _answers(address: str, port: int) -> bool:
         return True
     except OSError:
         return False
-
-
-FIRST_WAIT_REPORT_S, WAIT_REPORT_S = 10.0, 30.0
-
-
-@contextlib.contextmanager
-def saying_what_the_group_waits_for(timeout_s: float, engine: Engine | None = None) -> Iterator[None]:
-    """Inside: the process group forms. If that takes longer than FIRST_WAIT_REPORT_S, the engine's waiting line is
-    said on stderr, then every WAIT_REPORT_S until the group forms or --timeout-s ends the wait."""
-    engine = engine or current()
-    formed, started = threading.Event(), time.monotonic()
-
-    def report() -> None:
-        wait = FIRST_WAIT_REPORT_S
-        while not formed.wait(wait):
-            line = engine.waiting_line(time.monotonic() - started, timeout_s)
-            if line is None or formed.is_set():
-                return
-            print(f"waiting: {line}", file=sys.stderr, flush=True)
-            wait = WAIT_REPORT_S
-
-    reporter = threading.Thread(target=report, name="ddp_accel group wait", daemon=True)
-    reporter.start()
-    try:
-        yield
-    finally:
-        formed.set()
-        reporter.join()
 
 
 _chosen: list[Engine] = []  # set by use(): a launcher that runs the script in this process

@@ -44,6 +44,7 @@ from ddp_accel.elastic import (
 )
 from ddp_accel.engines import Outcome, record_outcome
 from ddp_accel.errors import UserError
+from ddp_accel.group_wait import while_the_group_forms
 from ddp_accel.lazy_compiler import defer_compiler_import
 from ddp_accel.loaders import end_worker_processes, kill_leftover_workers
 from ddp_accel.run_folder import RunFolder
@@ -105,7 +106,7 @@ def build_accelerator(
         )
     check_launch_environment()
     check_no_inherited_process_group()
-    with engines.saying_what_the_group_waits_for(timeout_s):  # an env:// rendezvous waits in silence
+    with while_the_group_forms(timeout_s, output_dir):  # an env:// rendezvous: silent, deaf to signals
         init_elastic_process_group(cpu, timeout_s)
         mixed_precision, _ = resolve_mixed_precision(mixed_precision, cpu)
         accelerator = Accelerator(

@@ -37,7 +37,6 @@ import threading
 import time
 from collections.abc import Generator, Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
@@ -83,12 +82,14 @@ def stop_during_imports(default_output_dir: str) -> None:
     for signum in SIGNALS:
         if signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN:
             continue
-        signal.signal(signum, lambda received, frame: _stop(received, frame, output_dir))
+        signal.signal(signum, lambda received, frame: stop_before_training(received, output_dir, "imports"))
 
 
-def _stop(signum: int, frame: FrameType | None, output_dir: str) -> None:
+def stop_before_training(signum: int, output_dir: str, moment: str) -> None:
+    """A preemption signal before anything was trained: OUTPUT_DIR/preempted.json (phase `startup`, `moment`), one
+    line on rank 0, exit 0 at once (from any thread)."""
     name = signal.Signals(signum).name
-    facts = {"phase": "startup", "signal": name, "step": None, "checkpoint": None, "moment": "imports"}
+    facts = {"phase": "startup", "signal": name, "step": None, "checkpoint": None, "moment": moment}
     try:
         folder = Path(output_dir)
         folder.mkdir(parents=True, exist_ok=True)

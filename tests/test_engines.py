@@ -9,7 +9,7 @@ import time
 import pytest
 from helpers import run_script
 
-from ddp_accel import engines
+from ddp_accel import engines, group_wait
 from ddp_accel.errors import UserError
 
 pytestmark = pytest.mark.inprocess
@@ -145,23 +145,28 @@ def test_an_env_launch_says_what_its_group_waits_for_and_a_launchers_worker_has_
 
 
 def test_a_group_that_forms_late_is_reported_until_it_forms_and_one_that_forms_at_once_is_not(monkeypatch, capsys):
-    monkeypatch.setattr(engines, "FIRST_WAIT_REPORT_S", 0.05)
-    monkeypatch.setattr(engines, "WAIT_REPORT_S", 0.05)
+    monkeypatch.setattr(group_wait, "FIRST_REPORT_S", 0.05)
+    monkeypatch.setattr(group_wait, "REPORT_S", 0.05)
     spawned = engines.EnvLaunch({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
-    with engines.saying_what_the_group_waits_for(30, spawned):
-        pass
+    with engines.use(spawned):
+        with group_wait.while_the_group_forms(30, None):
+            pass
+        assert capsys.readouterr().err == ""
+        with group_wait.while_the_group_forms(30, None):
+            time.sleep(0.4)
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) >= 2 and all(line.startswith("waiting: rank 0 of 2: waiting at h:1") for line in lines), lines
+        time.sleep(0.2)
+        assert capsys.readouterr().err == "", "the report ends when the group forms"
+    assert signal.set_wakeup_fd(-1) == -1, "the wakeup descriptor is put back"
+    with engines.use(engines.TorchElastic(TORCHRUN)), group_wait.while_the_group_forms(30, None):
+        time.sleep(0.2)  # a launcher's worker: nothing added
     assert capsys.readouterr().err == ""
-    with engines.saying_what_the_group_waits_for(30, spawned):
-        time.sleep(0.4)
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) >= 2 and all(line.startswith("waiting: rank 0 of 2: waiting at h:1") for line in lines), lines
-    time.sleep(0.2)
-    assert capsys.readouterr().err == "", "the report ends when the group forms"
 
 
 def test_a_rank_whose_rank_0_never_starts_says_so_then_ends_at_the_timeout_with_one_line(monkeypatch, tmp_path):
     # torch's env:// rendezvous: rank 1 waits for rank 0's port for the whole --timeout-s (600 s) without a word
-    monkeypatch.setattr(engines, "FIRST_WAIT_REPORT_S", 0.3)
+    monkeypatch.setattr(group_wait, "FIRST_REPORT_S", 0.3)
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))
         port = unused.getsockname()[1]

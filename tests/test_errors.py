@@ -5,9 +5,11 @@ launch, torchrun), and the errors whose point is several processes."""
 
 import contextlib
 import io
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 
@@ -373,6 +375,37 @@ def test_ctrl_c_says_where_the_newest_checkpoint_is(tmp_path):
     assert process.returncode == 130, output[-2000:]
     assert "interrupted (Ctrl-C). The newest checkpoint is" in output and "--resume-from-checkpoint latest" in output
     assert "Traceback" not in output, output[-2000:]
+
+
+@multiprocess
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 0)], ids=["ctrl-c", "preemption"])
+def test_a_stop_signal_while_an_env_launch_waits_for_its_group_ends_it_at_once(tmp_path, signum, code):
+    # torch's env:// rendezvous blocks the main thread in C++ for the whole --timeout-s: Python's handlers waited
+    # for it (Ctrl-C did nothing for 10 minutes). Rank 0 here is a port that accepts and never answers.
+    with socket.socket() as rank_0:
+        rank_0.bind(("127.0.0.1", 0))
+        rank_0.listen()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": "1", "LOCAL_RANK": "1"}
+        env |= {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(rank_0.getsockname()[1])}
+        command = [sys.executable, str(ROOT / "scripts" / "minimal.py"), "--output-dir", str(tmp_path)]
+        as_from_a_terminal = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731 (see the test above)
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                   env=env, preexec_fn=as_from_a_terminal)  # fmt: skip
+        rank_0.settimeout(120)
+        connection, _ = rank_0.accept()  # rank 1 is in the rendezvous
+        try:
+            with connection:
+                process.send_signal(signum)
+                output, _ = process.communicate(timeout=20)  # not --timeout-s (600 s)
+        finally:
+            process.kill()  # (gone already, unless the signal waited)
+    assert process.returncode == code, output[-2000:]
+    assert "Traceback" not in output, output[-2000:]
+    if signum == signal.SIGINT:
+        assert "interrupted (Ctrl-C) while the process group formed: nothing trained yet" in output, output[-2000:]
+    else:  # a preemption before training: its marker, as during the imports
+        marker = json.loads((tmp_path / "preempted.json").read_text())
+        assert marker["phase"] == "startup" and marker["moment"] == "rendezvous" and marker["signal"] == "SIGTERM"
 
 
 @inprocess

@@ -213,7 +213,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "imports_not_guarded": (
         "ddp_accel/startup.py",
-        "        signal.signal(signum, lambda received, frame: _stop(received, frame, output_dir))\n",
+        "        signal.signal(signum, lambda received, frame: stop_before_training(received, output_dir, "
+        '"imports"))\n',
         "        pass\n",
     ),
     # issue 43 item 12: one per mechanism class
@@ -297,8 +298,13 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "env_launch_waits_in_silence": (
         "ddp_accel/runtime.py",
-        "    with engines.saying_what_the_group_waits_for(timeout_s):  # an env:// rendezvous waits in silence\n",
+        "    with while_the_group_forms(timeout_s, output_dir):  # an env:// rendezvous: silent, deaf to signals\n",
         "    with contextlib.nullcontext():\n",
+    ),
+    "signals_wait_for_the_rendezvous": (
+        "ddp_accel/group_wait.py",
+        "                _stop(signum, output_dir)\n",
+        "                pass\n",
     ),
     "worker_outlives_a_dead_forkserver": (
         "ddp_accel/loaders.py",
