@@ -161,15 +161,17 @@ class EnvLaunch(Engine):
     def waiting_line(self, waited_s: float, timeout_s: float) -> str | None:
         """torch's env:// rendezvous waits in silence for the whole --timeout-s: rank 0 for the others to connect to
         its port, the others for rank 0 to listen there (a peer that failed before it, a wrong MASTER_ADDR)."""
-        if self.world_size < 2:
+        if not self.forms_its_own_group:
             return None
         address, port = self.env.get("MASTER_ADDR", ""), self.env.get("MASTER_PORT", "")
         if self.rank == 0:
             what = f"rank 0 of {self.world_size}: waiting at {address}:{port} for the other processes to join"
         else:
-            answers = _answers(address, int(port)) if port.isdigit() else False
+            answers_there = answers(address, int(port)) if port.isdigit() else False
             there = (
-                "rank 0 answers there" if answers else "nothing answers there yet (rank 0 not started, or elsewhere)"
+                "rank 0 answers there"
+                if answers_there
+                else "nothing answers there yet (rank 0 not started, or elsewhere)"
             )
             what = f"rank {self.rank} of {self.world_size}: waiting for the group at {address}:{port}: {there}"
         return f"{what}; {waited_s:.0f} s so far, --timeout-s {timeout_s:g} ends the wait"
@@ -205,9 +207,6 @@ class TorchElastic(EnvLaunch):
     @property
     def forms_its_own_group(self) -> bool:
         return False  # the agents met before starting the workers (ddp-accel launch speaks for that wait)
-
-    def waiting_line(self, waited_s: float, timeout_s: float) -> str | None:
-        return None
 
 
 @dataclass(frozen=True)
@@ -254,10 +253,11 @@ class CheckOnly(Engine):
         return True
 
 
-def _answers(address: str, port: int) -> bool:
+def answers(address: str, port: int, timeout: float = 1.0) -> bool:
+    """Something accepts a connection at address:port (a rank 0's store, a machine 0's agent) within `timeout`."""
     try:
-        socket.create_connection((address, port), timeout=1.0).close()
-        return True
+        with socket.create_connection((address, port), timeout=timeout):
+            return True
     except OSError:
         return False
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from ddp_accel.cli import ArgumentParser, positive
 from ddp_accel.elastic import child_processes
+from ddp_accel.engines import answers
 from ddp_accel.errors import UserError
 
 DEFAULT_PORT = 29500
@@ -115,14 +116,6 @@ def _address_of(hex_address: str) -> str:
     address = ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)))
     mapped = getattr(address, "ipv4_mapped", None)
     return str(mapped or address)
-
-
-def answers(address: str, port: int, timeout: float = 1.0) -> bool:
-    try:
-        with socket.create_connection((address, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 def what_is_seen(setup: dict[str, Any]) -> str:
