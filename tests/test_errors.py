@@ -391,14 +391,14 @@ def test_a_stop_signal_while_an_env_launch_waits_for_its_group_ends_it_at_once(t
         as_from_a_terminal = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731 (see the test above)
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                                    env=env, preexec_fn=as_from_a_terminal)  # fmt: skip
-        rank_0.settimeout(120)
-        connection, _ = rank_0.accept()  # rank 1 is in the rendezvous
         try:
+            rank_0.settimeout(120)
+            connection, _ = rank_0.accept()  # rank 1 is in the rendezvous
             with connection:
                 process.send_signal(signum)
                 output, _ = process.communicate(timeout=20)  # not --timeout-s (600 s)
         finally:
-            process.kill()  # (gone already, unless the signal waited)
+            process.kill()  # (gone already, unless it never reached the rendezvous or the signal waited)
     assert process.returncode == code, output[-2000:]
     assert "Traceback" not in output, output[-2000:]
     if signum == signal.SIGINT:
