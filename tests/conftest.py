@@ -41,6 +41,28 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+@pytest.fixture(scope="session")
+def standard_reference(tmp_path_factory):
+    """The probe's standard job (helpers.STANDARD_PROBE_ARGS) under torchrun, uninterrupted: made once a session
+    for every test that ends the same job after a fault."""
+    from helpers import STANDARD_PROBE_ARGS, check_ok, launch
+
+    output_dir = tmp_path_factory.mktemp("standard") / "reference"
+    check_ok(launch("tests/probe.py", *STANDARD_PROBE_ARGS, "--output-dir", output_dir, launcher="torchrun"))
+    return output_dir
+
+
+@pytest.fixture(scope="session")
+def short_job(tmp_path_factory):
+    """The short job (helpers.SHORT_PROBE_ARGS) under accelerate launch, uninterrupted, with all its checkpoints:
+    made once a session; its readers leave it as it is."""
+    from helpers import SHORT_PROBE_ARGS, check_ok, launch
+
+    output_dir = tmp_path_factory.mktemp("short") / "job"
+    check_ok(launch("tests/probe.py", *SHORT_PROBE_ARGS, "--output-dir", output_dir))
+    return output_dir
+
+
 @pytest.fixture(autouse=True)
 def _signal_state_restored():
     """Each test starts with SIGTERM/SIGUSR1 unblocked and leaves pytest's handlers as it found them: a signal

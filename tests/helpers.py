@@ -20,6 +20,18 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 MULTI_GPU_YAML = ROOT / "accelerate_configs" / "multi_gpu.yaml"
+# the probe's standard job, which the fault, Ray, Kubernetes and two-machine tests stop, kill or cut: 256 samples,
+# 2 ranks x batch 4 (32 steps an epoch), 3 epochs, a checkpoint every 5 steps, dropout on (an exact resume also needs
+# every rank's RNG state). Each compares its end with one uninterrupted run of it (conftest's `standard_reference`):
+# --step-ms (a sleep per step) and --timeout-s (a bound on waits) change no weight, and every 2-process launcher
+# gives bitwise the same weights (test_launchers.py)
+STANDARD_PROBE_ARGS = ["--batch-size", "4", "--epochs", "3", "--train-size", "256", "--dropout", "0.3"]
+STANDARD_PROBE_ARGS += ["--checkpointing-steps", "5"]
+# a short 2-process job with dropout and a checkpoint every 5 steps: 96 samples, 2 ranks x batch 4 (12 steps an
+# epoch), 2 epochs. Its run under accelerate launch (conftest's `short_job`) is read by the test of every launcher,
+# of asynchronous checkpoints and of a mid-epoch resume
+SHORT_PROBE_ARGS = ["--batch-size", "4", "--train-size", "96", "--val-size", "23", "--epochs", "2", "--dropout", "0.3"]
+SHORT_PROBE_ARGS += ["--checkpointing-steps", "5", "--mixed-precision", "no"]
 
 
 def free_port() -> int:

@@ -9,14 +9,13 @@ import threading
 
 import pytest
 import torch
-from helpers import assert_same_weights, check_ok, launch, run_script
+from helpers import SHORT_PROBE_ARGS, assert_same_weights, check_ok, launch, run_script
 
 from ddp_accel import async_save
 from ddp_accel.checkpoint import complete_checkpoints, resolve_resume
 
 PROBE = "tests/probe.py"
-ARGS = ["--dropout", "0.3", "--train-size", 96, "--val-size", 23, "--epochs", 2, "--checkpointing-steps", 5]
-ARGS += ["--mixed-precision", "no"]
+ARGS = SHORT_PROBE_ARGS  # batch 4 on 2 ranks; the 1-process runs below give --batch-size 8 after it (the last wins)
 inprocess, multiprocess = pytest.mark.inprocess, pytest.mark.multiprocess
 
 
@@ -113,16 +112,15 @@ def test_under_fsdp_the_shards_are_staged_and_written_over_a_group_of_their_own(
 
 
 @multiprocess
-def test_on_two_processes_async_checkpoints_are_the_synchronous_ones_and_a_stop_resumes_bitwise(tmp_path):
+def test_on_two_processes_async_checkpoints_are_the_synchronous_ones_and_a_stop_resumes_bitwise(tmp_path, short_job):
     # each rank's writer leaves its marker; the main process's completes the folder once every marker is there
-    common = ["--output-dir", tmp_path / "async", *ARGS, "--batch-size", 4, "--async-checkpoint"]
+    common = ["--output-dir", tmp_path / "async", *ARGS, "--async-checkpoint"]
     stopped = launch(PROBE, *common, "--sigterm-at-batch", 7)  # rank 0 signalled (rank 1 exits 3: a peer's stop)
     marker = json.loads((tmp_path / "async" / "preempted.json").read_text())
     assert marker["step"] == 7, (marker, stopped.stderr[-2000:])
     check_ok(launch(PROBE, *common, "--resume-from-checkpoint", "latest"))
-    check_ok(launch(PROBE, "--output-dir", tmp_path / "sync", *ARGS, "--batch-size", 4))
-    assert_same_weights(tmp_path / "async", tmp_path / "sync")
-    sync, background = checkpoint_files(tmp_path / "sync"), checkpoint_files(tmp_path / "async")
+    assert_same_weights(tmp_path / "async", short_job)  # the same job, synchronous checkpoints, uninterrupted
+    sync, background = checkpoint_files(short_job), checkpoint_files(tmp_path / "async")
     for name in ("step_5/optimizer.bin", "step_10/model.safetensors", "step_20/random_states_1.pkl"):
         assert sync[name] == background[name], name
 

@@ -14,6 +14,7 @@ import torch
 from helpers import (
     BIN,
     ROOT,
+    STANDARD_PROBE_ARGS,
     assert_same_weights,
     check_ok,
     checkpoint_steps,
@@ -25,9 +26,7 @@ from helpers import (
 )
 
 PROBE = str(ROOT / "tests" / "probe.py")
-# 256 samples, 2 ranks x batch 4: 32 steps an epoch, 3 epochs; a checkpoint every 5 steps; dropout on, so
-# an exact resume also needs every rank's RNG state
-COMMON = ["--batch-size", "4", "--epochs", "3", "--train-size", "256", "--dropout", "0.3", "--checkpointing-steps", "5"]
+COMMON = STANDARD_PROBE_ARGS  # the standard job: 32 steps an epoch, 3 epochs, a checkpoint every 5 steps
 
 
 def torchrun(output_dir: Path, *args, max_restarts: int = 0, env: dict | None = None) -> subprocess.Popen:
@@ -60,16 +59,8 @@ def finish(agent: subprocess.Popen, output_dir: Path, timeout: float = 300) -> t
     return code, output_dir.with_suffix(".log").read_text()
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
-    output_dir = tmp_path_factory.mktemp("faults") / "uninterrupted"
-    code, log = finish(torchrun(output_dir, *COMMON, "--step-ms", "20"), output_dir)
-    assert code == 0, log[-3000:]
-    return output_dir
-
-
 @pytest.mark.multiprocess
-def test_sigkill_a_worker_mid_epoch_restart_resumes_to_identical_weights(uninterrupted, tmp_path):
+def test_sigkill_a_worker_mid_epoch_restart_resumes_to_identical_weights(standard_reference, tmp_path):
     output_dir = tmp_path / "faulty"
     agent = torchrun(output_dir, *COMMON, "--step-ms", "20", "--resume-from-checkpoint", "latest", max_restarts=2)
     wait_for(lambda: 10 in checkpoint_steps(output_dir))  # in epoch 0, after step 10's checkpoint
@@ -83,7 +74,7 @@ def test_sigkill_a_worker_mid_epoch_restart_resumes_to_identical_weights(uninter
     line = next(line for line in log.splitlines() if "resumed from" in line)
     resumed_step = int(line.split("step ")[1].split(",")[0])
     assert resumed and resumed_step >= latest_at_kill  # nothing older than the newest complete checkpoint
-    assert_same_weights(uninterrupted, output_dir)
+    assert_same_weights(standard_reference, output_dir)
     print(
         f"\nkill -> resumed training: {resume_delay:.1f} s; resumed from step {resumed_step} "
         f"(at most {5 - 1} steps redone with --checkpointing-steps 5)",
@@ -102,7 +93,7 @@ WRITES = {
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("writes", list(WRITES))
-def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(uninterrupted, tmp_path, writes):
+def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(standard_reference, tmp_path, writes):
     # the elastic agent restarts the group; under FSDP it resumes from the shards, and 2 ranks' FSDP steps are
     # bitwise DDP's (the gradients' average is a sum and an exact halving either way)
     output_dir = tmp_path / "mid_save"
@@ -125,7 +116,7 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(uninter
     # before the kill landed
     assert resumed_step < partial_step or resumed_step == partial_step and "step_" + str(partial_step) in line
     print(f"\nkilled while writing {partial.name}; resumed from step {resumed_step}", file=sys.stderr)
-    assert_same_weights(uninterrupted, output_dir)
+    assert_same_weights(standard_reference, output_dir)
 
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])
@@ -159,7 +150,7 @@ def read_marker(output_dir: Path) -> dict | None:
 
 @pytest.mark.parametrize("target", ["agent", "one_worker"])
 @pytest.mark.multiprocess
-def test_preemption_signal_saves_the_step_reached_and_resume_loses_nothing(uninterrupted, tmp_path, target):
+def test_preemption_signal_saves_the_step_reached_and_resume_loses_nothing(standard_reference, tmp_path, target):
     """SIGTERM to torchrun's agent (it forwards it to every worker), or SIGUSR1 (SLURM's time-limit warning) to
     one worker only: the ranks agree at the next optimizer step, every rank saves the step reached.
     agent: every rank was signalled and exits 0; the same command again resumes from exactly that step.
@@ -194,7 +185,7 @@ def test_preemption_signal_saves_the_step_reached_and_resume_loses_nothing(unint
     assert code == 0, log[-3000:]
     assert f"resumed from {output_dir / 'checkpoints' / f'step_{stopped_at}'}: step {stopped_at}," in log
     assert read_marker(output_dir) is None, "a finished run must not look preempted"
-    assert_same_weights(uninterrupted, output_dir)
+    assert_same_weights(standard_reference, output_dir)
     print(
         f"\n{target}: signal -> checkpoint of step {stopped_at} complete in {signal_to_saved:.2f} s "
         f"(save itself {marker['save_s']} s); steps redone after resume: 0",
@@ -239,7 +230,9 @@ def test_a_stopped_job_resumes_at_another_world_size(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_a_hung_dataloader_worker_is_diagnosed_and_the_restart_resumes_to_identical_weights(uninterrupted, tmp_path):
+def test_a_hung_dataloader_worker_is_diagnosed_and_the_restart_resumes_to_identical_weights(
+    standard_reference, tmp_path
+):
     # one rank's loader blocks for good on one sample: without the watchdog both ranks would wait for the collective
     # timeout (10 minutes by default); with it, each says where it waits and exits 4, torchrun restarts the group
     output_dir = tmp_path / "hung_worker"
@@ -257,12 +250,14 @@ def test_a_hung_dataloader_worker_is_diagnosed_and_the_restart_resumes_to_identi
     reports = sorted(path.name for path in (output_dir / "hangs").iterdir())
     assert reports and set(reports) <= {"rank_0.txt", "rank_1.txt"}, reports
     assert "resumed from" in log or "resume" not in log
-    assert_same_weights(uninterrupted, output_dir)
+    assert_same_weights(standard_reference, output_dir)
     print(f"\nhung worker -> diagnosed, restarted and finished in {time.monotonic() - started:.0f} s", file=sys.stderr)
 
 
 @pytest.mark.multiprocess
-def test_a_stopped_rank_is_diagnosed_by_its_peer_and_the_restart_resumes_to_identical_weights(uninterrupted, tmp_path):
+def test_a_stopped_rank_is_diagnosed_by_its_peer_and_the_restart_resumes_to_identical_weights(
+    standard_reference, tmp_path
+):
     # SIGSTOP: a rank that stops making progress without a word (a stuck driver, a swapped-out node)
     output_dir = tmp_path / "stopped_rank"
     args = ["--hang-timeout-s", "5", "--resume-from-checkpoint", "latest"]
@@ -281,7 +276,7 @@ def test_a_stopped_rank_is_diagnosed_by_its_peer_and_the_restart_resumes_to_iden
     assert "another rank" in line and "Exiting with status 4" in line, line
     assert 5 <= diagnosed_s < 30, diagnosed_s
     assert "resumed from" in log
-    assert_same_weights(uninterrupted, output_dir)
+    assert_same_weights(standard_reference, output_dir)
     print(f"\nSIGSTOP of rank 1 -> rank 0's diagnosis after {diagnosed_s:.1f} s", file=sys.stderr)
 
 

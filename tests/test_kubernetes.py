@@ -28,10 +28,9 @@ import yaml
 from helpers import (
     BIN,
     ROOT,
-    check_ok,
+    STANDARD_PROBE_ARGS,
     checkpoint_steps,
     free_port,
-    launch,
     metrics_of,
     wait_for,
     wait_for_checkpoint,
@@ -44,8 +43,7 @@ pytestmark = pytest.mark.skipif(namespaces_available() is not None, reason=str(n
 MANIFEST = ROOT / "kubernetes" / "pytorchjob.yaml"
 ELASTIC_MANIFEST = ROOT / "kubernetes" / "pytorchjob-elastic.yaml"
 ETCD = shutil.which("etcd")
-PROBE_ARGS = ["--batch-size", "4", "--epochs", "3", "--train-size", "256", "--dropout", "0.3"]
-PROBE_ARGS += ["--checkpointing-steps", "5", "--step-ms", "30"]
+PROBE_ARGS = [*STANDARD_PROBE_ARGS, "--step-ms", "30"]
 
 
 def operator_environment(job: dict, replica_type: str, index: int, master_address: str) -> dict[str, str]:
@@ -119,7 +117,7 @@ def wait_all(pods: list[subprocess.Popen], timeout: float = 240) -> list[int | N
 
 
 @pytest.mark.system
-def test_a_pytorchjob_pod_deleted_mid_training_restarts_and_ends_bitwise(two_machines, tmp_path):  # noqa: F811
+def test_a_pytorchjob_pod_deleted_mid_training_restarts_and_ends_bitwise(two_machines, tmp_path, standard_reference):  # noqa: F811
     job = yaml.safe_load(MANIFEST.read_text())
     assert job["kind"] == "PyTorchJob" and set(job["spec"]["pytorchReplicaSpecs"]) == {"Master", "Worker"}
     grace = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["terminationGracePeriodSeconds"]
@@ -149,9 +147,7 @@ def test_a_pytorchjob_pod_deleted_mid_training_restarts_and_ends_bitwise(two_mac
     assert codes == [0, 0], (codes, texts[0][-3000:], texts[1][-3000:])
     assert "resumed from" in texts[0], texts[0][-3000:]
 
-    reference = tmp_path / "reference"  # the same job on one host: 2 processes, the same ranks
-    check_ok(launch("tests/probe.py", *PROBE_ARGS, "--output-dir", reference))
-    a, b = weights(reference), weights(output_dir)
+    a, b = weights(standard_reference), weights(output_dir)  # the same job on one host, uninterrupted
     assert all(torch.equal(a[key], b[key]) for key in a), "weights differ from the uninterrupted run"
     saved = " ".join(marker.split())
     print(f"\npod deleted after step 5: both pods ended {stopped_s:.1f} s later; {saved}", file=sys.stderr)

@@ -21,10 +21,9 @@ import torch
 from helpers import (
     BIN,
     ROOT,
-    check_ok,
+    STANDARD_PROBE_ARGS,
     free_port,
     kill_tree,
-    launch,
     metrics_of,
     session_members,
     wait_for,
@@ -38,8 +37,7 @@ from ddp_accel import ray_launch
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]'; .ci/run installs it)")
 
 PROBE = str(ROOT / "tests" / "probe.py")
-PROBE_ARGS = ["--batch-size", "4", "--epochs", "3", "--train-size", "256", "--dropout", "0.3"]
-PROBE_ARGS += ["--checkpointing-steps", "5", "--step-ms", "30"]
+PROBE_ARGS = [*STANDARD_PROBE_ARGS, "--step-ms", "30"]
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +97,7 @@ def finish(driver: subprocess.Popen, timeout: float = 300) -> int | None:
 
 @pytest.mark.multiprocess
 def test_a_signalled_then_a_killed_ray_worker_restart_the_group_which_resumes_bitwise_and_a_user_error_is_final(
-    ray_head, tmp_path
+    ray_head, tmp_path, standard_reference
 ):
     output_dir, pids = tmp_path / "run", tmp_path / "pids"
     log = tmp_path / "driver.log"
@@ -127,9 +125,7 @@ def test_a_signalled_then_a_killed_ray_worker_restart_the_group_which_resumes_bi
     assert "ray: training completed" in text and "checkpoints/step_95" in text, text[-2000:]
     assert (output_dir / "checkpoints" / "step_5").is_dir(), "Ray deleted none of our checkpoints"
 
-    reference = tmp_path / "reference"  # the same options under torchrun, uninterrupted
-    check_ok(launch("tests/probe.py", *PROBE_ARGS, "--output-dir", reference, launcher="torchrun"))
-    a, b = weights(reference), weights(output_dir)
+    a, b = weights(standard_reference), weights(output_dir)  # the same job under torchrun, uninterrupted
     assert all(torch.equal(a[key], b[key]) for key in a), "weights differ from the uninterrupted torchrun run"
 
     # the same run folder with a model of another size: a user error the workers find (the checkpoint's identity),

@@ -10,6 +10,7 @@ import torch
 from helpers import (
     BIN,
     ROOT,
+    SHORT_PROBE_ARGS,
     assert_clean_error,
     assert_same_weights,
     check_ok,
@@ -215,17 +216,15 @@ def test_eval_counts_every_sample_exactly_once(two_process_job):
 
 
 @multiprocess
-def test_resume_mid_epoch_gives_identical_weights(tmp_path):
+def test_resume_mid_epoch_gives_identical_weights(tmp_path, short_job):
     # dropout on: resume must also restore every rank's RNG state; the LR schedule must continue too
-    common = ["--batch-size", 4, "--epochs", 3, "--dropout", "0.3", "--checkpointing-steps", 5]
-    probe(tmp_path / "full", *common)
-    checkpoints = sorted((tmp_path / "full" / "checkpoints").iterdir())
+    checkpoints = sorted((short_job / "checkpoints").iterdir())  # the whole run's: 2 epochs of 12 steps
     assert [p.name for p in checkpoints] == ["step_10", "step_15", "step_20", "step_5"]
-    # a run that died after step 5 (mid-epoch 0: 8 steps per epoch) left only step_5
-    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_5", tmp_path / "cut" / "checkpoints" / "step_5")
-    output = probe(tmp_path / "cut", *common, "--resume-from-checkpoint", "latest")
+    # a run that died after step 5 (mid-epoch 0) left only step_5
+    shutil.copytree(short_job / "checkpoints" / "step_5", tmp_path / "cut" / "checkpoints" / "step_5")
+    output = probe(tmp_path / "cut", *SHORT_PROBE_ARGS, "--resume-from-checkpoint", "latest")
     assert "resumed from" in output and "step 5, epoch 0" in output
-    assert_same_weights(tmp_path / "full", tmp_path / "cut", atol=None)
+    assert_same_weights(short_job, tmp_path / "cut", atol=None)
 
 
 @multiprocess
