@@ -18,7 +18,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BIN, ROOT, assert_nothing_left, free_port, kill_tree, metrics_of, process_tree, wait_for, weights
+from helpers import (
+    BIN,
+    ROOT,
+    assert_nothing_left,
+    check_ok,
+    free_port,
+    kill_tree,
+    metrics_of,
+    process_tree,
+    run_script,
+    wait_for,
+    weights,
+)
 
 pytestmark = pytest.mark.system
 
@@ -40,19 +52,8 @@ def start(
 ) -> subprocess.Popen:
     """The probe under `launcher`, resuming from its latest checkpoint (the chain: 8 epochs with slow evaluations;
     single moments: 2 epochs)."""
-    extra = ("--eval-ms", str(SLOW_EVAL_MS if epochs == 8 else 0), *extra)
     log = open(output_dir.with_suffix(".log"), "a")
-    args = [
-        PROBE,
-        "--output-dir",
-        str(output_dir),
-        *ARGS,
-        *extra,
-        "--epochs",
-        str(epochs),
-        "--resume-from-checkpoint",
-        "latest",
-    ]
+    args = [PROBE, *probe_args(output_dir, epochs, extra)]
     if launcher == "torchrun":
         command = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), *args]
     elif launcher == "accelerate":
@@ -66,6 +67,20 @@ def start(
     else:
         command = [sys.executable, *args]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=ENV, start_new_session=True)
+
+
+def probe_args(output_dir: Path, epochs: int, extra: tuple[str, ...] = ()) -> list[str]:
+    extra = ("--eval-ms", str(SLOW_EVAL_MS if epochs == 8 else 0), *extra)
+    return [
+        "--output-dir",
+        str(output_dir),
+        *ARGS,
+        *extra,
+        "--epochs",
+        str(epochs),
+        "--resume-from-checkpoint",
+        "latest",
+    ]
 
 
 def signal_every_process(agent: subprocess.Popen, signum: int) -> list[int]:
@@ -147,7 +162,10 @@ def references(tmp_path_factory):
         key = ("python" if launcher == "python" else "torchrun", epochs)
         if key not in made:
             output_dir = tmp_path_factory.mktemp("preemption") / f"reference_{key[0]}_{epochs}"
-            assert start(output_dir, key[0], epochs=epochs).wait(timeout=300) == 0, log_of(output_dir)[-3000:]
+            if key[0] == "python":  # one process: in this one
+                check_ok(run_script(PROBE, *probe_args(output_dir, epochs)))
+            else:
+                assert start(output_dir, key[0], epochs=epochs).wait(timeout=300) == 0, log_of(output_dir)[-3000:]
             made[key] = output_dir
         return made[key]
 
@@ -237,9 +255,8 @@ def test_one_process_stopped_mid_training_resumes_bitwise(tmp_path, references):
     assert found is not None and found["signal"] == "SIGTERM", log_of(output_dir)[-3000:]
     assert found["phase"] in ("train", "eval"), found
     assert_only_the_launchers_traceback(log_of(output_dir))
-    again = start(output_dir, "python", epochs=2)
-    assert again.wait(timeout=300) == 0, log_of(output_dir)[-3000:]
-    assert f"resumed from {found['checkpoint']}: step {found['step']}," in log_of(output_dir)
+    again = check_ok(run_script(PROBE, *probe_args(output_dir, 2)))  # in this process
+    assert f"resumed from {found['checkpoint']}: step {found['step']}," in again
     assert marker(output_dir) is None
     expected, final = weights(references("python", epochs=2)), weights(output_dir)
     assert all(torch.equal(expected[key], final[key]) for key in expected)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from helpers import check_ok, launch, weights
+from helpers import check_ok, launch, run_script, weights
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_accel import loaders
@@ -145,7 +145,7 @@ def test_one_process_with_a_hung_worker_exits_4_and_the_rerun_resumes_to_identic
         "4",
     ]
     args += ["--workers", "1"]
-    check_ok(launch("tests/probe.py", *args, "--output-dir", tmp_path / "reference", launcher="python"))
+    check_ok(run_script("tests/probe.py", *args, "--output-dir", tmp_path / "reference"))  # in this process
     hung = [*args, "--hang-at-sample", "70", "--hang-timeout-s", "3", "--resume-from-checkpoint", "latest"]
     started = time.monotonic()
     first = launch("tests/probe.py", *hung, "--output-dir", tmp_path / "hung", launcher="python")
