@@ -8,6 +8,8 @@ import subprocess
 import pytest
 from helpers import BIN, ROOT, free_port
 
+from ddp_accel.__main__ import main as ddp_accel_main
+
 pexpect = pytest.importorskip("pexpect")
 
 # question (regex) -> answer; menus take the option's number, then Enter. One machine, 2 processes ("GPUs":
@@ -82,5 +84,4 @@ def test_config_default_writes_a_valid_file(tmp_path):
         timeout=120,
     )
     assert result.returncode == 0 and config.is_file(), result.stdout + result.stderr
-    check = subprocess.run([str(BIN / "ddp-accel"), "check-config", str(config)], capture_output=True, text=True)
-    assert check.returncode == 0, check.stdout + check.stderr
+    assert ddp_accel_main(["check-config", str(config)]) == 0

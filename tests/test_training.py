@@ -511,6 +511,7 @@ def test_the_accelerate_configs_dynamo_path_exports_the_bare_models_weights(tmp_
     command += ["--output-dir", str(tmp_path), "--epochs", "2", "--max-steps", "2", "--checkpointing-steps", "2"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     check_ok(result)
+    assert metrics_of(tmp_path)["world_size"] == 1  # cpu.yaml: one process
     assert sorted(load_file(str(tmp_path / "model.safetensors"))) == ["0.bias", "0.weight", "3.bias", "3.weight"]
     output = probe(tmp_path, "--epochs", 2, "--max-steps", 4, "--resume-from-checkpoint", "latest", nproc=1)
     assert "resumed from" in output and metrics_of(tmp_path)["steps"] == 4, output[-2000:]
