@@ -117,7 +117,11 @@ def wait_all(pods: list[subprocess.Popen], timeout: float = 240) -> list[int | N
 
 
 @pytest.mark.system
-def test_a_pytorchjob_pod_deleted_mid_training_restarts_and_ends_bitwise(two_machines, tmp_path, standard_reference):  # noqa: F811
+def test_a_pytorchjob_pod_deleted_mid_training_restarts_and_ends_bitwise(
+    two_machines,  # noqa: F811
+    tmp_path,
+    standard_reference,
+):
     job = yaml.safe_load(MANIFEST.read_text())
     assert job["kind"] == "PyTorchJob" and set(job["spec"]["pytorchReplicaSpecs"]) == {"Master", "Worker"}
     grace = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["terminationGracePeriodSeconds"]
