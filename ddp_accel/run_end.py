@@ -22,7 +22,7 @@ from ddp_accel.files import write_json, writing
 from ddp_accel.meters import EvalHistory, numbers
 from ddp_accel.plots import plot_history
 from ddp_accel.run_folder import RunFolder
-from ddp_accel.runtime import exported_model, topology
+from ddp_accel.runtime import exported_model, shards_weights, topology
 from ddp_accel.state import RunIdentity, TrainState
 from ddp_accel.stopping import Phase, StepAgreement, StopSignals
 from ddp_accel.task import RunRecord
@@ -97,8 +97,9 @@ def commit(run: EndingRun) -> dict[str, Any]:
     accelerator.wait_for_everyone()
     final = folder.staging / "model"
     with writing(final, cleanup=final):
-        # every rank: FSDP gathers the full weights
-        accelerator.save_model(exported_model(accelerator, run.model), str(final))
+        # rank 0 writes the weights, which every rank holds whole but under FSDP, whose gather needs every rank
+        if shards_weights(accelerator) or accelerator.is_main_process:
+            accelerator.save_model(exported_model(accelerator, run.model), str(final))
         accelerator.wait_for_everyone()  # every rank is done with the folder before it goes
         if accelerator.is_main_process:
             if run.ema is not None:

@@ -46,6 +46,7 @@ from ddp_accel.engines import Outcome, record_outcome
 from ddp_accel.errors import UserError
 from ddp_accel.group_wait import while_the_group_forms
 from ddp_accel.lazy_compiler import defer_compiler_import
+from ddp_accel.lazy_libraries import defer_library_imports
 from ddp_accel.loaders import end_worker_processes, kill_leftover_workers
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.sharding import accelerate_version_note, adopt_fsdp_on_cpu
@@ -97,6 +98,7 @@ def build_accelerator(
     """
     _cache_per_step_package_probe()
     defer_compiler_import()  # before the script makes its optimizer: ~0.6 s of CPU a process, unless it compiles
+    defer_library_imports()  # DTensor's and datasets' imports, ~1.3 s of CPU a process, unless something uses them
     cpu = not has_accelerator()
     # accelerate launch --mixed_precision and the YAML's mixed_precision reach the Accelerator by this variable
     if cpu and (mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")) == "fp16":

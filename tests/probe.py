@@ -16,6 +16,7 @@ if __name__ == "__main__":
 
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -222,6 +223,10 @@ def main(signals: StopSignals | None = None) -> None:
     callbacks = [*crash, LearningRates(config.output_dir)]
     fit(accelerator, config, task, RunRecord(identity=identity), signals=signals, callbacks=callbacks)
     Path(config.output_dir, f"seen_rank{accelerator.process_index}.json").write_text(json.dumps(seen))
+    # which of the modules a run needs not import it did import (tests/test_lazy_compiler.py)
+    unused = ["torch._dynamo", "torch.distributed.tensor", "datasets"]
+    imported = [module for module in unused if sys.modules.get(module) is not None]
+    Path(config.output_dir, f"imported_rank{accelerator.process_index}.json").write_text(json.dumps(imported))
     # where each rank ran (the SLURM tests check the machine ranks)
     print(
         f"probe rank {accelerator.process_index} machine_rank {os.environ.get('GROUP_RANK', 0)} "

@@ -1,5 +1,7 @@
-"""torch._dynamo imported when something compiles, not at an optimizer's first use (ddp_accel/lazy_compiler.py)."""
+"""torch._dynamo imported when something compiles, not at an optimizer's first use (ddp_accel/lazy_compiler.py);
+whole runs that import neither the compiler nor what Accelerate asks about (ddp_accel/lazy_libraries.py)."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -113,18 +115,33 @@ RUN_WITHOUT_THE_COMPILER = textwrap.dedent(
     optimizer.load_state_dict(optimizer.state_dict())
     from accelerate.utils import extract_model_from_parallel
     assert extract_model_from_parallel(model) is model.module
+    # a data loader prepared for rank 0 of 2 (the run above had one process): Accelerate asks about `datasets`
+    from accelerate.data_loader import prepare_data_loader
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    assert len(prepare_data_loader(loader, num_processes=2, process_index=0, put_on_device=False)) == 2
     torch.distributed.destroy_process_group()
-    print("torch._dynamo imported:", "torch._dynamo" in sys.modules)
+    for module in ["torch._dynamo", "datasets"]:  # (torch.distributed.tensor: the final save asks about DTensor)
+        print(module, "imported:", module in sys.modules)
     """
 )
 
 
 @pytest.mark.multiprocess
-def test_a_run_and_ddp_train_without_importing_the_compiler(tmp_path):
+def test_a_run_and_ddp_train_without_importing_the_compiler_or_datasets(tmp_path):
     result = subprocess.run(
         [sys.executable, "-c", RUN_WITHOUT_THE_COMPILER, str(tmp_path / "run")],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "torch._dynamo imported: False" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
+    imported = [line for line in result.stdout.splitlines() if " imported: " in line]
+    assert imported == ["torch._dynamo imported: False", "datasets imported: False"], result.stdout[-2000:]
     assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+@pytest.mark.multiprocess
+def test_on_two_processes_only_rank_0_imports_dtensor_to_write_the_model(short_job):
+    """DTensor's module (~0.55 s of CPU with sympy) is imported by rank 0's final save (huggingface_hub's sharding
+    asks about DTensor) and by nothing else: Accelerate's prepare and unwrap do not ask (ddp_accel/lazy_libraries.py),
+    nor does any other rank write the model. Neither rank imports the compiler or `datasets`."""
+    imported = {rank: json.loads((short_job / f"imported_rank{rank}.json").read_text()) for rank in (0, 1)}
+    assert imported == {0: ["torch.distributed.tensor"], 1: []}
