@@ -505,6 +505,32 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         '            torch.set_grad_enabled(args[0].defaults["differentiable"])\n',
         "",
     ),
+    # Accelerate's DTensor, FSDP and datasets questions answered without their imports (ddp_accel/lazy_libraries.py)
+    "datasets_imported_to_ask_about_a_loader": (
+        "ddp_accel/lazy_libraries.py",
+        '    (accelerate.data_loader, "is_datasets_available", DATASETS, {"prepare_data_loader"}),\n',
+        "",
+    ),
+    "dtensor_imported_to_ask_about_a_model": (
+        "ddp_accel/lazy_libraries.py",
+        '    (accelerate.accelerator, "model_has_dtensor", DTENSOR, {"Accelerator.prepare_model"}),\n',
+        "",
+    ),
+    "a_library_asked_before_its_import": (
+        "ddp_accel/lazy_libraries.py",
+        "        return imported(module) and answer(*args, **kwargs)",
+        "        return answer(*args, **kwargs)",
+    ),
+    "accelerate_asking_elsewhere_changed_too": (
+        "ddp_accel/lazy_libraries.py",
+        "answer in _DEFERRED or callers(owner, name) != asked_by:",
+        "answer in _DEFERRED:",
+    ),
+    "every_rank_writes_the_final_weights": (
+        "ddp_accel/run_end.py",
+        "        if shards_weights(accelerator) or accelerator.is_main_process:",
+        "        if True:",
+    ),
 }
 
 
