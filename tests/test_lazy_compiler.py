@@ -142,6 +142,7 @@ def test_a_run_and_ddp_train_without_importing_the_compiler_or_datasets(tmp_path
 def test_on_two_processes_only_rank_0_imports_dtensor_to_write_the_model(short_job):
     """DTensor's module (~0.55 s of CPU with sympy) is imported by rank 0's final save (huggingface_hub's sharding
     asks about DTensor; so does Accelerate's unwrap, for FSDP) and by nothing else: Accelerate's prepare does not
-    ask (ddp_accel/lazy_libraries.py), nor does any other rank write the model. Neither rank imports the compiler or `datasets`."""
+    ask (ddp_accel/lazy_libraries.py), nor does any other rank write the model. Neither rank imports the compiler
+    or `datasets`."""
     imported = {rank: json.loads((short_job / f"imported_rank{rank}.json").read_text()) for rank in (0, 1)}
     assert imported == {0: ["torch.distributed.tensor"], 1: []}
