@@ -42,7 +42,7 @@ for side in base head; do
     /usr/bin/time -f "cpu %U %S wall %e" -o "$work/$side.time" \
         bash -c "$(declare -f suite_in_namespace); suite_in_namespace $work/$side/main" > "$work/$side.log" 2>&1 &
 done
-wait || true
+wait
 for side in base head; do
     echo "$side: $(grep -E '[0-9]+ passed' "$work/$side.log" | tail -1); $(cat "$work/$side.time")"
 done

@@ -223,7 +223,7 @@ def main(signals: StopSignals | None = None) -> None:
     callbacks = [*crash, LearningRates(config.output_dir)]
     fit(accelerator, config, task, RunRecord(identity=identity), signals=signals, callbacks=callbacks)
     Path(config.output_dir, f"seen_rank{accelerator.process_index}.json").write_text(json.dumps(seen))
-    # which of the modules a run needs not import it did import (tests/test_lazy_compiler.py)
+    # which of three modules a plain run has no use for this rank imported all the same (tests/test_lazy_compiler.py)
     unused = ["torch._dynamo", "torch.distributed.tensor", "datasets"]
     imported = [module for module in unused if sys.modules.get(module) is not None]
     Path(config.output_dir, f"imported_rank{accelerator.process_index}.json").write_text(json.dumps(imported))

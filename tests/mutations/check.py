@@ -505,7 +505,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         '            torch.set_grad_enabled(args[0].defaults["differentiable"])\n',
         "",
     ),
-    # Accelerate's DTensor, FSDP and datasets questions answered without their imports (ddp_accel/lazy_libraries.py)
+    # Accelerate's DTensor and datasets questions answered without their imports (ddp_accel/lazy_libraries.py), and
+    # the final weights written by rank 0 alone (ddp_accel/run_end.py)
     "datasets_imported_to_ask_about_a_loader": (
         "ddp_accel/lazy_libraries.py",
         '    (accelerate.data_loader, "is_datasets_available", DATASETS, {"prepare_data_loader"}),\n',
