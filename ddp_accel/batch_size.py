@@ -53,18 +53,21 @@ def distributed() -> bool:
 
 def _fits(accelerator: Any, model: torch.nn.Module, loss_fn: Any, loader: Any, size: int) -> bool:
     batch = send_to_device(loader.collate_fn([loader.dataset[index] for index in range(size)]), accelerator.device)
+    fits = False
     try:
         with buffers_and_generators_kept(model), accelerator.autocast():
             loss_fn(model, batch).backward()
-        return True
+        fits = True
     except Exception as error:
         if not should_reduce_batch_size(error):
             raise
-        return False
     finally:
         del batch
         model.zero_grad(set_to_none=True)
-        clear_device_cache(garbage_collection=True)
+        # a pass that ran out of memory can leave its activations in reference cycles (the error's frames): collected
+        # before the next size; a pass that fit freed them as it returned (a full collection of a large process is slow)
+        clear_device_cache(garbage_collection=not fits)
+    return fits
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ installed: a SIGTERM to a worker ends it (Ray's own handler) and the group resta
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import runpy
 import signal
@@ -67,10 +68,8 @@ class RayJob:
 
     def check(self) -> None:
         """What Ray would reject later, or never: one line each, before anything starts."""
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            raise UserError("Ray is not installed here: pip install -e '.[ray]'") from None
+        if importlib.util.find_spec("ray") is None:  # found, not imported: a wrong option is said a second sooner
+            raise UserError("Ray is not installed here: pip install -e '.[ray]'")
         if self.workers < 1:
             raise UserError(f"--workers must be at least 1, not {self.workers}")
         if self.min_workers is not None and not 1 <= self.min_workers <= self.workers:
@@ -360,19 +359,20 @@ def run(job: RayJob) -> int:
     output_dir = check_in_driver(job)
     if isinstance(output_dir, int):
         return output_dir
+    new_cluster = job.address is None and not os.environ.get("RAY_ADDRESS")
+    if not new_cluster:  # before Ray's import: an address where nothing answers is one line at once
+        wait_for_the_cluster(job.address or os.environ["RAY_ADDRESS"], job.start_timeout_s)
     import ray
     from ray.train.v2.api.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.torch.torch_trainer import TorchTrainer
 
     _final_failures_policy()
     os.environ["RAY_CHDIR_TO_TRIAL_DIR"] = "0"  # relative paths of the command stay the driver's
-    new_cluster = job.address is None and not os.environ.get("RAY_ADDRESS")
     # read by Ray Train's controller, which runs on the cluster: the job's environment reaches it
     runtime_env = {"env_vars": {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(job.start_timeout_s)}}
     if new_cluster:
         ray.init(include_dashboard=False, runtime_env=runtime_env)
     else:
-        wait_for_the_cluster(job.address or os.environ["RAY_ADDRESS"], job.start_timeout_s)
         ray.init(address=job.address, runtime_env=runtime_env)
     workers: Any = job.workers if job.min_workers is None else (job.min_workers, job.workers)  # Ray 2.60: either
     spec = asdict(job) | {"command": job.command(), "output_dir": str(output_dir), "started": started}

@@ -171,10 +171,10 @@ def test_a_rank_whose_rank_0_never_starts_says_so_then_ends_at_the_timeout_with_
         unused.bind(("127.0.0.1", 0))
         port = unused.getsockname()[1]
     env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    result = run_script("scripts/minimal.py", "--output-dir", tmp_path, "--timeout-s", 2, env=env)
+    result = run_script("scripts/minimal.py", "--output-dir", tmp_path, "--timeout-s", 1, env=env)
     assert result.returncode != 0
     waiting = [line for line in result.stderr.splitlines() if line.startswith("waiting: ")]
     assert waiting and f"rank 1 of 2: waiting for the group at 127.0.0.1:{port}: nothing answers" in waiting[0]
-    assert "--timeout-s 2 ends the wait" in waiting[0], waiting
+    assert "--timeout-s 1 ends the wait" in waiting[0], waiting
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "lost contact" in errors[0], result.stderr[-2000:]

@@ -146,7 +146,7 @@ def test_dummy_data_and_torchvision_arch_run(tmp_path):
             "scripts/imagenet.py",
             "--dummy",
             "-a",
-            "resnet18",
+            "mobilenet_v3_small",
             "--image-size",
             "32",
             "--dummy-classes",
