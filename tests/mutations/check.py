@@ -198,8 +198,14 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "ray_address_not_waited_for": (
         "ddp_accel/ray_launch.py",
-        '        wait_for_the_cluster(job.address or os.environ["RAY_ADDRESS"], job.start_timeout_s)\n',
-        "",
+        "    if not new_cluster:  # before Ray's import",
+        "    if False:  # before Ray's import",
+    ),
+    "ray_train_imported_before_the_address_is_tried": (
+        "ddp_accel/ray_launch.py",
+        "    new_cluster = job.address is None and not os.environ.get(\"RAY_ADDRESS\")\n    if not new_cluster:",
+        "    import ray.train.v2.torch.torch_trainer  # noqa: F401\n\n"
+        "    new_cluster = job.address is None and not os.environ.get(\"RAY_ADDRESS\")\n    if not new_cluster:",
     ),
     "evaluation_takes_options_of_training": (
         "scripts/imagenet.py",
@@ -531,6 +537,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "ddp_accel/run_end.py",
         "        if shards_weights(accelerator) or accelerator.is_main_process:",
         "        if True:",
+    ),
+    "garbage_collected_after_the_size_that_fit": (
+        "ddp_accel/batch_size.py",
+        "clear_device_cache(garbage_collection=not fits)",
+        "clear_device_cache(garbage_collection=True)",
+    ),
+    "no_garbage_collected_after_running_out_of_memory": (
+        "ddp_accel/batch_size.py",
+        "clear_device_cache(garbage_collection=not fits)",
+        "clear_device_cache(garbage_collection=False)",
     ),
 }
 
