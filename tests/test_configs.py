@@ -26,8 +26,8 @@ def test_config_loads_and_documents_itself(path):
     assert ddp_accel_main(["check-config", str(path)]) == 0
 
 
-# multi_gpu.yaml with 2 processes: tests/test_minimal.py (accelerate launch); cpu.yaml: test_training.py's dynamo
-# test launches it
+# multi_gpu.yaml with 2 processes: the shared short job (tests/conftest.py, accelerate launch); cpu.yaml:
+# test_training.py's dynamo test launches it
 @pytest.mark.parametrize("name,world_size", [("single_gpu", 1)])
 @pytest.mark.multiprocess
 def test_cpu_runnable_configs_launch(tmp_path, name, world_size):

@@ -6,18 +6,23 @@ import pytest
 from helpers import check_ok, launch, metrics_of, run_script
 
 
-@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
-@pytest.mark.multiprocess
-def test_two_processes_form_one_world(tmp_path, launcher):
-    output = check_ok(launch("scripts/minimal.py", "--output-dir", tmp_path, launcher=launcher))
+def assert_one_world_of_two(output: str, output_dir) -> None:
     ranks = sorted(re.findall(r"^rank (\d) local_rank (\d) world_size (\d)", output, re.M))
     assert ranks == [("0", "0", "2"), ("1", "1", "2")], output
     assert re.search(r"distributed_type\s+MULTI_CPU", output) and re.search(r"backend\s+gloo", output), output
     gathered = re.search(r"all_gather_object: (.*)", output).group(1)
     assert "'rank': 0" in gathered and "'rank': 1" in gathered
-    metrics = metrics_of(tmp_path)
+    metrics = metrics_of(output_dir)
     assert metrics["world_size"] == 2 and metrics["eval_samples"] == 20
-    assert {p.name for p in tmp_path.iterdir()} >= {"args.json", "metrics.json", "model.safetensors"}
+    assert {p.name for p in output_dir.iterdir()} >= {"args.json", "metrics.json", "model.safetensors"}
+
+
+# under accelerate launch: test_accelerate_config.py's questionnaire launches this script with the YAML it wrote
+# (multi_gpu.yaml: every test of the shared short job)
+@pytest.mark.multiprocess
+def test_two_processes_form_one_world_under_torchrun(tmp_path):
+    output = check_ok(launch("scripts/minimal.py", "--output-dir", tmp_path, launcher="torchrun"))
+    assert_one_world_of_two(output, tmp_path)
 
 
 @pytest.mark.inprocess

@@ -203,9 +203,9 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "ray_train_imported_before_the_address_is_tried": (
         "ddp_accel/ray_launch.py",
-        "    new_cluster = job.address is None and not os.environ.get(\"RAY_ADDRESS\")\n    if not new_cluster:",
+        '    new_cluster = job.address is None and not os.environ.get("RAY_ADDRESS")\n    if not new_cluster:',
         "    import ray.train.v2.torch.torch_trainer  # noqa: F401\n\n"
-        "    new_cluster = job.address is None and not os.environ.get(\"RAY_ADDRESS\")\n    if not new_cluster:",
+        '    new_cluster = job.address is None and not os.environ.get("RAY_ADDRESS")\n    if not new_cluster:',
     ),
     "evaluation_takes_options_of_training": (
         "scripts/imagenet.py",
