@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ddp_accel.files import replaced_atomically
+
+CURVES_VARIABLE = "DDP_ACCEL_CURVES"
+
+
+def curves_wanted() -> bool:
+    """training_curves.png is drawn at the end of a run unless DDP_ACCEL_CURVES=0: sweeps and CI jobs that never
+    look at it save matplotlib's half second of CPU (its import and one plot) at every run's end."""
+    return os.environ.get(CURVES_VARIABLE, "").strip().lower() not in ("0", "false", "no", "off")
 
 
 def plot_history(history: list[dict], path: str | Path, title: str = "") -> None:

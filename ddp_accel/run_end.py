@@ -20,7 +20,7 @@ from ddp_accel.context import RunContext
 from ddp_accel.ema import WeightAverage
 from ddp_accel.files import write_json, writing
 from ddp_accel.meters import EvalHistory, numbers
-from ddp_accel.plots import plot_history
+from ddp_accel.plots import curves_wanted, plot_history
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.runtime import exported_model, shards_weights, topology
 from ddp_accel.state import RunIdentity, TrainState
@@ -94,6 +94,7 @@ def commit(run: EndingRun) -> dict[str, Any]:
     run.watchdog.stop()  # it watches training and evaluation; the commit writes files once
     accelerator, folder = run.accelerator, run.folder
     metrics = final_metrics(run)
+    curves = bool(run.history.records) and curves_wanted()
     accelerator.wait_for_everyone()
     final = folder.staging / "model"
     with writing(final, cleanup=final):
@@ -104,21 +105,22 @@ def commit(run: EndingRun) -> dict[str, Any]:
         if accelerator.is_main_process:
             if run.ema is not None:
                 folder.stage_weights("model_ema.safetensors", run.ema.weights())
-            if run.history.records:
+            if curves:
                 plot_history(run.history.records, folder.staging / "training_curves.png", run.record.title)
             write_json(folder.staging / "args.json", run.hyperparameters)
             folder.commit(final, run.record.artifacts, metrics)
     engines.note_metrics(metrics)
     run.callbacks.call("on_end", run.context, metrics)
     run.signals.enter(Phase.DONE)
-    accelerator.print(summary_line(metrics, folder.path))
+    accelerator.print(summary_line(metrics, folder.path, curves))
     if run.budget is not None:
         accelerator.print(budget_line(run.budget, time.time() - run.started, run.resumed_from is not None))
     return metrics
 
 
-def summary_line(metrics: dict[str, Any], output_dir: Path) -> str:
+def summary_line(metrics: dict[str, Any], output_dir: Path, curves: bool) -> str:
     """The last line of a run: what it reached and where its outputs are."""
+    written = "model.safetensors, metrics.json" + (" and training_curves.png" if curves else "")
     scores = ", ".join(
         f"{key} {value:.4g}"
         for key, value in numbers(metrics).items()
@@ -126,5 +128,5 @@ def summary_line(metrics: dict[str, Any], output_dir: Path) -> str:
     )
     return (
         f"done: {metrics['steps']} steps in {metrics['wall_time_s']:.0f} s on {metrics['world_size']} process(es)"
-        f"{'; ' + scores if scores else ''}; model.safetensors, metrics.json and training_curves.png in {output_dir}"
+        f"{'; ' + scores if scores else ''}; {written} in {output_dir}"
     )

@@ -125,21 +125,18 @@ def load_script(script: str):
     return _SCRIPTS[script]
 
 
-def _no_plot(history: list, path, title: str = "") -> None:
-    """What run_script puts in place of plot_history unless a test asks for the curves."""
-
-
 def run_script(script: str, *args, env: dict | None = None, curves: bool = False) -> Result:
     """Run a script's main() through run_main inside this process, as `python script args` would: its exit code and
     what it printed. No interpreter start and no imports: an error path costs milliseconds, a small training seconds.
 
-    training_curves.png is drawn only with `curves=True`: matplotlib takes 0.1 s a plot, a fifth of the in-process
-    tier's time over its ~100 runs; the plot is proven by its own test (test_pieces) and in every launched run."""
+    training_curves.png is drawn only with `curves=True` (DDP_ACCEL_CURVES, as the suite's launched runs: see
+    conftest.py); the plot is proven by its own test (test_pieces) and the runs that ask for it."""
     from unittest import mock
 
     from accelerate.state import AcceleratorState
 
-    from ddp_accel import loaders, run_end, run_main, runtime
+    from ddp_accel import loaders, run_main, runtime
+    from ddp_accel.plots import CURVES_VARIABLE
 
     module = load_script(script)
     stdout, stderr = io.StringIO(), io.StringIO()
@@ -147,14 +144,14 @@ def run_script(script: str, *args, env: dict | None = None, curves: bool = False
     sys.argv = [str(ROOT / script), *map(str, args)]
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         os.environ.pop(name, None)
+    os.environ[CURVES_VARIABLE] = "1" if curves else "0"
     os.environ.update(env or {})
     code = 0
     try:
         # this process outlives the script, as a notebook's does: its forkserver serves the next run (started again
         # per run, it cost the in-process tier a second each); a command's own ending is proven in launched tests
         keep_the_forkserver = mock.patch.object(runtime, "end_worker_processes", loaders.kill_leftover_workers)
-        no_curves = contextlib.nullcontext() if curves else mock.patch.object(run_end, "plot_history", _no_plot)
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), keep_the_forkserver, no_curves:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), keep_the_forkserver:
             run_main(module.main)
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)

@@ -56,6 +56,7 @@ def test_two_processes_train_count_every_val_image_once_and_evaluate_reproduces_
             "--sync-bn",
             "--output-dir",
             out,
+            env={"DDP_ACCEL_CURVES": "1"},
         )
     )
     assert re.search(r"sync_bn_layers\s+21\b", output)  # ResNet-20: stem + 18 in blocks + 2 shortcuts

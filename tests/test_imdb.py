@@ -309,7 +309,7 @@ def assert_offline_fallback(output: str, steps: int, output_dir) -> None:
     assert "Retrying" not in output, output[-3000:]
     # the run ends with one summary line: what it reached and where the outputs are
     done = next(line for line in output.splitlines() if line.startswith("done: "))
-    assert f"{steps} steps" in done and f"training_curves.png in {output_dir}" in done, done
+    assert f"{steps} steps" in done and f"model.safetensors, metrics.json in {output_dir}" in done, done
 
 
 @pytest.mark.inprocess

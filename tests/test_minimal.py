@@ -25,9 +25,13 @@ def test_two_processes_form_one_world_under_torchrun(tmp_path):
     assert_one_world_of_two(output, tmp_path)
 
 
+@pytest.mark.parametrize("curves", [True, False], ids=["curves", "DDP_ACCEL_CURVES=0"])
 @pytest.mark.inprocess
-def test_single_process_plain_python(tmp_path):
-    output = check_ok(run_script("scripts/minimal.py", "--output-dir", tmp_path, curves=True))
+def test_single_process_plain_python(tmp_path, curves):
+    output = check_ok(run_script("scripts/minimal.py", "--output-dir", tmp_path, curves=curves))
     assert "world_size 1" in output
     assert metrics_of(tmp_path)["world_size"] == 1
-    assert (tmp_path / "training_curves.png").is_file()  # the one in-process run that draws its curves
+    # the one in-process run that draws its curves; without them the last line does not name them
+    assert (tmp_path / "training_curves.png").is_file() == curves
+    done = next(line for line in output.splitlines() if line.startswith("done: "))
+    assert done.endswith(f"metrics.json{' and training_curves.png' if curves else ''} in {tmp_path}")

@@ -123,6 +123,7 @@ def test_every_tracker_keeps_one_run_across_a_kill_and_resume(tmp_path):
         "WANDB_MODE": "offline",
         "WANDB_SILENT": "true",
         "MLFLOW_TRACKING_URI": "",
+        "DDP_ACCEL_CURVES": "1",  # logged as an artifact below
     }
     env.pop("MLFLOW_TRACKING_URI")
     log = open(tmp_path / "torchrun.log", "w")
