@@ -538,6 +538,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        if shards_weights(accelerator) or accelerator.is_main_process:",
         "        if True:",
     ),
+    "curves_drawn_whatever_the_variable": (
+        "ddp_accel/run_end.py",
+        "curves = bool(run.history.records) and curves_wanted()",
+        "curves = bool(run.history.records)",
+    ),
     "garbage_collected_after_the_size_that_fit": (
         "ddp_accel/batch_size.py",
         "clear_device_cache(garbage_collection=not fits)",
