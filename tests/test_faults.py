@@ -59,27 +59,8 @@ def finish(agent: subprocess.Popen, output_dir: Path, timeout: float = 300) -> t
     return code, output_dir.with_suffix(".log").read_text()
 
 
-@pytest.mark.multiprocess
-def test_sigkill_a_worker_mid_epoch_restart_resumes_to_identical_weights(standard_reference, tmp_path):
-    output_dir = tmp_path / "faulty"
-    agent = torchrun(output_dir, *COMMON, "--step-ms", "20", "--resume-from-checkpoint", "latest", max_restarts=2)
-    wait_for(lambda: 10 in checkpoint_steps(output_dir))  # in epoch 0, after step 10's checkpoint
-    victim = wait_for(lambda: workers(agent))[-1]
-    os.kill(victim, signal.SIGKILL)
-    killed_at, latest_at_kill = time.monotonic(), max(checkpoint_steps(output_dir))
-    resumed = wait_for(lambda: "resumed from" in output_dir.with_suffix(".log").read_text())
-    resume_delay = time.monotonic() - killed_at
-    code, log = finish(agent, output_dir)
-    assert code == 0, log[-3000:]
-    line = next(line for line in log.splitlines() if "resumed from" in line)
-    resumed_step = int(line.split("step ")[1].split(",")[0])
-    assert resumed and resumed_step >= latest_at_kill  # nothing older than the newest complete checkpoint
-    assert_same_weights(standard_reference, output_dir)
-    print(
-        f"\nkill -> resumed training: {resume_delay:.1f} s; resumed from step {resumed_step} "
-        f"(at most {5 - 1} steps redone with --checkpointing-steps 5)",
-        file=sys.stderr,
-    )
+def resumed_steps(log: str) -> list[int]:
+    return [int(line.split("step ")[1].split(",")[0]) for line in log.splitlines() if "resumed from" in line]
 
 
 # --async-checkpoint: the write runs in a background thread while training goes on; under FSDP (the variables
@@ -95,28 +76,50 @@ WRITES = {
 @pytest.mark.parametrize("writes", list(WRITES))
 def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(standard_reference, tmp_path, writes):
     # the elastic agent restarts the group; under FSDP it resumes from the shards, and 2 ranks' FSDP steps are
-    # bitwise DDP's (the gradients' average is a sum and an exact halving either way)
+    # bitwise DDP's (the gradients' average is a sum and an exact halving either way). at-once: the restarted group
+    # then loses one worker mid-epoch (SIGKILL) and is restarted again: the same job, a second fault
     output_dir = tmp_path / "mid_save"
     extra, env = WRITES[writes]
     command = [*COMMON, "--step-ms", "20", *extra, "--resume-from-checkpoint", "latest"]
     agent = torchrun(output_dir, *command, max_restarts=2, env=env)
-    checkpoints = output_dir / "checkpoints"
+    log_file, checkpoints = output_dir.with_suffix(".log"), output_dir / "checkpoints"
     wait_for(lambda: 5 in checkpoint_steps(output_dir))  # one complete checkpoint to fall back on
     # the moment the next one is being written (its files go to .tmp_step_N until complete)
     partial = wait_for(lambda: next(iter(checkpoints.glob(".tmp_step_*")), None), interval=0.001)
     for pid in workers(agent):
         os.kill(pid, signal.SIGKILL)
-    code, log = finish(agent, output_dir)
-    assert code == 0, log[-3000:]
-    assert "resumed from" in log, "the restart did not resume"
-    line = next(line for line in log.splitlines() if "resumed from" in line)
-    resumed_step = int(line.split("step ")[1].split(",")[0])
+    resumed = wait_for(lambda: resumed_steps(log_file.read_text()), timeout=120, alive=agent, what="the resume")[0]
     partial_step = int(partial.name.rsplit("_", 1)[1])
     # resumed from the newest *complete* checkpoint: the one being written counts only if it finished
     # before the kill landed
-    assert resumed_step < partial_step or resumed_step == partial_step and "step_" + str(partial_step) in line
-    print(f"\nkilled while writing {partial.name}; resumed from step {resumed_step}", file=sys.stderr)
+    line = next(line for line in log_file.read_text().splitlines() if "resumed from" in line)
+    assert resumed < partial_step or resumed == partial_step and "step_" + str(partial_step) in line
+    print(f"\nkilled while writing {partial.name}; resumed from step {resumed}", file=sys.stderr)
+    if writes == "at-once":
+        kill_one_worker_mid_epoch(agent, output_dir, after_step=resumed + 10)
+    code, log = finish(agent, output_dir)
+    assert code == 0, log[-3000:]
+    assert len(resumed_steps(log)) == (2 if writes == "at-once" else 1), log[-3000:]
     assert_same_weights(standard_reference, output_dir)
+
+
+def kill_one_worker_mid_epoch(agent: subprocess.Popen, output_dir: Path, after_step: int) -> None:
+    """SIGKILL one worker once the checkpoint of `after_step` (within the first epoch's 32 steps) is complete: the
+    agent restarts the group, which resumes from the newest complete checkpoint, not an older one."""
+    log_file = output_dir.with_suffix(".log")
+    resumes = len(resumed_steps(log_file.read_text()))
+    wait_for(lambda: after_step in checkpoint_steps(output_dir), alive=agent, what=f"the checkpoint of {after_step}")
+    victim = wait_for(lambda: workers(agent))[-1]
+    os.kill(victim, signal.SIGKILL)
+    killed_at, latest_at_kill = time.monotonic(), max(checkpoint_steps(output_dir))
+    wait_for(lambda: len(resumed_steps(log_file.read_text())) > resumes, timeout=120, alive=agent, what="the resume")
+    resumed_step = resumed_steps(log_file.read_text())[resumes]
+    assert resumed_step >= latest_at_kill  # nothing older than the newest complete checkpoint
+    print(
+        f"\nkill -> resumed training: {time.monotonic() - killed_at:.1f} s; resumed from step {resumed_step} "
+        f"(at most {5 - 1} steps redone with --checkpointing-steps 5)",
+        file=sys.stderr,
+    )
 
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])
