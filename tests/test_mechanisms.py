@@ -74,7 +74,7 @@ def test_auto_batch_size_takes_the_largest_micro_batch_that_fits_on_every_rank(m
 @pytest.mark.inprocess
 def test_auto_batch_size_collects_garbage_after_a_size_that_ran_out_of_memory_not_after_the_one_that_fit(monkeypatch):
     # an out-of-memory error's frames hold the pass's activations in cycles: collected before the next, smaller try;
-    # the pass that fit freed its own as it returned (a full collection after it cost ~0.1 s of every auto run)
+    # the pass that fit freed its own as it returned (a full collection of a large process is slow)
     from ddp_accel import batch_size
 
     events: list[object] = []
