@@ -44,6 +44,13 @@ def pytest_collection_finish(session):
     # the collector's sight, so the full collections a run makes (a process group's teardown, accelerate's cache
     # clearing) walk what the tests made, not ~1.5 million objects each time (0.3 s a collection)
     gc.freeze()
+    # the in-process runs' DataLoader workers come from one forkserver, which the session keeps (run_script): forked
+    # from this process now, while it runs one thread of Python, as run_main forks a command's (startup.py); started
+    # inside a test instead (other threads run by then), Python's own start imports torch again in a new interpreter
+    if any(item.get_closest_marker("inprocess") is not None for item in session.items):
+        from ddp_accel import startup
+
+        startup.fork_forkserver()
 
 
 @pytest.fixture(scope="session")
