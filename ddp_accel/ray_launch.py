@@ -25,6 +25,7 @@ installed: a SIGTERM to a worker ends it (Ray's own handler) and the group resta
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import runpy
 import signal
@@ -67,10 +68,8 @@ class RayJob:
 
     def check(self) -> None:
         """What Ray would reject later, or never: one line each, before anything starts."""
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            raise UserError("Ray is not installed here: pip install -e '.[ray]'") from None
+        if importlib.util.find_spec("ray") is None:  # not imported: a wrong option's line comes without Ray's import
+            raise UserError("Ray is not installed here: pip install -e '.[ray]'")
         if self.workers < 1:
             raise UserError(f"--workers must be at least 1, not {self.workers}")
         if self.min_workers is not None and not 1 <= self.min_workers <= self.workers:

@@ -5,6 +5,7 @@ every Ray on the machine), with its own temp dir and HOME (Ray writes its auth t
 is off: the node listens on loopback only."""
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -34,7 +35,8 @@ from test_two_machines import namespaces_available, two_machines  # noqa: F401 (
 
 from ddp_accel import ray_launch
 
-ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]'; .ci/run installs it)")
+if importlib.util.find_spec("ray") is None:  # not imported here: the in-process test proves the driver does not either
+    pytest.skip("Ray is not installed (pip install -e '.[ray]'; .ci/run installs it)", allow_module_level=True)
 
 PROBE = str(ROOT / "tests" / "probe.py")
 PROBE_ARGS = [*STANDARD_PROBE_ARGS, "--step-ms", "30"]
@@ -159,9 +161,9 @@ def test_ray_job_submit_runs_the_command_on_the_cluster_and_fails_with_its_error
 
 
 @pytest.mark.inprocess
-def test_the_driver_finds_bad_options_before_any_worker_starts(tmp_path, capsys):
+def test_the_driver_finds_bad_options_before_any_worker_starts(tmp_path, capsys, monkeypatch):
     started = time.monotonic()
-    ray_train_imported_before = "ray.train" in sys.modules
+    ray_imported_before = {name: name in sys.modules for name in ("ray", "ray.train")}
     assert ray_launch.main(["--workers", "2", PROBE, "--epochs", "1", "--bogus"]) == 2
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
     a_file = tmp_path / "a_file"
@@ -184,8 +186,12 @@ def test_the_driver_finds_bad_options_before_any_worker_starts(tmp_path, capsys)
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"nothing answers at {address} (the Ray cluster's head" in errors[0], errors
     assert time.monotonic() - started < 30  # nothing was started: no Ray, no worker
-    # each line came before Ray Train's import (a second of CPU; the address is tried first)
-    assert ray_train_imported_before or "ray.train" not in sys.modules
+    # each line came before Ray's import (half a second of CPU) and Ray Train's (a second; the address is tried first)
+    assert all(before or name not in sys.modules for name, before in ray_imported_before.items())
+    # where Ray is not installed: one line naming the extra
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: None)
+    assert ray_launch.main(["--workers", "2", PROBE]) == 2
+    assert "error: Ray is not installed here: pip install -e '.[ray]'" in capsys.readouterr().err
 
 
 @pytest.mark.multiprocess

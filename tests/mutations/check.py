@@ -207,6 +207,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    import ray.train.v2.torch.torch_trainer  # noqa: F401\n\n"
         '    new_cluster = job.address is None and not os.environ.get("RAY_ADDRESS")\n    if not new_cluster:',
     ),
+    "ray_imported_for_the_installed_check": (
+        "ddp_accel/ray_launch.py",
+        'if importlib.util.find_spec("ray") is None:',
+        'if __import__("ray") is None:',
+    ),
     "evaluation_takes_options_of_training": (
         "scripts/imagenet.py",
         "    if args.evaluate:\n        check_evaluation_options(parser, args)\n",
