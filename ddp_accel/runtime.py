@@ -50,7 +50,7 @@ from ddp_accel.lazy_libraries import defer_library_imports
 from ddp_accel.loaders import end_worker_processes, kill_leftover_workers
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.sharding import accelerate_version_note, adopt_fsdp_on_cpu
-from ddp_accel.startup import flush_std_streams, start_wanted_worker_server
+from ddp_accel.startup import flush_std_streams, imports_done, start_wanted_worker_server
 from ddp_accel.stopping import PEER_STOPPED_EXIT_CODE, PREEMPTED_EXIT_CODE, Phase, Preempted, StopSignals
 from ddp_accel.tracking import check_trackers, make_trackers, tracker_names
 
@@ -143,6 +143,7 @@ def make_accelerator(
     training into it); `signals` (run_main's) then leave their marker there if a preemption stops the run before
     training. A missing tracker package is one line here, before anything; the trackers start at the first log.
     `kwargs`: more of DDP's options (find_unused_parameters=True)."""
+    imports_done()  # a script that paused the garbage collector for its imports but runs without run_main
     folder = RunFolder(config.output_dir)
     if check_output_dir:
         folder.check(config.resume_from_checkpoint, config.overwrite_output_dir)
@@ -648,6 +649,7 @@ def run_main(main: Callable[..., Any]) -> None:
     distributed shutdown (exit 0). The process's StopSignals watch SIGTERM/SIGUSR1/SIGHUP from here to the exit; a main
     that takes one argument receives them (to pass to fit). How it ended is recorded (engines.last_outcome) for a
     launcher that ran the script in its own process."""
+    imports_done()  # the collector paused for the imports runs again, what they made frozen before the fork
     start_wanted_worker_server()  # first: a fork while this process runs one thread of Python
     signals = StopSignals()
     note_command_start(started_as_script=getattr(main, "__module__", None) == "__main__")  # --time-budget's clock

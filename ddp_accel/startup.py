@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import json
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
@@ -74,8 +75,9 @@ def output_dir_of(argv: list[str], default: str) -> str:
 
 def stop_during_imports(default_output_dir: str) -> None:
     """Handle the preemption signals from now until run_main installs its own (SIGHUP only where not ignored:
-    nohup). Not in a thread other than the main one (Ray Train runs the script in one: its worker's main thread
-    forwards the signals), where handlers cannot be installed."""
+    nohup), and pause the cyclic garbage collector until run_main starts (`imports_done`). Not in a thread other
+    than the main one (Ray Train runs the script in one: its worker's main thread forwards the signals), where
+    handlers cannot be installed."""
     if threading.current_thread() is not threading.main_thread():
         return
     output_dir = output_dir_of(sys.argv[1:], default_output_dir)
@@ -83,6 +85,27 @@ def stop_during_imports(default_output_dir: str) -> None:
         if signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN:
             continue
         signal.signal(signum, lambda received, frame: stop_before_training(received, output_dir, "imports"))
+    global _collector_paused
+    if gc.isenabled():
+        gc.disable()
+        _collector_paused = True
+
+
+# What a script imports (torch, accelerate, torchvision, datasets: about 200,000 objects) lives as long as the
+# process; the cyclic collector walked all of it again each time it grew by a quarter, and every full collection
+# of the training walked it once more: ~0.4 s of CPU a process (measured on template.py, 2.9 -> 2.5 s)
+_collector_paused = False  # stop_during_imports turned the collector off; imports_done turns it on again
+
+
+def imports_done() -> None:
+    """The script's imports are done (run_main's first act; make_accelerator's, for a script without run_main): the
+    cyclic garbage collector that stop_during_imports paused runs again, what the imports made frozen out of its
+    sight. Nothing when it was not paused (a notebook, a test session, a thread of Ray Train)."""
+    global _collector_paused
+    if _collector_paused:
+        _collector_paused = False
+        gc.freeze()
+        gc.enable()
 
 
 def stop_before_training(signum: int, output_dir: str, moment: str) -> None:

@@ -85,7 +85,7 @@ def short_job(tmp_path_factory):
 def _signal_state_restored():
     """Each test starts with SIGTERM/SIGUSR1 unblocked and leaves pytest's handlers as it found them: a signal
     blocked in pytest is blocked in every process a later test starts (a launcher that never hears the SIGTERM a
-    test sends it)."""
+    test sends it); and the garbage collector on, which the start-up guard pauses until run_main starts."""
     signums = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
     assert not {signal.SIGTERM, signal.SIGUSR1} & signal.pthread_sigmask(signal.SIG_BLOCK, []), (
         "SIGTERM/SIGUSR1 are blocked in pytest: an imported script blocked them at import"
@@ -95,6 +95,11 @@ def _signal_state_restored():
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGUSR1})
     for signum, handler in handlers.items():
         signal.signal(signum, handler)
+    from ddp_accel import startup
+
+    if startup._collector_paused:  # stop_during_imports called alone: the garbage collector on again, nothing frozen
+        startup._collector_paused = False
+        gc.enable()
 
 
 # --cpu-durations N: the CPU each test cost (pytest's own process + the processes it started and reaped, as

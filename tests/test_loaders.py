@@ -191,14 +191,17 @@ def test_a_command_that_asks_for_workers_says_so_before_its_imports_and_starts_n
 
 FORKED_SERVER = """
 if __name__ == "__main__":
-    from ddp_accel.startup import start_worker_server_early
+    from ddp_accel.startup import start_worker_server_early, stop_during_imports
 
+    stop_during_imports(default_output_dir="out")
     start_worker_server_early(("-j",), default=0)
 
-import atexit, multiprocessing.forkserver, os, sys, threading, time
+import atexit, gc, multiprocessing.forkserver, os, sys, threading, time
 import torch
 from torch.utils.data import DataLoader, Dataset
 from ddp_accel import UserError, loaders, run_main
+
+COLLECTED_DURING_IMPORTS = gc.isenabled()
 
 HELD_AT_FORK = threading.Lock()
 
@@ -245,6 +248,7 @@ def main():
         release.set()
         holder.join()
     print(server, forked, cpu_s, parents == {server}, flush=True)
+    print(COLLECTED_DURING_IMPORTS, gc.isenabled(), gc.get_freeze_count() > 100_000, flush=True)
     global LOG
     LOG = open("never_closed.txt", "w")
     LOG.write("written, never flushed nor closed")
@@ -272,6 +276,8 @@ def test_the_forkserver_is_forked_from_the_imported_script_and_the_process_leave
         result.stdout.strip().split("\n")[-1]
     ]
     assert forked == "True" and from_server == "True", result.stdout
+    # the garbage collector was off during the imports, and runs again from run_main on, the imports' objects frozen
+    assert result.stdout.strip().split("\n")[1].split() == ["False", "True", "True"], result.stdout
     assert float(cpu_s) < 0.5, cpu_s  # it imported nothing
     assert not os.path.exists(f"/proc/{server}") or "zombie" in open(f"/proc/{server}/status").read().lower()
     # the process leaves without tearing its modules down (0.8 s of CPU), and with all that Python's exit does

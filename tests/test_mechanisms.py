@@ -5,6 +5,7 @@ training process, the options -e and --predict must share with training, the sto
 twice, callback states of one key, and the start-up guard under nohup."""
 
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -376,6 +377,7 @@ def test_the_start_up_guard_leaves_sighup_ignored_under_nohup(monkeypatch, tmp_p
     monkeypatch.setattr(sys, "argv", ["script.py", "--output-dir", str(tmp_path)])
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     stop_during_imports(default_output_dir="unused")
+    assert not gc.isenabled()  # paused for the imports (conftest turns it on again; run_main does in a script)
     assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
     assert all(callable(signal.getsignal(signum)) for signum in (signal.SIGTERM, signal.SIGUSR1))
     signal.signal(signal.SIGHUP, signal.SIG_DFL)  # not under nohup: a hang-up stops the run with its marker

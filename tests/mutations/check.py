@@ -212,6 +212,26 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         'if importlib.util.find_spec("ray") is None:',
         'if __import__("ray") is None:',
     ),
+    "collector_not_paused_for_the_imports": (
+        "ddp_accel/startup.py",
+        "    if gc.isenabled():\n        gc.disable()\n        _collector_paused = True\n",
+        "",
+    ),
+    "collector_left_off_after_the_imports": (
+        "ddp_accel/startup.py",
+        "        gc.freeze()\n        gc.enable()\n",
+        "        gc.freeze()\n",
+    ),
+    "imports_not_frozen_out_of_the_collectors_sight": (
+        "ddp_accel/startup.py",
+        "        gc.freeze()\n        gc.enable()\n",
+        "        gc.enable()\n",
+    ),
+    "run_main_leaves_the_collector_paused": (
+        "ddp_accel/runtime.py",
+        "    imports_done()  # the collector paused for the imports runs again, what they made frozen before the fork",
+        "    pass  # the collector paused for the imports runs again, what they made frozen before the fork",
+    ),
     "evaluation_takes_options_of_training": (
         "scripts/imagenet.py",
         "    if args.evaluate:\n        check_evaluation_options(parser, args)\n",
