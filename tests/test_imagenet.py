@@ -61,7 +61,7 @@ def test_two_processes_train_count_every_val_image_once_and_evaluate_reproduces_
             env={"DDP_ACCEL_CURVES": "1"},
         )
     )
-    assert re.search(r"sync_bn_layers\s+21\b", output)  # ResNet-20: stem + 18 in blocks + 2 shortcuts
+    assert re.search(r"sync_bn_layers\s+8\b", output)  # ResNet-9: one after each of its 8 convolutions
     metrics = metrics_of(out)
     assert metrics["world_size"] == 2 and metrics["eval_samples"] == 18
     assert set(metrics["eval_per_class_top1"]) == {f"class{c}" for c in range(6)}
