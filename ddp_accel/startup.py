@@ -13,7 +13,9 @@ Standard library only, and `import ddp_accel.startup` imports nothing else of th
 
         stop_during_imports(default_output_dir="outputs/run")
 
-`run_main` installs the process's own handlers when it starts; these are replaced then.
+`run_main` installs the process's own handlers when it starts; these are replaced then. The same guard pauses the
+cyclic garbage collector for the imports: `run_main`'s first act (`imports_done`) freezes what they made, which lives
+as long as the process, and turns it on again.
 
 The same place says whether the command asks for DataLoader workers (`start_worker_server_early`): `run_main` then
 forks their forkserver from the training process as its first act, with torch and the script already imported,
