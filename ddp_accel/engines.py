@@ -20,6 +20,7 @@ import os
 import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ddp_accel.errors import UserError
@@ -100,6 +101,11 @@ class Engine:
     def waiting_line(self, waited_s: float, timeout_s: float) -> str | None:
         """What this process says while its process group has not formed after `waited_s` (None: nothing to say)."""
         return None
+
+    def peer_failed(self) -> bool:
+        """Another process of this job already reported its failure to the launcher: a stop signal now is the
+        launcher ending the rest of the group, not a preemption (no marker: a job script would requeue the failure)."""
+        return False
 
     def check(self) -> None:
         """The launcher variables this process started with describe one job: mistakes here otherwise end in a
@@ -204,6 +210,19 @@ class TorchElastic(EnvLaunch):
     def check(self) -> None:
         self.check_rank()  # (the agent's rendezvous gives the address of rank 0)
 
+    def peer_failed(self) -> bool:
+        """The agent gives each worker of an attempt its own error file, ATTEMPT/LOCAL_RANK/error.json; a worker
+        that fails writes its line there before it exits (elastic.report_to_launcher), so before the agent ends the
+        others. Another worker's file: this machine's agent is ending the group. (A peer on another machine, or one
+        killed outright, writes none here: the signal then counts as a preemption.)"""
+        own = self.env.get("TORCHELASTIC_ERROR_FILE", "")
+        if not own or own == os.devnull:
+            return False
+        try:
+            return any(path != Path(own) for path in Path(own).parent.parent.glob("*/error.json"))
+        except OSError:
+            return False
+
     @property
     def forms_its_own_group(self) -> bool:
         return False  # the agents met before starting the workers (ddp-accel launch speaks for that wait)
@@ -290,7 +309,8 @@ def current(env: Mapping[str, str] | None = None) -> Engine:
 @dataclass
 class Outcome:
     """How run_main ended a script: `kind` completed, preempted (`stop`: preempted.json's fields), user_error,
-    interrupted or crashed; `code` the exit status; `message` the error line; `metrics` what fit committed."""
+    ended_for_a_peer (the launcher ended the group after another process failed), interrupted or crashed; `code` the
+    exit status; `message` the error line; `metrics` what fit committed."""
 
     kind: str
     code: int

@@ -51,7 +51,14 @@ from ddp_accel.loaders import end_worker_processes, kill_leftover_workers
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.sharding import accelerate_version_note, adopt_fsdp_on_cpu
 from ddp_accel.startup import flush_std_streams, imports_done, start_wanted_worker_server
-from ddp_accel.stopping import PEER_STOPPED_EXIT_CODE, PREEMPTED_EXIT_CODE, Phase, Preempted, StopSignals
+from ddp_accel.stopping import (
+    PEER_STOPPED_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
+    EndedForAPeer,
+    Phase,
+    Preempted,
+    StopSignals,
+)
 from ddp_accel.tracking import check_trackers, make_trackers, tracker_names
 
 
@@ -667,6 +674,10 @@ def run_main(main: Callable[..., Any]) -> None:
         code = PEER_STOPPED_EXIT_CODE if preempted.by_peer else PREEMPTED_EXIT_CODE
         outcome = Outcome("preempted", code, preempted.message, stop=dataclasses.asdict(preempted.facts))
         preempted.__traceback__ = None
+    except EndedForAPeer as ended:  # the launcher ends the group: the failed process's line is the one to read
+        signals.enter(Phase.DONE)
+        outcome = Outcome("ended_for_a_peer", ended.code)
+        ended.__traceback__ = None
     except KeyboardInterrupt:
         outcome = Outcome("interrupted", _interrupted(signals))
     except Exception as error:

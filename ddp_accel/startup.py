@@ -6,7 +6,8 @@ Nothing is trained yet, so there is nothing to save: the process writes OUTPUT_D
 Blocking the signals until run_main could take over was not enough: under a launcher the whole job is killed
 after its grace (torchrun: 30 s), and on a loaded node the imports outlasted it, leaving no marker at all.
 
-Standard library only, and `import ddp_accel.startup` imports nothing else of the package (its front door is lazy):
+Standard library only, and `import ddp_accel.startup` imports nothing else of the package (its front door is lazy;
+a signal imports `ddp_accel.engines` to ask whether the launcher is ending the group for a failed peer):
 
     if __name__ == "__main__":
         from ddp_accel.startup import stop_during_imports
@@ -112,7 +113,11 @@ def imports_done() -> None:
 
 def stop_before_training(signum: int, output_dir: str, moment: str) -> None:
     """A preemption signal before anything was trained: OUTPUT_DIR/preempted.json (phase `startup`, `moment`), one
-    line on rank 0, exit 0 at once (from any thread)."""
+    line on rank 0, exit 0 at once (from any thread). A signal from a launcher that is ending the group because
+    another process failed is no preemption: exit at once, no marker and no line (the failed process's says why)."""
+    if _ending_for_a_peer():
+        end_forkserver()
+        os._exit(128 + signum)
     name = signal.Signals(signum).name
     facts = {"phase": "startup", "signal": name, "step": None, "checkpoint": None, "moment": moment}
     try:
@@ -132,6 +137,17 @@ def stop_before_training(signum: int, output_dir: str, moment: str) -> None:
             flush=True,
         )
     os._exit(0)  # mid-import: nothing to clean up, and nothing half-imported must run
+
+
+def _ending_for_a_peer() -> bool:
+    """The engine's answer (engines.Engine.peer_failed), imported only now: a signal is rare, the guard's import cheap.
+    A signal in the middle of the imports that module needs answers no, as before that answer existed."""
+    try:
+        from ddp_accel import engines
+
+        return engines.current().peer_failed()
+    except Exception:
+        return False
 
 
 def workers_asked(argv: Sequence[str], flags: Sequence[str], default: int) -> int:

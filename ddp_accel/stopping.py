@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from ddp_accel import engines
 from ddp_accel.files import write_json
 from ddp_accel.startup import SIGNALS
 
@@ -111,6 +112,16 @@ class Preempted(BaseException):
             f"preempted by {facts.signal} at step {facts.step} ({facts.phase}): checkpoint {facts.checkpoint} saved "
             f"in {facts.save_s or 0:.2f} s; to continue, run the same command with --resume-from-checkpoint latest"
         )
+
+
+class EndedForAPeer(BaseException):
+    """A stop signal before training from the launcher ending the group because another process failed (its own
+    line says why): not a preemption, so no marker (a job script would requeue the failure) and no line of this
+    process's. A BaseException, raised from the signal handler, as Preempted. `code`: a signal's exit status."""
+
+    def __init__(self, signum: int):
+        self.code = 128 + signum
+        super().__init__(f"ended by {signal.Signals(signum).name}: another process of the group failed")
 
 
 _fork_hook_registered = False
@@ -211,7 +222,9 @@ class StopSignals:
 
     def stop_before_training(self) -> None:
         """Leave the marker of a run stopped before its first step (any rank may: the signal may reach only one)
-        and raise Preempted."""
+        and raise Preempted; or raise EndedForAPeer, without the marker, when the launcher is ending the group."""
+        if self.received and engines.current().peer_failed():
+            raise EndedForAPeer(self.received)
         facts = StopFacts(Phase.STARTUP, self.name)
         if self.output_dir is not None:
             facts.write(self.output_dir)

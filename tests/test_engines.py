@@ -2,9 +2,12 @@
 of the launcher's variables, and the typed outcome run_main records for a launcher in the same process."""
 
 import contextlib
+import os
 import signal
 import socket
+import threading
 import time
+from pathlib import Path
 
 import pytest
 from helpers import run_script
@@ -81,6 +84,57 @@ def test_run_main_records_a_typed_outcome_for_each_way_a_script_ends(tmp_path):
     run_script("tests/probe.py", "--output-dir", tmp_path / "crash", "--crash-at-step", 1)
     outcome = engines.last_outcome()
     assert (outcome.kind, outcome.code) == ("crashed", 1) and "probe: a bug at step 1" in outcome.message
+
+
+def elastic_attempt(tmp_path, local_rank: int) -> dict[str, str]:
+    """torch elastic's variables for a worker of attempt 0, with the agent's per-worker error files (ATTEMPT/R/)."""
+    attempt = tmp_path / "torchelastic" / "attempt_0"
+    for rank in (0, 1):
+        (attempt / str(rank)).mkdir(parents=True, exist_ok=True)
+    own = attempt / str(local_rank) / "error.json"
+    return {**TORCHRUN, "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "TORCHELASTIC_ERROR_FILE": str(own)}
+
+
+def test_a_torch_elastic_worker_knows_when_another_worker_of_its_attempt_reported_its_failure(tmp_path):
+    # the agent ends the other workers after one failed: their SIGTERM is that ending, not a preemption
+    env = elastic_attempt(tmp_path, local_rank=1)
+    worker = engines.current(env)
+    assert not worker.peer_failed()
+    Path(env["TORCHELASTIC_ERROR_FILE"]).write_text('{"message": "error: mine"}')
+    assert not worker.peer_failed()  # its own line is no peer's
+    (Path(env["TORCHELASTIC_ERROR_FILE"]).parent.parent / "0" / "error.json").write_text('{"message": "error: x"}')
+    assert worker.peer_failed()
+    assert not engines.current({**env, "TORCHELASTIC_ERROR_FILE": os.devnull}).peer_failed()  # no log dir
+    assert not engines.current({k: v for k, v in env.items() if k != "TORCHELASTIC_ERROR_FILE"}).peer_failed()
+    assert not engines.Engine().peer_failed() and not engines.current({"RANK": "1", "WORLD_SIZE": "2"}).peer_failed()
+
+
+def test_a_stop_signal_from_a_launcher_ending_the_group_for_a_failed_peer_leaves_no_marker(monkeypatch, tmp_path):
+    # after the imports (the guard's subprocess test is test_launchers.py's): a rank still starting when another
+    # failed; a preempted.json would have a job script requeue the failure
+    from ddp_accel.runtime import run_main
+    from ddp_accel.stopping import PREEMPTED_MARKER
+
+    env = elastic_attempt(tmp_path, local_rank=1)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+    def signalled_while_starting(output_dir: Path):
+        def main(signals):
+            signals.set_output_dir(output_dir)
+            signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+            raise AssertionError("the handler raises")
+
+        with pytest.raises(SystemExit) as ended:
+            run_main(main)
+        return ended.value.code, engines.last_outcome()
+
+    code, outcome = signalled_while_starting(tmp_path / "preempted")  # no peer failed: a preemption
+    assert (code, outcome.kind) == (0, "preempted") and (tmp_path / "preempted" / PREEMPTED_MARKER).exists()
+    (tmp_path / "torchelastic" / "attempt_0" / "0" / "error.json").write_text('{"message": "error: --bad"}')
+    code, outcome = signalled_while_starting(tmp_path / "ended")
+    assert (code, outcome.kind, outcome.message) == (128 + signal.SIGTERM, "ended_for_a_peer", None)
+    assert not (tmp_path / "ended" / PREEMPTED_MARKER).exists()
 
 
 def test_the_start_up_guard_leaves_a_scripts_thread_alone():

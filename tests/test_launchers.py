@@ -5,6 +5,7 @@ real kernel."""
 import multiprocessing
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -249,3 +250,19 @@ def test_the_start_up_guard_imports_nothing_heavy_and_writes_the_marker_at_once(
     assert result.returncode == 0 and "preempted by SIGTERM before training started" in result.stderr, result
     facts = json.loads((tmp_path / "out" / "preempted.json").read_text())
     assert (facts["phase"], facts["signal"], facts["step"], facts["moment"]) == ("startup", "SIGTERM", None, "imports")
+    # under torch elastic, after another worker of the attempt wrote its error file: the agent ending the group,
+    # not a preemption (a marker would have a job script requeue a bad option): no marker, no line, a signal's code
+    attempt = tmp_path / "torchelastic" / "attempt_0"
+    for rank in (0, 1):
+        (attempt / str(rank)).mkdir(parents=True)
+    (attempt / "0" / "error.json").write_text('{"message": "error: --sparse on: only --model bag"}')
+    elastic = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", code, "--output-dir", str(tmp_path / "ended")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **elastic, "TORCHELASTIC_ERROR_FILE": str(attempt / "1" / "error.json")},
+    )
+    assert result.returncode == 128 + signal.SIGTERM and result.stderr == "", result
+    assert not (tmp_path / "ended").exists()

@@ -232,6 +232,21 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    imports_done()  # the collector paused for the imports runs again, what they made frozen before the fork",
         "    pass  # the collector paused for the imports runs again, what they made frozen before the fork",
     ),
+    "a_failed_peer_s_error_file_goes_unseen": (
+        "ddp_accel/engines.py",
+        "            return any(path != Path(own) for path in Path(own).parent.parent.glob(\"*/error.json\"))",
+        "            return False",
+    ),
+    "the_start_up_guard_marks_a_failed_peer_s_end_as_a_preemption": (
+        "ddp_accel/startup.py",
+        "    if _ending_for_a_peer():\n        end_forkserver()\n        os._exit(128 + signum)\n",
+        "",
+    ),
+    "a_failed_peer_s_end_after_the_imports_leaves_a_marker": (
+        "ddp_accel/stopping.py",
+        "        if self.received and engines.current().peer_failed():\n            raise EndedForAPeer(self.received)\n",
+        "",
+    ),
     "evaluation_takes_options_of_training": (
         "scripts/imagenet.py",
         "    if args.evaluate:\n        check_evaluation_options(parser, args)\n",
