@@ -234,7 +234,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "a_failed_peer_s_error_file_goes_unseen": (
         "ddp_accel/engines.py",
-        "            return any(path != Path(own) for path in Path(own).parent.parent.glob(\"*/error.json\"))",
+        '            return any(path != Path(own) for path in Path(own).parent.parent.glob("*/error.json"))',
         "            return False",
     ),
     "the_start_up_guard_marks_a_failed_peer_s_end_as_a_preemption": (
@@ -244,7 +244,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "a_failed_peer_s_end_after_the_imports_leaves_a_marker": (
         "ddp_accel/stopping.py",
-        "        if self.received and engines.current().peer_failed():\n            raise EndedForAPeer(self.received)\n",
+        "        if self.received and engines.current().peer_failed():\n"
+        "            raise EndedForAPeer(self.received)\n",
         "",
     ),
     "evaluation_takes_options_of_training": (
