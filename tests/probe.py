@@ -227,6 +227,13 @@ def main(signals: StopSignals | None = None) -> None:
     unused = ["torch._dynamo", "torch.distributed.tensor", "datasets"]
     imported = [module for module in unused if sys.modules.get(module) is not None]
     Path(config.output_dir, f"imported_rank{accelerator.process_index}.json").write_text(json.dumps(imported))
+    # torch elastic's per-worker error files (ATTEMPT/LOCAL_RANK/error.json), the layout through which a worker
+    # learns that another one failed (engines.TorchElastic.peer_failed; tests/test_launchers.py checks it)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        attempt = Path(error_file).parent.parent
+        layout = {"own": Path(error_file).parent.name, "workers": sorted(path.name for path in attempt.iterdir())}
+        Path(config.output_dir, f"error_files_rank{accelerator.process_index}.json").write_text(json.dumps(layout))
     # where each rank ran (the SLURM tests check the machine ranks)
     print(
         f"probe rank {accelerator.process_index} machine_rank {os.environ.get('GROUP_RANK', 0)} "

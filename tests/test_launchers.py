@@ -2,6 +2,7 @@
 torch.distributed.launch, notebook_launcher and debug_launcher (bitwise equal final weights), and the notebook in a
 real kernel."""
 
+import json
 import multiprocessing
 import os
 import shutil
@@ -53,6 +54,11 @@ def test_all_launchers_give_bitwise_identical_weights(tmp_path, short_job):
     for launcher in launchers:
         metrics = metrics_of(short_job if launcher == "accelerate" else tmp_path / launcher)
         assert metrics["world_size"] == 2 and metrics["distributed_type"] == "MULTI_CPU", launcher
+    for launcher in ("accelerate", "torchrun", "torch.distributed.launch"):  # torch elastic's agent
+        folder = short_job if launcher == "accelerate" else tmp_path / launcher
+        for rank in (0, 1):  # each worker's error file is ATTEMPT/LOCAL_RANK/error.json (engines.peer_failed)
+            layout = json.loads((folder / f"error_files_rank{rank}.json").read_text())
+            assert layout["own"] == str(rank) and {"0", "1"} <= set(layout["workers"]), (launcher, layout)
     reference = weights(short_job)  # accelerate launch's
     for launcher in launchers[1:]:
         other = weights(tmp_path / launcher)
@@ -233,7 +239,6 @@ def test_a_stop_signal_that_arrives_while_the_agent_forks_a_worker_still_stops_i
 @pytest.mark.multiprocess
 def test_the_start_up_guard_imports_nothing_heavy_and_writes_the_marker_at_once(tmp_path):
     # a signal during a script's imports: the marker and exit 0, from a module that costs no torch import
-    import json
     import subprocess
     import sys
 
