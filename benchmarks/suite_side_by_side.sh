@@ -56,11 +56,14 @@ if kill -0 "$other_pid" 2>/dev/null; then
     # the filler's pytest is interrupted (its fixtures stop their services), then whatever is left of it is killed:
     # its session, and every process in its network namespace (a launched job runs in a session of its own)
     own_ns=$(readlink /proc/self/ns/net)
-    filler_ns=$(for p in $(pgrep -s "$filler"); do readlink "/proc/$p/ns/net"; done 2>/dev/null | grep -v "$own_ns" | head -1)
+    # (a fixed string: as a pattern, `net:[N]`'s brackets matched no line of its own, so this loop killed every
+    # process of the machine's own namespace, this script too: why the summary was missing)
+    filler_ns=$(for p in $(pgrep -s "$filler"); do readlink "/proc/$p/ns/net"; done 2>/dev/null \
+        | { grep -vxF "$own_ns" || true; } | head -1)
     pkill -INT -s "$filler" -f "pytest" 2>/dev/null || true
     for _ in $(seq 60); do pgrep -s "$filler" -f pytest > /dev/null || break; sleep 1; done
     pkill -KILL -s "$filler" 2>/dev/null || true
-    if [ -n "$filler_ns" ]; then
+    if [ -n "$filler_ns" ] && [ "$filler_ns" != "$own_ns" ]; then
         for p in /proc/[0-9]*; do
             [ "$(readlink "$p/ns/net" 2>/dev/null)" = "$filler_ns" ] && kill -KILL "${p#/proc/}" 2>/dev/null
         done
