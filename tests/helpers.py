@@ -34,6 +34,22 @@ SHORT_PROBE_ARGS = ["--batch-size", "4", "--train-size", "96", "--val-size", "23
 SHORT_PROBE_ARGS += ["--checkpointing-steps", "5", "--mixed-precision", "no"]
 
 
+def torch_elastic_worker(folder: Path, local_rank: int) -> dict[str, str]:
+    """torch elastic's variables for worker `local_rank` of a 2-worker attempt, with the agent's per-worker folders
+    for their error files (FOLDER/torchelastic/attempt_0/R/error.json), as engines.TorchElastic.peer_failed reads
+    them."""
+    attempt = folder / "torchelastic" / "attempt_0"
+    for rank in (0, 1):
+        (attempt / str(rank)).mkdir(parents=True, exist_ok=True)
+    return {
+        "TORCHELASTIC_RUN_ID": "job",
+        "WORLD_SIZE": "2",
+        "RANK": str(local_rank),
+        "LOCAL_RANK": str(local_rank),
+        "TORCHELASTIC_ERROR_FILE": str(attempt / str(local_rank) / "error.json"),
+    }
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

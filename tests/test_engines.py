@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import run_script
+from helpers import run_script, torch_elastic_worker
 
 from ddp_accel import engines, group_wait
 from ddp_accel.errors import UserError
@@ -86,18 +86,9 @@ def test_run_main_records_a_typed_outcome_for_each_way_a_script_ends(tmp_path):
     assert (outcome.kind, outcome.code) == ("crashed", 1) and "probe: a bug at step 1" in outcome.message
 
 
-def elastic_attempt(tmp_path, local_rank: int) -> dict[str, str]:
-    """torch elastic's variables for a worker of attempt 0, with the agent's per-worker error files (ATTEMPT/R/)."""
-    attempt = tmp_path / "torchelastic" / "attempt_0"
-    for rank in (0, 1):
-        (attempt / str(rank)).mkdir(parents=True, exist_ok=True)
-    own = attempt / str(local_rank) / "error.json"
-    return {**TORCHRUN, "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "TORCHELASTIC_ERROR_FILE": str(own)}
-
-
 def test_a_torch_elastic_worker_knows_when_another_worker_of_its_attempt_reported_its_failure(tmp_path):
     # the agent ends the other workers after one failed: their SIGTERM is that ending, not a preemption
-    env = elastic_attempt(tmp_path, local_rank=1)
+    env = torch_elastic_worker(tmp_path, local_rank=1)
     worker = engines.current(env)
     assert not worker.peer_failed()
     Path(env["TORCHELASTIC_ERROR_FILE"]).write_text('{"message": "error: mine"}')
@@ -115,7 +106,7 @@ def test_a_stop_signal_from_a_launcher_ending_the_group_for_a_failed_peer_leaves
     from ddp_accel.runtime import run_main
     from ddp_accel.stopping import PREEMPTED_MARKER
 
-    env = elastic_attempt(tmp_path, local_rank=1)
+    env = torch_elastic_worker(tmp_path, local_rank=1)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
 

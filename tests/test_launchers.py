@@ -10,10 +10,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, SHORT_PROBE_ARGS, check_ok, free_port, launch, metrics_of, weights
+from helpers import ROOT, SHORT_PROBE_ARGS, check_ok, free_port, launch, metrics_of, torch_elastic_worker, weights
 
 from ddp_accel import launched
 from ddp_accel.runtime import wait_for_the_other_forks
@@ -257,17 +258,15 @@ def test_the_start_up_guard_imports_nothing_heavy_and_writes_the_marker_at_once(
     assert (facts["phase"], facts["signal"], facts["step"], facts["moment"]) == ("startup", "SIGTERM", None, "imports")
     # under torch elastic, after another worker of the attempt wrote its error file: the agent ending the group,
     # not a preemption (a marker would have a job script requeue a bad option): no marker, no line, a signal's code
-    attempt = tmp_path / "torchelastic" / "attempt_0"
-    for rank in (0, 1):
-        (attempt / str(rank)).mkdir(parents=True)
-    (attempt / "0" / "error.json").write_text('{"message": "error: --sparse on: only --model bag"}')
-    elastic = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
+    elastic = torch_elastic_worker(tmp_path, local_rank=1)
+    peer_error = Path(elastic["TORCHELASTIC_ERROR_FILE"]).parent.parent / "0" / "error.json"
+    peer_error.write_text('{"message": "error: --sparse on: only --model bag"}')
     result = subprocess.run(
         [sys.executable, "-c", code, "--output-dir", str(tmp_path / "ended")],
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, **elastic, "TORCHELASTIC_ERROR_FILE": str(attempt / "1" / "error.json")},
+        env={**os.environ, **elastic},
     )
     assert result.returncode == 128 + signal.SIGTERM and result.stderr == "", result
     assert not (tmp_path / "ended").exists()
