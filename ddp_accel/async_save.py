@@ -55,12 +55,17 @@ class StagedWrites:
         self.bytes = 0
         self.buffers = buffers or StagingBuffers()
         self.buffers.used = 0
-        # a source storage -> its staged copy: tensors that share storage (tied weights) share it staged too, so
-        # that Accelerate drops the duplicate name from model.safetensors as it does in a synchronous save
+        # a source storage's address -> its staged copy, within the object being staged: tensors that share
+        # storage (tied weights) share it staged too, so that Accelerate drops the duplicate name from
+        # model.safetensors as it does in a synchronous save. Only within one object: the object holds its
+        # tensors alive, where an address of an object staged before may already hold another tensor (FSDP's
+        # full state dicts are gathered, staged and freed one after another)
         self._storages: dict[int, torch.Tensor] = {}
 
     def add(self, write: Callable[..., Any], obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._storages = {}
         self.writes.append((write, self._copied(obj), args, kwargs))
+        self._storages = {}
 
     def _copied(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):

@@ -137,9 +137,14 @@ def read_training_state(path: Path) -> dict[str, Any]:
     return state
 
 
+# 2: written by a version whose asynchronous saves stage each object apart (format 1, before it: an FSDP
+# FULL_STATE_DICT checkpoint saved with --async-checkpoint on several processes may hold misplaced optimizer state)
+CHECKPOINT_FORMAT = 2
+
+
 def training_state_json(progress: TrainState, identity: RunIdentity) -> dict[str, Any]:
-    """What training_state.json holds: where training is, and who the run is."""
-    return finite_or_null({**progress.state_dict(), **identity.state_dict()})
+    """What training_state.json holds: where training is, who the run is, and the format of the checkpoint."""
+    return finite_or_null({**progress.state_dict(), **identity.state_dict(), "checkpoint_format": CHECKPOINT_FORMAT})
 
 
 def save_checkpoint(
@@ -314,10 +319,44 @@ def check_checkpoint(accelerator: Accelerator, path: Path, identity: RunIdentity
             "options, or start a new run (another --output-dir) from the checkpoint's model.safetensors."
         )
     check_strategy(accelerator, path)
+    if saved.get("checkpoint_format", 1) < 2:
+        misplaced = misplaced_optimizer_state(path)
+        if misplaced:
+            raise UserError(
+                f"checkpoint {path} was written by an earlier ddp-accel with --async-checkpoint under "
+                f"fsdp_state_dict_type FULL_STATE_DICT, and its optimizer state is not its step's ({misplaced}): a "
+                "resume from it would not continue the run. Resume from a checkpoint saved without "
+                "--async-checkpoint, or start again (another --output-dir)."
+            )
     warning = (
         compare_identity(saved.get("identity"), identity.identity, f"checkpoint {path}") if identity.identity else None
     )
     return saved, warning
+
+
+def misplaced_optimizer_state(path: Path) -> str | None:
+    """An FSDP FULL_STATE_DICT checkpoint (pytorch_model_fsdp.bin and optimizer.bin) whose optimizer state holds a
+    tensor with exactly the bytes of one of the model's: what the asynchronous staging of earlier versions wrote
+    when a gathered optimizer tensor reused the memory of a model tensor staged and freed before it. None when
+    there is none (tensors of zeros and single values left out: they can be equal by chance)."""
+    model_file, optimizer_file = path / (FSDP_MODEL_FOLDER.removesuffix("_0") + ".bin"), path / "optimizer.bin"
+    if not (model_file.is_file() and optimizer_file.is_file()):
+        return None
+
+    def contents(tensor: torch.Tensor) -> bytes | None:
+        if tensor.numel() < 2 or not tensor.any():
+            return None
+        return tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+    model = torch.load(model_file, map_location="cpu", weights_only=True)
+    weights = {contents(tensor): name for name, tensor in model.items() if isinstance(tensor, torch.Tensor)}
+    weights.pop(None, None)
+    optimizer = torch.load(optimizer_file, map_location="cpu", weights_only=True)
+    for parameter, values in optimizer.get("state", {}).items():
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor) and contents(value) in weights:
+                return f"{key} of {parameter} holds the weights of {weights[contents(value)]}"
+    return None
 
 
 def load_sharded_model(model: torch.nn.Module, path: Path) -> None:

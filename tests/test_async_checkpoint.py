@@ -97,6 +97,22 @@ def test_the_staging_copies_tensors_so_later_steps_do_not_change_a_staged_checkp
 
 
 @inprocess
+def test_a_tensor_at_the_address_of_one_staged_before_is_staged_as_itself(tmp_path):
+    # FSDP's FULL_STATE_DICT on several processes: the model's full state is gathered, staged and freed, then the
+    # optimizer's is gathered into the same memory; each object's tensors are staged from their own contents
+    memory = bytearray(64)
+    weight = torch.frombuffer(memory, dtype=torch.float32).fill_(1.0)
+    with async_save.deferred_writes() as staged:
+        torch.save({"weight": weight}, tmp_path / "model.pt")
+        del weight
+        moment = torch.frombuffer(memory, dtype=torch.float32).fill_(2.0)  # another tensor, at the same address
+        torch.save({"exp_avg": moment}, tmp_path / "optimizer.pt")
+    staged.write_all()
+    assert torch.equal(torch.load(tmp_path / "model.pt")["weight"], torch.ones(16))
+    assert torch.equal(torch.load(tmp_path / "optimizer.pt")["exp_avg"], torch.full((16,), 2.0))
+
+
+@inprocess
 def test_under_fsdp_the_shards_are_staged_and_written_over_a_group_of_their_own(tmp_path):
     # torch.distributed.checkpoint's save is staged too: its shards are the synchronous save's (its .metadata holds
     # an id of each save); written later over the writer's own process group

@@ -285,3 +285,30 @@ def test_a_full_state_dict_fsdp_checkpoint_resumes_and_is_evaluated(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "step_10" / "pytorch_model_fsdp.bin").is_file()
     output = check_ok(run_script(PROBE, *common, "--resume-from-checkpoint", "latest", env=env))
     assert "resumed from" in output, output[-2000:]
+
+
+@inprocess
+def test_a_full_state_dict_checkpoint_of_an_earlier_version_with_misplaced_optimizer_state_is_refused(tmp_path):
+    # the asynchronous staging of earlier versions (checkpoint format 1) could stage a gathered optimizer tensor as
+    # the model tensor staged before it at the same address: such a checkpoint is refused, an intact one resumes
+    env = {**FSDP_ENV, "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"}
+    common = ["--output-dir", tmp_path / "run", *ARGS, "--batch-size", 8]
+    check_ok(run_script(PROBE, *common, "--max-steps", 10, env=env))
+    step = tmp_path / "run" / "checkpoints" / "step_10"
+    saved = json.loads((step / "training_state.json").read_text())
+    assert saved.pop("checkpoint_format") == 2
+    (step / "training_state.json").write_text(json.dumps(saved))  # as an earlier version wrote it
+    intact = tmp_path / "intact"
+    shutil.copytree(tmp_path / "run", intact)
+    model = torch.load(step / "pytorch_model_fsdp.bin")
+    optimizer = torch.load(step / "optimizer.bin")
+    name = next(key for key, value in model.items() if value.dim() == 2)
+    state = next(iter(optimizer["state"].values()))
+    moment = next(key for key, value in state.items() if value.shape == model[name].shape)
+    state[moment] = model[name].clone()
+    torch.save(optimizer, step / "optimizer.bin")  # (same size: the file list still holds)
+    error = assert_clean_error(run_script(PROBE, *common, "--resume-from-checkpoint", "latest", env=env))
+    assert "--async-checkpoint" in error and f"holds the weights of {name}" in error, error
+    resumed = run_script(PROBE, "--output-dir", intact, *common[2:], "--resume-from-checkpoint", "latest", env=env)
+    output = check_ok(resumed)
+    assert "resumed from" in output, output[-2000:]
