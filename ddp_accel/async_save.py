@@ -65,7 +65,6 @@ class StagedWrites:
     def add(self, write: Callable[..., Any], obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._storages = {}
         self.writes.append((write, self._copied(obj), args, kwargs))
-        self._storages = {}
 
     def _copied(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
