@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from helpers import SHORT_PROBE_ARGS, assert_same_weights, check_ok, launch, run_script
+from helpers import ROOT, SHORT_PROBE_ARGS, assert_same_weights, check_ok, launch, run_script, write
 
 from ddp_accel import async_save
 from ddp_accel.checkpoint import complete_checkpoints, resolve_resume
@@ -139,6 +139,21 @@ def test_on_two_processes_async_checkpoints_are_the_synchronous_ones_and_a_stop_
     sync, background = checkpoint_files(short_job), checkpoint_files(tmp_path / "async")
     for name in ("step_5/optimizer.bin", "step_10/model.safetensors", "step_20/random_states_1.pkl"):
         assert sync[name] == background[name], name
+
+
+@multiprocess
+def test_under_fsdp_full_state_dict_on_two_processes_async_checkpoints_are_the_synchronous_ones(tmp_path):
+    # the full state dicts are gathered on rank 0, staged and freed one after another: each file holds its own
+    # object's values (an earlier version wrote a model tensor's values as an optimizer moment)
+    yaml = (ROOT / "accelerate_configs" / "fsdp.yaml").read_text().replace("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+    config = write(tmp_path / "full_state_dict.yaml", yaml)
+    common = [*ARGS, "--dropout", "0"]
+    check_ok(launch(PROBE, "--output-dir", tmp_path / "sync", *common, config=config))
+    check_ok(launch(PROBE, "--output-dir", tmp_path / "async", *common, "--async-checkpoint", config=config))
+    sync, background = checkpoint_files(tmp_path / "sync"), checkpoint_files(tmp_path / "async")
+    assert "step_10/optimizer.bin" in sync and "step_10/pytorch_model_fsdp.bin" in sync, sorted(sync)
+    assert sync.keys() == background.keys()
+    assert [name for name in sync if sync[name] != background[name]] == []
 
 
 @inprocess

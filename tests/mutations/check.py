@@ -594,6 +594,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "clear_device_cache(garbage_collection=not fits)",
         "clear_device_cache(garbage_collection=False)",
     ),
+    "async_staging_shares_addresses_across_objects": (
+        "ddp_accel/async_save.py",
+        "        self._storages = {}\n        self.writes.append(",
+        "        self.writes.append(",
+    ),
+    "misplaced_optimizer_state_of_an_earlier_version_resumed": (
+        "ddp_accel/checkpoint.py",
+        'if saved.get("checkpoint_format", 1) < 2:',
+        'if saved.get("checkpoint_format", 1) < 1:',
+    ),
 }
 
 
