@@ -9,10 +9,11 @@ the memory kept, 0.53 M and 1.6 s, steps 2.45 s -> 2.2 s, peak memory 2.0 -> 2.5
 into the faulting pattern in some processes and not in others (4 in 10 runs: 1.5x the system time and 0.7x the
 samples/s). jemalloc and tcmalloc, which PyTorch's CPU tuning guide suggests preloading, keep freed memory alike.
 
-So when the training loop starts, glibc is told to serve every allocation from its heap (no mmap) and to give back
-free memory at its top only beyond KEEP_FREE_BYTES. What was allocated before (the data, the model) keeps where it
-is. Left alone: another allocator preloaded (LD_PRELOAD), glibc's own MALLOC_* tuning variables set, or
-DDP_ACCEL_MALLOC=system.
+So when a training loop on the CPU starts, glibc is told to serve every allocation from its heap (no mmap) and to
+give back free memory at its top only beyond KEEP_FREE_BYTES (mallopt: for the whole process, never undone). What
+was allocated before (the data, the model) keeps where it is. Left alone: a run on a GPU (its tensors are not
+malloc's; the setting is not measured there), another allocator preloaded (LD_PRELOAD), glibc's own MALLOC_* tuning
+variables set, or DDP_ACCEL_MALLOC=system.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ GLIBC_VARIABLES = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_TH
 _kept = False
 
 
-def keep_freed_memory() -> bool:
-    """Tell glibc to keep what the training steps free (once per process); True when it is (now or before)."""
+def keep_freed_memory(device_type: str) -> bool:
+    """Tell glibc to keep what the training steps on `device_type` ("cpu", "cuda", ...) free (once per process);
+    True when it is (now or before)."""
     global _kept
-    if _kept or not applies():
+    if _kept or device_type != "cpu" or not applies():
         return _kept
     libc = ctypes.CDLL(None)
     _kept = bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREE_BYTES))

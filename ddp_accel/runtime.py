@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
 import datetime
 import functools
 import gc
 import inspect
-import io
 import os
 import platform
 import re
@@ -22,7 +19,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import accelerate
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator, InitProcessGroupKwargs
@@ -45,12 +41,10 @@ from ddp_accel.elastic import (
 from ddp_accel.engines import Outcome, record_outcome
 from ddp_accel.errors import UserError
 from ddp_accel.group_wait import while_the_group_forms
-from ddp_accel.lazy_compiler import defer_compiler_import
-from ddp_accel.lazy_libraries import defer_library_imports
 from ddp_accel.loaders import end_worker_processes, kill_leftover_workers
 from ddp_accel.run_folder import RunFolder
-from ddp_accel.sharding import accelerate_version_note, adopt_fsdp_on_cpu
-from ddp_accel.startup import flush_std_streams, imports_done, start_wanted_worker_server
+from ddp_accel.sharding import adopt_fsdp_on_cpu
+from ddp_accel.startup import imports_done, start_wanted_worker_server
 from ddp_accel.stopping import (
     PEER_STOPPED_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
@@ -60,19 +54,6 @@ from ddp_accel.stopping import (
     StopSignals,
 )
 from ddp_accel.tracking import check_trackers, make_trackers, tracker_names
-
-
-def _cache_per_step_package_probe() -> None:
-    """Accelerate (1.15) asks `is_lomo_available()` (importlib find_spec + metadata, ~0.2 ms) twice in every
-    `optimizer.step()`: 7% of a small model's step on CPU (benchmarks/overhead.py). The answer cannot change
-    while the process runs, so ask once."""
-    import accelerate.accelerator
-    import accelerate.optimizer
-
-    for module in (accelerate.optimizer, accelerate.accelerator):
-        probe = getattr(module, "is_lomo_available", None)
-        if probe is not None and not hasattr(probe, "cache_info"):
-            module.is_lomo_available = functools.cache(probe)
 
 
 def has_accelerator() -> bool:
@@ -103,9 +84,6 @@ def build_accelerator(
     - The scheduler steps once per optimizer step whatever the world size (Accelerate's default
       steps it num_processes times per step).
     """
-    _cache_per_step_package_probe()
-    defer_compiler_import()  # before the script makes its optimizer: ~0.6 s of CPU a process, unless it compiles
-    defer_library_imports()  # DTensor (~0.55 s of CPU) and datasets (~0.8 s) imported only where something uses them
     cpu = not has_accelerator()
     # accelerate launch --mixed_precision and the YAML's mixed_precision reach the Accelerator by this variable
     if cpu and (mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")) == "fp16":
@@ -133,10 +111,7 @@ def build_accelerator(
                 comm_hooks.ddp_kwargs(ddp, gloo=cpu),
             ],
         )
-    if adopt_fsdp_on_cpu(accelerator):  # an FSDP config on a machine without GPUs: FSDP2 over gloo, not DDP
-        note = accelerate_version_note(accelerate.__version__)
-        if note and accelerator.is_main_process:
-            print(note, file=sys.stderr, flush=True)
+    adopt_fsdp_on_cpu(accelerator)  # an FSDP config on a machine without GPUs: FSDP2 over gloo, not DDP
     comm_hooks.check_hook(ddp.comm_hook, accelerator.distributed_type.value, accelerator.num_processes)
     check_topology(accelerator)
     set_seed(seed)
@@ -462,10 +437,10 @@ def check_no_inherited_process_group() -> None:
 
 
 # notebook_launcher's agent (torch elastic, in the kernel) forks the workers with its own handler of the stop signals
-# installed, which raises SignalException. A signal that arrives while a fork runs is handled inside an at-fork hook
-# (logging's lock release), where CPython prints the exception as "ignored" and drops it: the stop button was lost
-# and the training ran to its end (1 stop in 24 here, pressed 0.03-0.3 s into a launch). So while a fork runs that
-# handler only records the signal, which is sent again once the fork is done, outside the hooks.
+# installed, which raises SignalException (recognised by its module and name; another handler is left alone). A
+# signal that arrives while a fork runs is handled inside an at-fork hook (logging's lock release), where CPython
+# prints the exception as "ignored" and drops it: the stop button was lost and the training ran to its end. So while
+# a fork runs that handler only records the signal, which is sent again once the fork is done, outside the hooks.
 _handlers_during_fork: dict[int, Any] = {}
 _signals_during_fork: list[int] = []
 
@@ -525,11 +500,14 @@ def _forget_the_parents_signals() -> None:
     _signals_during_fork.clear()
 
 
-os.register_at_fork(
-    before=_hold_stop_signals_while_forking,
-    after_in_parent=_send_again_what_came_while_forking,
-    after_in_child=_forget_the_parents_signals,
-)
+@functools.cache  # once per process: at-fork hooks cannot be removed
+def hold_stop_signals_during_forks() -> None:
+    """In the process that runs notebook_launcher (the kernel), from the first `launched` function on."""
+    os.register_at_fork(
+        before=_hold_stop_signals_while_forking,
+        after_in_parent=_send_again_what_came_while_forking,
+        after_in_child=_forget_the_parents_signals,
+    )
 
 
 def _forks_since(parent: int, command: bytes, started: int) -> int:
@@ -580,7 +558,9 @@ def launched(function: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a training function for `notebook_launcher`/`debug_launcher`: it runs, its locals are released,
     then the distributed shutdown `run_main` does for scripts (no gloo teardown abort in the workers). A process
     group inherited from the kernel is named as the cause, not left to abort the worker; no worker starts before
-    the launcher has forked them all (`wait_for_the_other_forks`)."""
+    the launcher has forked them all (`wait_for_the_other_forks`); from here on, a stop signal that reaches this
+    process while its launcher forks a worker is not lost (`hold_stop_signals_during_forks`)."""
+    hold_stop_signals_during_forks()
 
     @functools.wraps(function)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -691,38 +671,7 @@ def run_main(main: Callable[..., Any]) -> None:
     shutdown(clean=outcome.code in (0, PEER_STOPPED_EXIT_CODE))
     signals.uninstall()
     note_command_start(None)  # a later fit() in this process (a notebook) counts from its own start
-    if _the_scripts_own_process(main) and not engines.current().outlives_the_script:
-        leave_the_process(outcome.code)
     sys.exit(outcome.code)
-
-
-def _the_scripts_own_process(main: Callable[..., Any]) -> bool:
-    """`python script.py` (or a launcher's rank): main is the script's own, and `__main__` is a file, not a notebook's
-    kernel or a test session, which go on after the run."""
-    script = sys.modules.get("__main__")
-    return getattr(main, "__module__", None) == "__main__" and getattr(script, "__file__", None) is not None
-
-
-WRITABLE_FILES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
-
-
-def leave_the_process(code: int) -> None:
-    """End a script's process with what Python's exit does that anyone sees, without the rest: the threads that are
-    not daemons joined (and concurrent.futures' pools), the atexit handlers (logging, the trackers, temporary
-    folders), every open file flushed, then os._exit. The rest is tearing down every module, torch's C++ objects
-    included: 0.8 s of CPU a process measured here, paid by each rank of every command and its launcher waiting."""
-    shutdown_threads = getattr(threading, "_shutdown", None)
-    if shutdown_threads is None:  # another Python's internals: its own exit
-        sys.exit(code)
-    shutdown_threads()
-    atexit._run_exitfuncs()
-    flush_std_streams()
-    for opened in gc.get_objects():  # a file a script opened and never closed: flushed, as its finalizer would
-        if issubclass(type(opened), WRITABLE_FILES):  # type(): a lazy module attribute warns when asked its class
-            with contextlib.suppress(Exception):
-                if not opened.closed:
-                    opened.flush()
-    os._exit(code)
 
 
 def _user_error(error: UserError, signals: StopSignals) -> Outcome:

@@ -11,8 +11,10 @@ CPU device mesh over gloo, and Accelerate's FSDP2 paths (prepare, `save_state`/`
   one back: with only the latter, `save_state` takes the non-FSDP path and fails: "invalid python storage");
 - the plugin, built from the same variables as Accelerate's own, with the run's mixed-precision policy.
 
-Made for the Accelerate versions in `ADJUSTED_ACCELERATE`; tests/test_sharding.py fails the day Accelerate keeps the
-plugin on CPU by itself (then this is no longer needed) or changes what is adjusted.
+Made for the Accelerate versions in `ADJUSTED_ACCELERATE`: outside them a run that would need the adjustment is
+refused in one line naming that range (a state changed in a version it was not tested on could save or resume
+wrongly). tests/test_fsdp.py fails the day Accelerate keeps the plugin on CPU by itself (then this is no longer
+needed) or changes what is adjusted.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 from ddp_accel.errors import UserError
 
-# [first, last] minor versions this adjustment was made and tested for; outside, a run says so and goes on
+# [first, last] minor versions this adjustment was made and tested for; outside, a run that needs it is refused
 ADJUSTED_ACCELERATE = ((1, 10), (1, 15))
 
 
@@ -40,6 +42,9 @@ def adopt_fsdp_on_cpu(accelerator: Any) -> bool:
 
     if not fsdp_asked() or accelerator.device.type != "cpu" or accelerator.distributed_type == DistributedType.FSDP:
         return False
+    import accelerate
+
+    check_accelerate_version(accelerate.__version__)
     plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables, as Accelerate builds its own
     if plugin.fsdp_version != 2:
         raise UserError(
@@ -58,19 +63,19 @@ def adopt_fsdp_on_cpu(accelerator: Any) -> bool:
     return True
 
 
-def accelerate_version_note(version: str) -> str | None:
-    """One line when the installed Accelerate lies outside the versions the CPU adjustment was made for."""
+def check_accelerate_version(version: str) -> None:
+    """A UserError when the installed Accelerate lies outside the versions the CPU adjustment was made for."""
+    first, last = ADJUSTED_ACCELERATE
     try:
         major_minor = tuple(int(part) for part in version.split(".")[:2])
     except ValueError:
-        return None
-    first, last = ADJUSTED_ACCELERATE
+        major_minor = (0, 0)
     if first <= major_minor <= last:
-        return None
-    return (
-        f"warning: FSDP on CPU adjusts Accelerate's state; it was made for Accelerate "
-        f"{first[0]}.{first[1]}-{last[0]}.{last[1]}, this is {version}: if a save or a resume fails, "
-        "run with accelerate_configs/cpu.yaml"
+        return
+    raise UserError(
+        f"FSDP on a machine without GPUs adjusts Accelerate's state, which was made and tested for Accelerate "
+        f"{first[0]}.{first[1]} to {last[0]}.{last[1]}, and this is Accelerate {version}: install one of those "
+        "(pip install 'accelerate>=1.10,<1.16'), or train with DDP (accelerate_configs/multi_gpu.yaml)"
     )
 
 

@@ -148,7 +148,7 @@ class TrainingRun:
     # --- start: every check first, then the first writes ---
     def start(self) -> dict[str, Any] | None:
         """Resume (or not), check the output dir; returns the committed metrics when the run is already complete."""
-        allocator.keep_freed_memory()  # from here on: each step's tensors reuse the previous step's memory
+        allocator.keep_freed_memory(self.accelerator.device.type)  # CPU steps reuse the previous step's memory
         run_start.print_run_banner(self)
         complete = run_start.committed_run(self)
         if complete is not None:

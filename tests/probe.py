@@ -16,7 +16,6 @@ if __name__ == "__main__":
 
 import json
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -223,10 +222,6 @@ def main(signals: StopSignals | None = None) -> None:
     callbacks = [*crash, LearningRates(config.output_dir)]
     fit(accelerator, config, task, RunRecord(identity=identity), signals=signals, callbacks=callbacks)
     Path(config.output_dir, f"seen_rank{accelerator.process_index}.json").write_text(json.dumps(seen))
-    # which of three modules a plain run has no use for this rank imported all the same (tests/test_lazy_compiler.py)
-    unused = ["torch._dynamo", "torch.distributed.tensor", "datasets"]
-    imported = [module for module in unused if sys.modules.get(module) is not None]
-    Path(config.output_dir, f"imported_rank{accelerator.process_index}.json").write_text(json.dumps(imported))
     # torch elastic's per-worker error files (ATTEMPT/LOCAL_RANK/error.json), the layout through which a worker
     # learns that another one failed (engines.TorchElastic.peer_failed; tests/test_launchers.py checks it)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")

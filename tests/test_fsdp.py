@@ -189,8 +189,10 @@ def test_accelerate_still_drops_the_fsdp_plugin_on_cpu_and_the_adjustment_makes_
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 
-    assert sharding.accelerate_version_note(accelerate.__version__) is None, accelerate.__version__
-    assert "this is 1.16.0" in sharding.accelerate_version_note("1.16.0")
+    sharding.check_accelerate_version(accelerate.__version__)  # (the versions CI proves lie inside the range)
+    for outside in ("1.16.0", "1.9.1", "2.0.0.dev0"):
+        with pytest.raises(UserError, match=f"tested for Accelerate 1.10 to 1.15, and this is Accelerate {outside}"):
+            sharding.check_accelerate_version(outside)
     for name, value in FSDP_ENV.items():
         monkeypatch.setenv(name, value)
     try:

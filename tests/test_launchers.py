@@ -211,7 +211,8 @@ FORK_WITH_A_STOP_SIGNAL = """
 import os, signal, time
 # registered before ddp_accel's hooks, so it runs inside them: a stop signal that arrives while the fork runs
 os.register_at_fork(after_in_parent=lambda: os.kill(os.getpid(), signal.SIGINT))
-import ddp_accel.runtime
+from ddp_accel.runtime import launched
+launched(print)  # the kernel's training function, wrapped: the hooks are registered
 from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
 signal.signal(signal.SIGINT, _terminate_process_handler)  # what torch elastic's agent installs before it forks
 try:

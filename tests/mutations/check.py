@@ -380,8 +380,18 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "allocator_left_to_its_defaults": (
         "ddp_accel/training.py",
-        "        allocator.keep_freed_memory()  # from here on",
-        "        pass  # from here on",
+        "        allocator.keep_freed_memory(self.accelerator.device.type)  # CPU steps",
+        "        pass  # CPU steps",
+    ),
+    "stop_signals_not_held_while_a_notebook_forks": (
+        "ddp_accel/runtime.py",
+        "    hold_stop_signals_during_forks()\n\n    @functools.wraps(function)",
+        "\n    @functools.wraps(function)",
+    ),
+    "allocator_set_for_a_gpu_run_too": (
+        "ddp_accel/allocator.py",
+        'if _kept or device_type != "cpu" or not applies():',
+        "if _kept or not applies():",
     ),
     "allocator_still_maps_each_large_tensor": (
         "ddp_accel/allocator.py",
@@ -516,68 +526,10 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    for key in scores:\n",
         "    for key in scores[:0]:\n",
     ),
-    "process_torn_down_at_its_exit": (
-        "ddp_accel/runtime.py",
-        "        leave_the_process(outcome.code)\n",
-        "        pass\n",
-    ),
-    "process_leaves_before_its_threads_end": (
-        "ddp_accel/runtime.py",
-        "    shutdown_threads()\n",
-        "",
-    ),
-    "process_leaves_with_its_files_unflushed": (
-        "ddp_accel/runtime.py",
-        "                    opened.flush()\n",
-        "                    pass\n",
-    ),
     "forkserver_left_after_a_systemexit": (
         "ddp_accel/startup.py",
         "    atexit.register(end_forkserver)  # a main that leaves by SystemExit",
         "    pass  # a main that leaves by SystemExit",
-    ),
-    # torch._dynamo imported when something compiles (ddp_accel/lazy_compiler.py)
-    "compiler_imported_at_the_first_optimizer": (
-        "ddp_accel/runtime.py",
-        "    defer_compiler_import()  # before the script makes its optimizer",
-        "    pass  # before the script makes its optimizer",
-    ),
-    "ddp_asks_the_compiler_itself": (
-        "ddp_accel/lazy_compiler.py",
-        "        torch._dynamo = _stand_in()\n",
-        "        pass\n",
-    ),
-    "deferred_step_ignores_the_grad_mode": (
-        "ddp_accel/lazy_compiler.py",
-        '            torch.set_grad_enabled(args[0].defaults["differentiable"])\n',
-        "",
-    ),
-    # Accelerate's DTensor and datasets questions answered without their imports (ddp_accel/lazy_libraries.py), and
-    # the final weights written by rank 0 alone (ddp_accel/run_end.py)
-    "datasets_imported_to_ask_about_a_loader": (
-        "ddp_accel/lazy_libraries.py",
-        '    (accelerate.data_loader, "is_datasets_available", DATASETS, {"prepare_data_loader"}),\n',
-        "",
-    ),
-    "dtensor_imported_to_ask_about_a_model": (
-        "ddp_accel/lazy_libraries.py",
-        '    (accelerate.accelerator, "model_has_dtensor", DTENSOR, {"Accelerator.prepare_model"}),\n',
-        "",
-    ),
-    "a_library_asked_before_its_import": (
-        "ddp_accel/lazy_libraries.py",
-        "        return imported(module) and answer(*args, **kwargs)",
-        "        return answer(*args, **kwargs)",
-    ),
-    "accelerate_asking_elsewhere_changed_too": (
-        "ddp_accel/lazy_libraries.py",
-        "answer in _DEFERRED or callers(owner, name) != asked_by:",
-        "answer in _DEFERRED:",
-    ),
-    "every_rank_writes_the_final_weights": (
-        "ddp_accel/run_end.py",
-        "        if shards_weights(accelerator) or accelerator.is_main_process:",
-        "        if True:",
     ),
     "curves_drawn_whatever_the_variable": (
         "ddp_accel/run_end.py",
