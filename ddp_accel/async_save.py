@@ -1,10 +1,14 @@
-"""Asynchronous checkpoints (`--async-checkpoint`): a save stages the state in memory and training goes on while a
-background thread writes it.
+"""Asynchronous checkpoints (`--async-checkpoint`): at the step a save copies the state into memory, and a background
+thread writes it while training goes on.
 
-Staging runs Accelerate's own `save_state` (so the checkpoint's files and layout are exactly a synchronous save's),
-with its writes deferred: each object Accelerate (or ddp_accel) hands to `save`/`torch.save` is copied at once (its
-tensors cloned into CPU memory) and written later, by the function that would have written it. The step pays for
-the copies; the pickling and the file system are the writer's. `StagedWrites.bytes` is what the staging holds.
+The files are a synchronous save's, written by the functions `Accelerator.save_state` itself calls: at the step,
+`accelerate.checkpointing.save_accelerator_state` writes the small files (the schedulers, the samplers, the gradient
+scaler, this rank's RNG states) as `save_state` does, and the model's and the optimizer's states are copied into CPU
+memory; the writer thread writes the copies with `accelerate.utils.save` (model.safetensors, optimizer.bin). Under
+FSDP the sharded states go to torch.distributed.checkpoint's `async_save` (it copies them itself), each over a
+process group of its own so that its planning collectives never meet the training's; FULL_STATE_DICT's files,
+gathered on rank 0, are copied and written with `torch.save`, as Accelerate's `save_fsdp_model` does. The step pays
+for the copies; the pickling and the file system are the writer's. `StagedWrites.bytes` is what the copies hold.
 
 What completes a checkpoint (the list of its files, training_state.json, the rename of `.tmp_step_N` to `step_N`)
 runs in the main process's writer once every rank's writer has left its marker in the folder, so `latest` never
@@ -13,11 +17,13 @@ names a checkpoint that is not whole, and a process killed mid-write leaves the 
 
 from __future__ import annotations
 
-import contextlib
 import copy
+import functools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +32,23 @@ import torch
 MARKER = ".written_by_rank_{rank}"
 FAILED = ".failed_on_rank_{rank}"
 
+Write = Callable[[Any, Path], None]  # (an object, its file): writes it
+
+
+@dataclass
+class AcceleratorObjects:
+    """What a run handed `Accelerator.prepare`, in its order: what `save_state` writes (and `load_state` reads)."""
+
+    models: list[torch.nn.Module] = field(default_factory=list)
+    optimizers: list[Any] = field(default_factory=list)
+    schedulers: list[Any] = field(default_factory=list)
+    dataloaders: list[Any] = field(default_factory=list)
+
 
 class StagingBuffers:
     """The CPU tensors a run's staged checkpoints are copied into, kept from one save to the next: a copy into
-    memory that is already mapped runs at memory speed, where fresh allocations paid the kernel's page faults
-    (0.6 s for 1.15 GB here, 2 GB/s). The next save stages only once the previous one is written."""
+    memory that is already mapped runs at memory speed, where fresh allocations pay the kernel's page faults.
+    The next save stages only once the previous one is written."""
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
@@ -48,10 +66,12 @@ class StagingBuffers:
 
 
 class StagedWrites:
-    """Writes deferred during a save: (the writing function, a copy of the object, its arguments)."""
+    """The writes of one checkpoint, for the writer thread: (the writing function, a copy of the object, its file),
+    and the futures of torch.distributed.checkpoint's own asynchronous saves."""
 
     def __init__(self, buffers: StagingBuffers | None = None) -> None:
-        self.writes: list[tuple[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]]] = []
+        self.writes: list[tuple[Write, Any, Path]] = []
+        self.futures: list[Future[Any]] = []
         self.bytes = 0
         self.buffers = buffers or StagingBuffers()
         self.buffers.used = 0
@@ -62,9 +82,9 @@ class StagedWrites:
         # full state dicts are gathered, staged and freed one after another)
         self._storages: dict[int, torch.Tensor] = {}
 
-    def add(self, write: Callable[..., Any], obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def add(self, write: Write, obj: Any, path: Path) -> None:
         self._storages = {}
-        self.writes.append((write, self._copied(obj), args, kwargs))
+        self.writes.append((write, self._copied(obj), path))
 
     def _copied(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -81,10 +101,6 @@ class StagedWrites:
         return copy.deepcopy(obj)
 
     def _copied_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        if hasattr(tensor, "to_local"):  # a DTensor: this rank's shard is what is written
-            local = tensor.to_local()
-            self.bytes += local.numel() * local.element_size()
-            return self.buffers.copy(tensor)
         storage = tensor.untyped_storage()
         staged = self._storages.get(storage.data_ptr()) if storage.nbytes() else None
         if staged is not None and staged.untyped_storage().nbytes() == storage.nbytes():  # a view of a staged one
@@ -98,40 +114,96 @@ class StagedWrites:
         return copied
 
     def write_all(self) -> None:
-        for write, obj, args, kwargs in self.writes:
-            write(obj, *args, **kwargs)
+        for future in self.futures:
+            future.result()
+        for write, obj, path in self.writes:
+            write(obj, path)
 
 
-@contextlib.contextmanager
-def deferred_writes(buffers: StagingBuffers | None = None, group: Any = None) -> Iterator[StagedWrites]:
-    """Inside: Accelerate's checkpoint writes (`accelerate.checkpointing.save`, which writes weights, optimizer,
-    scheduler and sampler), every `torch.save` (its RNG states, ddp_accel's own files) and, under FSDP, every
-    `torch.distributed.checkpoint.save` (the shards of model and optimizer) are staged, not written. The shards are
-    written later over `group`, a process group of the writers' own: torch.distributed.checkpoint plans a save with
-    collectives, which must not mix with the training's. Only the thread that saves runs meanwhile: no other thread
-    of ddp_accel writes with these then."""
-    import accelerate.checkpointing as checkpointing
+def stage_accelerator_state(
+    accelerator: Any, folder: Path, objects: AcceleratorObjects, staged: StagedWrites, groups: list[Any]
+) -> None:
+    """What `accelerator.save_state(folder)` writes, on every rank: the small files at once, the model's and the
+    optimizer's states staged (under FSDP over `groups`, one process group per sharded state)."""
+    from accelerate.checkpointing import save_accelerator_state
+    from accelerate.utils import DistributedType
+
+    folder.mkdir(parents=True, exist_ok=True)
+    each_node = accelerator.project_configuration.save_on_each_node
+    save_accelerator_state(
+        str(folder),
+        [],
+        [],
+        objects.schedulers,
+        objects.dataloaders,
+        accelerator.process_index,
+        accelerator.step,
+        accelerator.scaler,
+        save_on_each_node=each_node,
+        safe_serialization=True,
+    )
+    if accelerator.distributed_type == DistributedType.FSDP:
+        stage_fsdp_states(accelerator, folder, objects, staged, groups)
+        return
+    from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, save
+
+    save_weights = functools.partial(save, save_on_each_node=each_node, safe_serialization=True)
+    for index, model in enumerate(objects.models):
+        name = SAFE_WEIGHTS_NAME if index == 0 else SAFE_WEIGHTS_NAME.replace(".", f"_{index}.")
+        staged.add(save_weights, accelerator.get_state_dict(model, unwrap=False), folder / name)
+    for index, optimizer in enumerate(objects.optimizers):
+        name = f"{OPTIMIZER_NAME}.bin" if index == 0 else f"{OPTIMIZER_NAME}_{index}.bin"
+        staged.add(functools.partial(save, save_on_each_node=each_node), optimizer.state_dict(), folder / name)
+
+
+def fsdp_state_dict_options(plugin: Any, processes: int) -> Any:
+    """The options under which Accelerate's FSDP2 save gathers its state dicts (`save_fsdp_model`): whole ones on
+    rank 0, in CPU memory, for FULL_STATE_DICT on several processes; else the plugin's own."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    config, full = plugin.state_dict_config, is_full_state_dict(plugin)
+    offload = processes > 1 if full else getattr(config, "offload_to_cpu", False)
+    rank0 = processes > 1 if full else getattr(config, "rank0_only", False)
+    return StateDictOptions(full_state_dict=full, cpu_offload=offload, broadcast_from_rank0=rank0)
+
+
+def is_full_state_dict(plugin: Any) -> bool:
+    return "FULL_STATE_DICT" in str(plugin.state_dict_type)
+
+
+def stage_fsdp_states(
+    accelerator: Any, folder: Path, objects: AcceleratorObjects, staged: StagedWrites, groups: list[Any]
+) -> None:
+    """Accelerate's FSDP2 layout: `pytorch_model_fsdp_0/` and `optimizer_0/` (shards, by torch.distributed.checkpoint's
+    `async_save` over a group each), or FULL_STATE_DICT's `pytorch_model_fsdp.bin` and `optimizer.bin` on rank 0."""
     import torch.distributed.checkpoint as dcp
+    from accelerate.utils import OPTIMIZER_NAME
+    from accelerate.utils.constants import FSDP_MODEL_NAME
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    staged = StagedWrites(buffers)
-    accelerate_save, torch_save, dcp_save = checkpointing.save, torch.save, dcp.save
-
-    def staged_accelerate_save(obj: Any, *args: Any, **kwargs: Any) -> None:
-        staged.add(accelerate_save, obj, args, kwargs)
-
-    def staged_torch_save(obj: Any, *args: Any, **kwargs: Any) -> None:
-        staged.add(torch_save, obj, args, kwargs)
-
-    def staged_dcp_save(state_dict: Any, **kwargs: Any) -> None:
-        if group is None:
-            raise RuntimeError("a sharded checkpoint staged without the writers' process group")
-        staged.add(dcp_save, state_dict, (), {**kwargs, "process_group": group})
-
-    checkpointing.save, torch.save, dcp.save = staged_accelerate_save, staged_torch_save, staged_dcp_save
-    try:
-        yield staged
-    finally:
-        checkpointing.save, torch.save, dcp.save = accelerate_save, torch_save, dcp_save
+    plugin = accelerator.state.fsdp_plugin
+    options = fsdp_state_dict_options(plugin, accelerator.num_processes)
+    full, main = is_full_state_dict(plugin), accelerator.process_index == 0
+    states: list[tuple[str, str, Any]] = []  # (file or folder, the key of a sharded save, the state)
+    for index, model in enumerate(objects.models):
+        whole = f"{FSDP_MODEL_NAME}.bin" if index == 0 else f"{FSDP_MODEL_NAME}_{index}.bin"
+        name = whole if full else f"{FSDP_MODEL_NAME}_{index}"
+        states.append((name, "model", get_model_state_dict(model, options=options)))
+    for index, optimizer in enumerate(objects.optimizers):  # Accelerate pairs the i-th optimizer with the i-th model
+        state = get_optimizer_state_dict(objects.models[index], optimizer, options=options)
+        whole = f"{OPTIMIZER_NAME}.bin" if index == 0 else f"{OPTIMIZER_NAME}_{index}.bin"
+        states.append((whole if full else f"{OPTIMIZER_NAME}_{index}", "optimizer", state))
+    for number, (name, key, state) in enumerate(states):
+        if full:
+            if main:
+                staged.add(torch.save, state, folder / name)
+            continue
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        writer = dcp.FileSystemWriter(str(folder / name))
+        planner, group = DefaultSavePlanner(), groups[number]
+        saving: Any = dcp.async_save({key: state}, storage_writer=writer, planner=planner, process_group=group)
+        staged.futures.append(getattr(saving, "upload_completion", saving))  # (newer torch may answer with both)
 
 
 class CheckpointWriter:
@@ -139,14 +211,15 @@ class CheckpointWriter:
     thread)."""
 
     def __init__(self, sharded: bool = False) -> None:
-        """`sharded` (FSDP): every rank makes, together, the process group its writes plan over."""
+        """`sharded` (FSDP): every rank makes, together, the process groups its sharded saves plan over (one for
+        the model's state, one for the optimizer's: their saves run at the same time)."""
         import torch.distributed as dist
 
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.buffers = StagingBuffers()  # its saves' staging memory, reused
         self.last_write_s = 0.0  # how long the last write took (with the staging: what a save at once costs)
-        self.group = dist.new_group(backend="gloo") if sharded and dist.is_initialized() else None
+        self.groups = [dist.new_group(backend="gloo") for _ in range(2)] if sharded and dist.is_initialized() else []
 
     @property
     def busy(self) -> bool:

@@ -9,6 +9,8 @@ count that differs is refused as it was then.
 from __future__ import annotations
 
 import re
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +30,6 @@ def other_callbacks(path: Path, detail: str) -> UserError:
     )
 
 
-class _Received:
-    """Takes one positional state of an old checkpoint from Accelerate's load_state."""
-
-    def __init__(self) -> None:
-        self.state: Any = None
-
-    def state_dict(self) -> Any:
-        return self.state
-
-    def load_state_dict(self, state: Any) -> None:
-        self.state = state
-
-
 class CallbackStates:
     """The stateful callbacks of a run (ddp_accel.callbacks.Callback with state_dict/load_state_dict), by key
     (`state_key`, else the class name; a second of the same key gets `#2`), in the order they were given."""
@@ -56,11 +45,12 @@ class CallbackStates:
                 unique, count = f"{key}#{count}", count + 1
             self.by_key[unique] = callback
 
-    def save(self, folder: Path) -> None:
-        """Main process: every callback's state is the same on every rank (as Accelerate's custom states were)."""
+    def save(self, folder: Path, save: Callable[[Any, Path], None] = torch.save) -> None:
+        """Main process: every callback's state is the same on every rank (as Accelerate's custom states were);
+        `save`: torch.save, or an asynchronous checkpoint's staging."""
         states = {key: callback.state_dict() for key, callback in self.by_key.items()}
         required = [key for key, callback in self.by_key.items() if callback.state_required]
-        torch.save({"states": states, "required": required}, folder / STATES_FILE)
+        save({"states": states, "required": required}, folder / STATES_FILE)
 
     def load(self, accelerator: Accelerator, path: Path, callbacks_read: bool = True) -> list[str]:
         """Accelerate's load_state of `path`, and each callback's state by its key (`callbacks_read` False: the
@@ -68,18 +58,18 @@ class CallbackStates:
         positional = sorted(
             (int(match.group(1)), name) for name in _listing(path) if (match := _POSITIONAL.match(name))
         )
-        receivers = [_Received() for _ in positional]
-        accelerator.register_for_checkpointing(*receivers)  # so that load_state reads the old files (and counts)
-        try:
+        if positional:  # Accelerate's load_state refuses files it has no registered object for: a view without them
+            with tempfile.TemporaryDirectory(prefix=".ddp_accel_checkpoint_") as view:
+                for entry in path.iterdir():
+                    if not _POSITIONAL.match(entry.name):
+                        Path(view, entry.name).symlink_to(entry.resolve())
+                accelerator.load_state(view)
+        else:
             accelerator.load_state(str(path))
-        finally:
-            # Accelerate has no public way to unregister: these were only the old files' readers
-            for receiver in receivers:
-                accelerator._custom_objects.remove(receiver)
         if not callbacks_read:
             return []
-        if receivers:
-            return self._load_positional(path, [receiver.state for receiver in receivers])
+        if positional:
+            return self._load_positional(path, [torch.load(path / name, weights_only=False) for _, name in positional])
         if (path / STATES_FILE).is_file():
             return self._load_by_key(path, torch.load(path / STATES_FILE, weights_only=False))
         return self._load_by_key(path, {"states": {}, "required": []})

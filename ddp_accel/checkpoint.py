@@ -5,6 +5,7 @@ identity."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -13,6 +14,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,14 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from ddp_accel import comm_hooks
-from ddp_accel.async_save import CheckpointWriter, deferred_writes, leave_marker, wait_for_markers
+from ddp_accel.async_save import (
+    AcceleratorObjects,
+    CheckpointWriter,
+    StagedWrites,
+    leave_marker,
+    stage_accelerator_state,
+    wait_for_markers,
+)
 from ddp_accel.callback_state import CallbackStates
 from ddp_accel.config import TrainConfig
 from ddp_accel.errors import UserError
@@ -147,21 +156,33 @@ def training_state_json(progress: TrainState, identity: RunIdentity) -> dict[str
     return finite_or_null({**progress.state_dict(), **identity.state_dict(), "checkpoint_format": CHECKPOINT_FORMAT})
 
 
+@dataclass
+class Contents:
+    """What a run's checkpoints hold besides training_state.json: the state of what it handed Accelerate's prepare
+    (`objects`: what an asynchronous save stages), its stateful callbacks' (`callbacks`), and each rank's PowerSGD
+    state (`hooks`)."""
+
+    objects: AcceleratorObjects = field(default_factory=AcceleratorObjects)
+    callbacks: CallbackStates | None = None
+    hooks: list[Any] = field(default_factory=list)
+
+
 def save_checkpoint(
     accelerator: Accelerator,
     root: Path,
     state: TrainState,
     identity: RunIdentity,
     limit: int | None = None,
-    states: tuple[CallbackStates | None, list[Any]] = (None, []),
+    contents: Contents | None = None,
     writer: CheckpointWriter | None = None,
 ) -> Path:
     """Every process calls this (save_state is collective). Returns the final folder.
 
     The state goes to `.tmp_step_N` first; the main process writes the callbacks' states, the list of its files
     and then training_state.json, and renames it to `step_N` only after every rank wrote its part, so a crash
-    mid-save leaves no folder that `latest` would pick up. With a `writer` (--async-checkpoint) the state is staged
-    in memory and written by the writer's thread, which completes the checkpoint the same way (async_save.py).
+    mid-save leaves no folder that `latest` would pick up. With a `writer` (--async-checkpoint) the `contents`
+    are staged in memory and written by the writer's thread, which completes the checkpoint the same way
+    (async_save.py).
     """
     final = step_folder(root, state.step)
     partial = final.with_name(".tmp_" + final.name)
@@ -170,12 +191,12 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
     training_state = json.dumps(training_state_json(state, identity), indent=2)  # as it is now
     main, rank, ranks = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
+    contents = contents or Contents()
     with writing(partial, cleanup=partial):
-        before_save(accelerator)  # under FSDP: the buffers every rank will load
+        before_save(accelerator, contents.objects.models)  # under FSDP: the buffers every rank will load
         assert writer is None or not writer.busy, "staged over a write in flight"  # (Checkpoints waits first)
-        staging = deferred_writes(writer.buffers, writer.group) if writer is not None else contextlib.nullcontext()
-        with staging as staged:
-            write_state(accelerator, partial, states)
+        staged = StagedWrites(writer.buffers) if writer is not None else None
+        write_state(accelerator, partial, contents, staged, writer.groups if writer is not None else [])
     if writer is None or staged is None:  # written at once (both: for the type checker)
         accelerator.wait_for_everyone()
         if main:
@@ -205,14 +226,21 @@ def save_checkpoint(
 ASYNC_WRITE_TIMEOUT_S = 3600.0  # the main process's writer waits this long for the other ranks' files
 
 
-def write_state(accelerator: Accelerator, partial: Path, states: tuple[CallbackStates | None, list[Any]]) -> None:
+def write_state(
+    accelerator: Accelerator, partial: Path, contents: Contents, staged: StagedWrites | None, groups: list[Any]
+) -> None:
     """What every rank writes of a checkpoint: Accelerate's save_state, PowerSGD's state; the main process the
-    callbacks' states."""
-    accelerator.save_state(str(partial))
-    callback_states, hook_states = states
-    comm_hooks.save_states(hook_states, partial, accelerator.process_index, accelerator.num_processes)
-    if accelerator.is_main_process and callback_states is not None:
-        callback_states.save(partial)
+    callbacks' states. With `staged`, all of it is staged for the writer thread instead (the small files of
+    save_state excepted: written at once)."""
+    if staged is None:
+        accelerator.save_state(str(partial))
+        save: Callable[[Any, Path], None] = torch.save
+    else:
+        stage_accelerator_state(accelerator, partial, contents.objects, staged, groups)
+        save = functools.partial(staged.add, torch.save)
+    comm_hooks.save_states(contents.hooks, partial, accelerator.process_index, accelerator.num_processes, save)
+    if accelerator.is_main_process and contents.callbacks is not None:
+        contents.callbacks.save(partial, save)
 
 
 def complete(partial: Path, final: Path, training_state: str, limit: int | None) -> None:
@@ -395,11 +423,10 @@ class Checkpoints:
         root: Path,
         every: int | str | None = None,
         limit: int | None = None,
-        states: CallbackStates | None = None,
+        contents: Contents | None = None,
     ):
         self.accelerator, self.root, self.every, self.limit = accelerator, root, every, limit
-        self.states = states or CallbackStates([])
-        self.hook_states: list[Any] = []  # PowerSGD's, one per rank (comm_hooks)
+        self.contents = contents or Contents(callbacks=CallbackStates([]))
         self.leftover = 0  # samples of the epoch the resume sees again (its skip rounded down to this global batch)
         self.rebase: Rebase | None = None  # the resume's, once resumed
         self.activity: SaveActivity = lambda what, kind: contextlib.nullcontext()
@@ -433,8 +460,8 @@ class Checkpoints:
             return False
 
     def save(self, state: TrainState, identity: RunIdentity, in_background: bool = False) -> Path:
-        states, writer = (self.states, self.hook_states), self.writer if in_background else None
-        return save_checkpoint(self.accelerator, self.root, state, identity, self.limit, states, writer)
+        writer = self.writer if in_background else None
+        return save_checkpoint(self.accelerator, self.root, state, identity, self.limit, self.contents, writer)
 
     def maybe_save(self, state: TrainState, identity: RunIdentity, epoch_end: bool = False) -> Path | None:
         """The policy: the checkpoint of this step when one is due (`epoch_end`: an epoch just ended)."""
@@ -500,7 +527,8 @@ class Checkpoints:
         return resolve_resume(value, self.root, self.accelerator)
 
     def load(self, path: Path, state: TrainState, identity: RunIdentity) -> list[str]:
-        return load_checkpoint(self.accelerator, path, identity, state, self.states, self.hook_states)
+        contents = self.contents
+        return load_checkpoint(self.accelerator, path, identity, state, contents.callbacks, contents.hooks)
 
     def saved_plan(self, value: str | None) -> tuple[dict[str, Any] | None, Path | None]:
         """The --time-budget plan recorded by the checkpoint `value` names (None when it has none), and that

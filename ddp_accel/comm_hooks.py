@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -228,13 +229,16 @@ def register_powersgd(model: Any, options: DdpOptions) -> list[PowerSGD]:
     return [PowerSGD(model, options.powersgd_rank, options.powersgd_start_step)]
 
 
-def save_states(keepers: list[PowerSGD], folder: Path, rank: int, world_size: int) -> None:
-    """Each rank's PowerSGD state into `folder` (every rank calls it; nothing without PowerSGD)."""
+def save_states(
+    keepers: list[PowerSGD], folder: Path, rank: int, world_size: int, save: Callable[[Any, Path], None] | None = None
+) -> None:
+    """Each rank's PowerSGD state into `folder` (every rank calls it; nothing without PowerSGD), by `save`
+    (torch.save, or an asynchronous checkpoint's staging)."""
     import torch
 
     if keepers:
         saved = {"world_size": world_size, "states": [keeper.state_dict() for keeper in keepers]}
-        torch.save(saved, folder / STATE_FILE.format(rank=rank))
+        (save or torch.save)(saved, folder / STATE_FILE.format(rank=rank))
 
 
 def load_states(keepers: list[PowerSGD], folder: Path, rank: int, world_size: int) -> str | None:

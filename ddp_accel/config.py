@@ -406,12 +406,17 @@ def check_communication(config: TrainConfig) -> None:
         raise UserError(f"{options}: only with --ddp-comm-hook powersgd")
 
 
-def check_strategy(config: TrainConfig, sharded: bool, deepspeed: bool = False) -> None:
-    """Options that need whole weights on every rank, under a strategy that shards them (FSDP, DeepSpeed)."""
+def check_strategy(
+    config: TrainConfig, sharded: bool, deepspeed: bool = False, fsdp_version: int | None = None
+) -> None:
+    """Options that need whole weights on every rank, under a strategy that shards them (FSDP, DeepSpeed), and
+    asynchronous checkpoints where they cannot be written as a synchronous save would."""
     if config.ema_decay and sharded:
         raise UserError("--ema-decay averages whole weights on every rank: not with FSDP or DeepSpeed shards")
     if config.async_checkpoint and deepspeed:
         raise UserError("--async-checkpoint: DeepSpeed writes its own checkpoints; drop the option")
+    if config.async_checkpoint and fsdp_version == 1:
+        raise UserError("--async-checkpoint under FSDP needs fsdp_version: 2 in the accelerate config; drop the option")
 
 
 SECTION_CHECKS: tuple[Callable[[Any], None], ...] = (

@@ -10,17 +10,20 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
+from ddp_accel.async_save import AcceleratorObjects
 from ddp_accel.batch_size import find_micro_batch, with_batch_size
 from ddp_accel.budget import BudgetPlan, RunShape, Timing, plan_run
+from ddp_accel.callback_state import CallbackStates
 from ddp_accel.callbacks import BestModel, Callback, EarlyStopping, ProgressBar, Trackers
-from ddp_accel.checkpoint import Checkpoints
+from ddp_accel.checkpoint import Checkpoints, Contents
 from ddp_accel.comm_hooks import PowerSGD, check_model, register_powersgd
-from ddp_accel.config import TrainConfig
+from ddp_accel.config import TrainConfig, check_evaluation, check_strategy
 from ddp_accel.ema import WeightAverage
 from ddp_accel.profiling import ProfilerWindow
 from ddp_accel.run_folder import RunFolder
-from ddp_accel.runtime import ddp_options
+from ddp_accel.runtime import ddp_options, shards_weights
 from ddp_accel.schedules import PlateauFeed, make_schedule
 from ddp_accel.sharding import before_prepare
 from ddp_accel.stopping import StepAgreement
@@ -104,6 +107,31 @@ def prepare_task(accelerator: Accelerator, config: TrainConfig, task: Task) -> P
     prepared = Prepared(model, optimizer, prepared_train, eval_loader, test_loader, micro_batch, accumulation, samples)
     prepared.powersgd = register_powersgd(model, ddp_options(config))  # its state goes into the checkpoints
     return prepared
+
+
+def check_options_against_task(
+    accelerator: Accelerator, config: TrainConfig, task: Task, best_metric: str | None
+) -> None:
+    """The options that depend on what the script gives fit (its metrics, an evaluation loader) and on the
+    strategy the accelerate config chose (FSDP's version, DeepSpeed)."""
+    check_evaluation(config, best_metric, task.eval_loader is not None, tuple(task.metric_names))
+    kind = accelerator.distributed_type
+    fsdp_version = accelerator.state.fsdp_plugin.fsdp_version if kind == DistributedType.FSDP else None
+    check_strategy(config, shards_weights(accelerator), kind == DistributedType.DEEPSPEED, fsdp_version)
+
+
+def checkpoint_contents(task: Task, prepared: Prepared, scheduler: Any, callbacks: list[Callback]) -> Contents:
+    """What the run's checkpoints hold: the state of what it handed Accelerate's prepare, in its order (the model
+    as handed over: Accelerate saves it, not its DDP wrapper; the rest as prepared), the stateful callbacks' states
+    by key, each rank's PowerSGD state."""
+    loaders = [prepared.train_loader, prepared.eval_loader, prepared.test_loader]
+    objects = AcceleratorObjects(
+        [task.model],
+        [prepared.optimizer],
+        [scheduler] if scheduler is not None else [],
+        [loader for loader in loaders if loader is not None],
+    )
+    return Contents(objects, CallbackStates(callbacks), prepared.powersgd)
 
 
 def build_scheduler(

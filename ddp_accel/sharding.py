@@ -139,13 +139,14 @@ def broadcast_buffers_before_forward(model: Any) -> bool:
     return True
 
 
-def before_save(accelerator: Any) -> None:
-    """Under FSDP on several processes, rank 0's buffers on every rank before a checkpoint: it keeps one copy of
-    them, which every rank loads at a resume (each rank updated its own in the step's forward)."""
+def before_save(accelerator: Any, models: list[Any]) -> None:
+    """Under FSDP on several processes, rank 0's buffers of the prepared `models` on every rank before a checkpoint:
+    it keeps one copy of them, which every rank loads at a resume (each rank updated its own in the step's
+    forward)."""
     from accelerate.utils import DistributedType
 
     if accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes > 1:
-        for model in accelerator._models:
+        for model in models:
             if any(True for _ in model.buffers()):
                 _broadcast_buffers(model)
 

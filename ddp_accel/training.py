@@ -18,14 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 
 from ddp_accel import allocator, engines, loaders, run_end, run_start
 from ddp_accel.budget import BudgetGuard, BudgetPlan, command_started, epochs_text
-from ddp_accel.callback_state import CallbackStates
 from ddp_accel.callbacks import Callback, Callbacks
 from ddp_accel.checkpoint import Checkpoints, every, model_fingerprint, optimizer_fingerprint
-from ddp_accel.config import TrainConfig, check_evaluation, check_strategy
+from ddp_accel.config import TrainConfig
 from ddp_accel.context import RunContext
 from ddp_accel.errors import UserError
 from ddp_accel.evaluation import evaluate
@@ -33,11 +31,13 @@ from ddp_accel.meters import EvalHistory, numbers
 from ddp_accel.run_folder import RunFolder, folder_for
 from ddp_accel.run_setup import (
     build_scheduler,
+    check_options_against_task,
+    checkpoint_contents,
     plan_time_budget,
     prepare_task,
     standard_callbacks,
 )
-from ddp_accel.runtime import exported_model, lost_peers, shards_weights
+from ddp_accel.runtime import exported_model, lost_peers
 from ddp_accel.state import RunIdentity, TrainState
 from ddp_accel.stopping import Phase, Preempted, SaveGrace, StepAgreement, StopFacts, StopSignals, Verdict
 from ddp_accel.task import RunRecord, Task
@@ -82,8 +82,7 @@ class TrainingRun:
             epoch_samples=prepared.epoch_samples,
         )
         self.best_metric = config.best_metric or task.best_metric  # --best-metric, else the script's
-        check_evaluation(config, self.best_metric, task.eval_loader is not None, tuple(task.metric_names))
-        check_strategy(config, shards_weights(accelerator), accelerator.distributed_type == DistributedType.DEEPSPEED)
+        check_options_against_task(accelerator, config, task, self.best_metric)
         self.checkpoints = Checkpoints.of_run(accelerator, config, self.folder.checkpoints)
         self.started = command_started(time.time())  # --time-budget's clock
         self.budget: BudgetPlan | None = None
@@ -109,8 +108,7 @@ class TrainingRun:
             config, self.best_metric, self.total_steps, chosen_by, [*feed, *guard, *callbacks]
         )
         self.ema, self.callbacks = features.ema, Callbacks(features.callbacks)
-        self.checkpoints.states = CallbackStates(features.callbacks)
-        self.checkpoints.hook_states = self.prepared.powersgd  # each rank's, in its checkpoint files
+        self.checkpoints.contents = checkpoint_contents(task, self.prepared, self.scheduler, features.callbacks)
         self.agreement = StepAgreement(accelerator)
         self.step = TrainStep(
             accelerator, self.model, self.optimizer, task.loss_fn, config.max_grad_norm, self.agreement

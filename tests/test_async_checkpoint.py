@@ -12,6 +12,7 @@ import torch
 from helpers import ROOT, SHORT_PROBE_ARGS, assert_same_weights, check_ok, launch, run_script, write
 
 from ddp_accel import async_save
+from ddp_accel.async_save import AcceleratorObjects
 from ddp_accel.checkpoint import complete_checkpoints, resolve_resume
 
 PROBE = "tests/probe.py"
@@ -52,7 +53,7 @@ def test_a_checkpoint_is_latest_only_once_written_and_a_write_cut_short_leaves_t
     write_all = async_save.StagedWrites.write_all
 
     def slow_write_all(self):
-        if any("step_10" in str(args) for _, _, args, _ in self.writes):
+        if any("step_10" in str(path) for _, _, path in self.writes):
             held.set()
             assert release.wait(60)
         write_all(self)
@@ -88,8 +89,8 @@ def test_a_checkpoint_is_latest_only_once_written_and_a_write_cut_short_leaves_t
 @inprocess
 def test_the_staging_copies_tensors_so_later_steps_do_not_change_a_staged_checkpoint(tmp_path):
     weights = {"w": torch.ones(3)}
-    with async_save.deferred_writes() as staged:
-        torch.save(weights, tmp_path / "w.pt")
+    staged = async_save.StagedWrites()
+    staged.add(torch.save, weights, tmp_path / "w.pt")
     weights["w"].add_(1)  # the next optimizer step
     assert not (tmp_path / "w.pt").exists() and staged.bytes == 12
     staged.write_all()
@@ -102,11 +103,11 @@ def test_a_tensor_at_the_address_of_one_staged_before_is_staged_as_itself(tmp_pa
     # optimizer's is gathered into the same memory; each object's tensors are staged from their own contents
     memory = bytearray(64)
     weight = torch.frombuffer(memory, dtype=torch.float32).fill_(1.0)
-    with async_save.deferred_writes() as staged:
-        torch.save({"weight": weight}, tmp_path / "model.pt")
-        del weight
-        moment = torch.frombuffer(memory, dtype=torch.float32).fill_(2.0)  # another tensor, at the same address
-        torch.save({"exp_avg": moment}, tmp_path / "optimizer.pt")
+    staged = async_save.StagedWrites()
+    staged.add(torch.save, {"weight": weight}, tmp_path / "model.pt")
+    del weight
+    moment = torch.frombuffer(memory, dtype=torch.float32).fill_(2.0)  # another tensor, at the same address
+    staged.add(torch.save, {"exp_avg": moment}, tmp_path / "optimizer.pt")
     staged.write_all()
     assert torch.equal(torch.load(tmp_path / "model.pt")["weight"], torch.ones(16))
     assert torch.equal(torch.load(tmp_path / "optimizer.pt")["exp_avg"], torch.full((16,), 2.0))
@@ -176,8 +177,8 @@ def test_staging_keeps_tied_weights_tied_and_containers_as_they_were(tmp_path):
         accelerator = Accelerator(cpu=True)
         model = accelerator.prepare(Tied())
         accelerator.save_state(str(tmp_path / "sync"))
-        with async_save.deferred_writes() as staged:
-            accelerator.save_state(str(tmp_path / "async"))
+        staged = async_save.StagedWrites()
+        async_save.stage_accelerator_state(accelerator, tmp_path / "async", AcceleratorObjects([model]), staged, [])
         staged.write_all()
         assert (tmp_path / "async" / "model.safetensors").read_bytes() == (
             tmp_path / "sync" / "model.safetensors"

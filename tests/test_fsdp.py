@@ -314,3 +314,14 @@ def test_a_full_state_dict_checkpoint_of_an_earlier_version_with_misplaced_optim
     resumed = run_script(PROBE, "--output-dir", intact, *common[2:], "--resume-from-checkpoint", "latest", env=env)
     output = check_ok(resumed)
     assert "resumed from" in output, output[-2000:]
+
+
+@inprocess
+def test_async_checkpoints_under_fsdp_version_1_are_refused_in_one_line():
+    # (FSDP1 runs on GPUs only: Accelerate's own FSDP path) its state dicts are not the ones async_save writes
+    from ddp_accel.config import TrainConfig, check_strategy
+
+    with pytest.raises(UserError, match="--async-checkpoint under FSDP needs fsdp_version: 2"):
+        check_strategy(TrainConfig(async_checkpoint=True), sharded=True, fsdp_version=1)
+    check_strategy(TrainConfig(async_checkpoint=True), sharded=True, fsdp_version=2)
+    check_strategy(TrainConfig(), sharded=True, fsdp_version=1)
