@@ -450,7 +450,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "fsdp_checkpoint_keeps_any_ranks_buffers": (
         "ddp_accel/checkpoint.py",
-        "        before_save(accelerator)  # under FSDP: the buffers every rank will load\n",
+        "        before_save(accelerator, contents.objects.models)  # under FSDP: the buffers every rank will load\n",
         "",
     ),
     "fsdp_evaluation_prepares_the_model_alone": (
@@ -545,6 +545,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "ddp_accel/batch_size.py",
         "clear_device_cache(garbage_collection=not fits)",
         "clear_device_cache(garbage_collection=False)",
+    ),
+    "async_model_staged_through_its_ddp_wrapper": (
+        "ddp_accel/run_setup.py",
+        "        [task.model],\n",
+        "        [prepared.model],\n",
     ),
     "async_staging_shares_addresses_across_objects": (
         "ddp_accel/async_save.py",
