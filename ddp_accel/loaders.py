@@ -26,16 +26,13 @@ import functools
 import gc
 import multiprocessing
 import multiprocessing.context
-import multiprocessing.forkserver
 import multiprocessing.reduction
 import multiprocessing.resource_tracker
 import multiprocessing.spawn
-import multiprocessing.util
 import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
@@ -46,6 +43,7 @@ from ddp_accel.startup import (
     WORKER_SERVER_VARIABLE,
     WORKER_START_VARIABLE,
     end_forkserver,
+    forkserver_available,
     forkserver_running,
     signals_blocked,
     start_forkserver,
@@ -118,11 +116,13 @@ def worker_context(loader: Any) -> multiprocessing.context.BaseContext:
                 "of an importable file to avoid it"
             )
             method = "fork"
-    if method != "fork":
-        with signals_blocked():  # the tracker keeps the mask it starts with (it unblocks only SIGINT/TERM)
-            multiprocessing.resource_tracker.ensure_running()
+    if method == "forkserver" and not forkserver_available():  # ended at this process's end: not again
+        method = "spawn"
     if method == "forkserver" and not forkserver_running():
         start_forkserver(_modules_for(loader))
+    elif method == "spawn":
+        with signals_blocked():  # the tracker keeps the mask it starts with (it unblocks only SIGINT/TERM)
+            multiprocessing.resource_tracker.ensure_running()
     return multiprocessing.get_context(method)
 
 
@@ -162,7 +162,7 @@ def _module_of(thing: Any) -> str:
 
 def _modules_for(loader: Any) -> list[str]:
     """What a worker unpickles its dataset, collate and init functions from, imported once in the forkserver instead
-    of in every worker (torch alone takes seconds); `ddp_accel.worker_server` also imports the training script."""
+    of in every worker (torch alone takes seconds)."""
     modules = list(WORKER_SERVER_MODULES)
     for thing in _sent_to_workers(loader):
         module = _module_of(thing)
@@ -255,39 +255,16 @@ def kill_leftover_workers(timeout_s: float = 5.0) -> None:
 
 def end_worker_processes(timeout_s: float = 5.0) -> None:
     """Before the process exits, in order: the DataLoader workers still alive, then the forkserver they came from,
-    then multiprocessing's resource tracker, each waited for. Left to the interpreter's exit, the forkserver and the
-    tracker end only after the process has (at the end of their pipe, or by the parent-death signal): a command
-    would return with its helpers still in its process group."""
+    each waited for. Left to the interpreter's exit, the forkserver ends only after the process has (by the
+    parent-death signal): a command would return with it still in its process group. Multiprocessing's resource
+    tracker is left to end by itself when this process's end closes its pipe (it unlinks what was left registered)."""
     kill_leftover_workers(timeout_s)
     end_forkserver()
-    # never killed: it unlinks the semaphores and shared memory left registered, and a process of the user's that
-    # still holds its pipe (a spawned one) keeps it for good reason
-    _end_helper(multiprocessing.resource_tracker._resource_tracker, "_pid", "_fd", timeout_s)
 
 
 def exit_now(code: int) -> None:
-    """os._exit(code) once the workers, the forkserver and the tracker are gone (the watchdog's exit: the training
-    thread is stuck, so no orderly shutdown; a stuck worker is killed at once)."""
+    """os._exit(code) once the workers and the forkserver are gone (the watchdog's exit: the training thread is
+    stuck, so no orderly shutdown; a stuck worker is killed at once)."""
     with contextlib.suppress(Exception):
         end_worker_processes(timeout_s=0.5)
     os._exit(code)
-
-
-def _end_helper(helper: Any, pid_name: str, fd_name: str, timeout_s: float) -> bool:
-    """A multiprocessing helper process that ends when its "alive" pipe closes: close it and wait up to `timeout_s`
-    for it to end by itself. Its pid is cleared, so that this process starts a new one when it needs one again.
-    False when none was running."""
-    pid, fd = getattr(helper, pid_name, None), getattr(helper, fd_name, None)
-    if pid is None or fd is None:
-        return False
-    with contextlib.suppress(OSError):
-        os.close(fd)
-    setattr(helper, fd_name, None)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
-            time.sleep(0.005)
-    except ChildProcessError:  # reaped already (SIGCHLD ignored, or a waitpid elsewhere)
-        pass
-    setattr(helper, pid_name, None)
-    return True

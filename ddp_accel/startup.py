@@ -19,8 +19,9 @@ cyclic garbage collector for the imports: `run_main`'s first act (`imports_done`
 as long as the process, and turns it on again.
 
 The same place says whether the command asks for DataLoader workers (`start_worker_server_early`): `run_main` then
-forks their forkserver from the training process as its first act, with torch and the script already imported,
-instead of a new interpreter importing them again while the first batch waits (about 3.5 s of CPU a process).
+starts their forkserver as its first act (Python's own, through its public `set_forkserver_preload` and
+`ensure_running`), so that its imports of torch and of what the script imported run while this process builds its
+Accelerator, data and model, not while the first batch waits.
 """
 
 from __future__ import annotations
@@ -31,29 +32,22 @@ import gc
 import json
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
-import multiprocessing.spawn
-import multiprocessing.util
 import os
 import signal
-import stat
 import sys
 import threading
 import time
+import types
 from collections.abc import Generator, Sequence
 from pathlib import Path
-from typing import Any
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 MARKER = "preempted.json"  # ddp_accel.stopping.PREEMPTED_MARKER (not imported: that module imports torch)
 
 WORKER_START_VARIABLE = "DDP_ACCEL_WORKER_START"
-# the forkserver's environment is the training process's at its start: these tell ddp_accel.worker_server what to
-# import; WORKER_SERVER_VARIABLE is set there, and tells the workers they came from it
-FORKSERVER_MAIN_VARIABLE = "DDP_ACCEL_FORKSERVER_MAIN"
-FORKSERVER_MAIN_MODULE_VARIABLE = "DDP_ACCEL_FORKSERVER_MAIN_MODULE"
-FORKSERVER_SYS_PATH_VARIABLE = "DDP_ACCEL_FORKSERVER_SYS_PATH"
-WORKER_SERVER_VARIABLE = "DDP_ACCEL_WORKER_SERVER"
+WORKER_SERVER_VARIABLE = "DDP_ACCEL_WORKER_SERVER"  # set in the forkserver (worker_server): its workers' parent
 WORKER_SERVER_MODULES = ["ddp_accel.worker_server", "torch"]  # what every forkserver imports first
+FORKSERVER_COMMAND = "from multiprocessing.forkserver import main"  # how Python starts its forkserver (-c)
 PR_SET_PDEATHSIG = 1  # Linux prctl: a signal when the parent thread ends
 
 
@@ -179,76 +173,26 @@ def start_worker_server_early(flags: Sequence[str] = ("--workers",), default: in
 
 
 def start_wanted_worker_server() -> None:
-    """The forkserver `start_worker_server_early` asked for: forked from this process while it runs one thread of
-    Python, else started as Python does (a new interpreter that imports torch and the script: seconds)."""
+    """The forkserver `start_worker_server_early` asked for, with what the script imported preloaded in it."""
     global _worker_server_wanted
     if not _worker_server_wanted or forkserver_running():
         return
     _worker_server_wanted = False
-    if not fork_forkserver():
-        start_forkserver(WORKER_SERVER_MODULES)
+    start_forkserver(WORKER_SERVER_MODULES + imported_by_main())
     atexit.register(end_forkserver)  # a main that leaves by SystemExit (--help, argparse) skips run_main's end
 
 
-def fork_forkserver() -> bool:
-    """Start this process's forkserver as a fork of it: with everything this process imported (torch, the script,
-    the dataset's modules) already there, it starts in milliseconds, where a new interpreter took about 3.5 s of CPU
-    (on 2 cores and 2 ranks, four processes importing torch at once). Only while this process runs one thread of
-    Python: a fork while another thread holds one of the interpreter's locks can hang the child (CPython gh-112275,
-    Python < 3.11.7); run_main's start, after the imports and before the Accelerator, the progress bar or the
-    watchdog start any, is such a moment. False (nothing started) otherwise, or off Linux."""
-    if not sys.platform.startswith("linux") or threading.active_count() != 1:
-        return False
-    with signals_blocked():
-        multiprocessing.resource_tracker.ensure_running()  # a small new interpreter of its own, as Python starts it
-        multiprocessing.forkserver.set_forkserver_preload(["ddp_accel.worker_server"])
-        spawn = multiprocessing.util.spawnv_passfds
-        multiprocessing.util.spawnv_passfds = _run_in_a_fork  # what Python's forkserver starts, run in a fork
-        try:
-            multiprocessing.forkserver.ensure_running()
-        finally:
-            multiprocessing.util.spawnv_passfds = spawn
-    return True
-
-
-def _run_in_a_fork(path: Any, args: Sequence[Any], passfds: Sequence[int]) -> int:
-    """`multiprocessing.util.spawnv_passfds`'s stand-in: the code a new interpreter would run (`-c CODE`: the
-    forkserver's main loop), run by a fork of this process instead. Returns the child's pid."""
-    flush_std_streams()  # a child that prints would otherwise print what is buffered here too
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        # forked inside ensure_running's `with self._lock`: a worker that starts a forkserver of its own needs it free
-        multiprocessing.forkserver._forkserver._lock = threading.Lock()  # type: ignore[attr-defined]
-        _close_the_pipes_other_ends(passfds)
-        exec(str(args[-1]), {"__name__": "__forkserver__"})  # noqa: S102  multiprocessing's own command
-        code = 0
-    except SystemExit as exit_:  # the end of its pipe: every client gone
-        code = exit_.code if isinstance(exit_.code, int) else 0
-    except BaseException:
-        with contextlib.suppress(Exception):
-            import traceback
-
-            traceback.print_exc()
-    finally:
-        os._exit(code)  # never back into the training process's frames or its atexit handlers
-
-
-def _close_the_pipes_other_ends(passfds: Sequence[int]) -> None:
-    """In the forked server: close the write ends of the pipes it was handed the read ends of (multiprocessing's
-    'alive' pipe). A new interpreter never had them; this fork inherited them, and holding one, it would never see
-    its training process go."""
-    handed = {os.fstat(fd).st_ino for fd in passfds}
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd in passfds:
-            continue
-        with contextlib.suppress(OSError):
-            info = os.fstat(fd)
-            if info.st_ino in handed and stat.S_ISFIFO(info.st_mode):  # the other end of a handed pipe
-                os.close(fd)
+def imported_by_main() -> list[str]:
+    """The packages the script (`__main__`) imported, top level: what each DataLoader worker's import of the script
+    (as `__mp_main__`, as Python's forkserver has its workers do) finds already imported in the forkserver."""
+    main = sys.modules.get("__main__")
+    found: list[str] = []
+    for value in vars(main).values() if main is not None else ():
+        name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+        package = name.split(".")[0] if isinstance(name, str) else ""
+        if package and package not in found and not package.startswith("_") and package in sys.modules:
+            found.append(package)
+    return found
 
 
 def flush_std_streams() -> None:
@@ -272,50 +216,48 @@ def signals_blocked() -> Generator[None, None, None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+_forkserver_started = False  # start_forkserver ran in this process (and end_forkserver did not since)
+_forkserver_ended = False  # end_forkserver reaped one: Python's own bookkeeping cannot start another in this process
+
+
 def start_forkserver(preload: list[str]) -> None:
-    """Start this process's forkserver (and resource tracker), `preload` imported in it, and the training script
-    with this process's `sys.path` (`ddp_accel.worker_server` reads them from its environment)."""
+    """Start this process's forkserver (and multiprocessing's resource tracker), `preload` imported in it, with the
+    preemption signals blocked (each inherits the mask through exec). Returns at once: the server imports while
+    this process goes on, and the first worker asked of it waits until it is ready."""
+    global _forkserver_started
     multiprocessing.forkserver.set_forkserver_preload(preload)
-    main = multiprocessing.spawn.get_preparation_data("ignore")
-    start_with = {
-        FORKSERVER_MAIN_VARIABLE: main.get("init_main_from_path", ""),
-        FORKSERVER_MAIN_MODULE_VARIABLE: main.get("init_main_from_name", ""),
-        FORKSERVER_SYS_PATH_VARIABLE: json.dumps(sys.path),
-    }
-    os.environ.update(start_with)
-    try:
-        with signals_blocked():
-            multiprocessing.forkserver.ensure_running()
-    finally:
-        for name in start_with:
-            os.environ.pop(name, None)
+    with signals_blocked():
+        multiprocessing.resource_tracker.ensure_running()
+        multiprocessing.forkserver.ensure_running()
+    _forkserver_started = True
 
 
 def forkserver_running() -> bool:
-    server = multiprocessing.forkserver._forkserver
-    return getattr(server, "_forkserver_pid", None) is not None
+    return _forkserver_started
+
+
+def forkserver_available() -> bool:
+    """False once this process ended its forkserver (at its end): later workers start another way."""
+    return not _forkserver_ended
 
 
 def end_forkserver() -> bool:
-    """SIGKILL this process's forkserver and wait for it; False when none runs. Its workers have ended by then
+    """At the process's end: SIGKILL its forkserver (a child of it, found by its command line) and reap it, so that
+    the command returns with nothing of it left; False when none runs. Its workers have ended by then
     (`ddp_accel.loaders.end_worker_processes`) and it holds nothing to save: its own orderly exit, when its pipe
     closes, tears down torch's modules (about a second) while the command waits."""
-    server = multiprocessing.forkserver._forkserver
-    pid, alive_fd = getattr(server, "_forkserver_pid", None), getattr(server, "_forkserver_alive_fd", None)
-    if pid is None:
+    global _forkserver_started, _forkserver_ended
+    if not _forkserver_started:
         return False
-    with contextlib.suppress(OSError):
-        os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, 0)
-    if alive_fd is not None:
-        with contextlib.suppress(OSError):
-            os.close(alive_fd)
-    address = getattr(server, "_forkserver_address", None)
-    if address and not multiprocessing.util.is_abstract_socket_namespace(address):  # a socket file
-        with contextlib.suppress(OSError):
-            os.unlink(address)
-    # cleared, so that this process starts a new one when it needs one again
-    for name in ("_forkserver_pid", "_forkserver_alive_fd", "_forkserver_address"):
-        setattr(server, name, None)
-    return True
+    _forkserver_started, _forkserver_ended = False, True
+    import psutil
+
+    try:
+        servers = [child for child in psutil.Process().children() if FORKSERVER_COMMAND in " ".join(child.cmdline())]
+    except psutil.Error:
+        return False
+    for server in servers:
+        with contextlib.suppress(psutil.Error):
+            server.kill()
+    psutil.wait_procs(servers, timeout=5)
+    return bool(servers)

@@ -50,13 +50,12 @@ def pytest_collection_finish(session):
     # the tests made, not ~1.5 million objects each time (0.3 s a collection)
     gc.freeze()
     gc.enable()
-    # the in-process runs' DataLoader workers come from one forkserver, which the session keeps (run_script): forked
-    # from this process now, while it runs one thread of Python, as run_main forks a command's (startup.py); started
-    # inside a test instead (other threads run by then), Python's own start imports torch again in a new interpreter
+    # the in-process runs' DataLoader workers come from one forkserver, which the session keeps (run_script):
+    # started now, so that its imports run while the first tests do
     if any(item.get_closest_marker("inprocess") is not None for item in session.items):
         from ddp_accel import startup
 
-        startup.fork_forkserver()
+        startup.start_forkserver(startup.WORKER_SERVER_MODULES)
 
 
 @pytest.fixture(scope="session")

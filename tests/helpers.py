@@ -110,6 +110,18 @@ def session_members(session: int) -> dict[int, str]:
     return members
 
 
+def helper_process(command: str) -> int | None:
+    """The pid of this process's child that runs Python's `-c` helper `command` (the forkserver, the resource
+    tracker), or None."""
+    import psutil
+
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if command in " ".join(child.cmdline()):
+                return child.pid
+    return None
+
+
 def assert_nothing_left(session: int, command: list[str]) -> None:
     """The command returned: no process of its session may outlive it, not even a zombie."""
     left = session_members(session)

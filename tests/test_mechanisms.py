@@ -230,22 +230,23 @@ def test_the_doctor_command_reports_data_missing_here_and_a_disk_nearly_full(tmp
 # --- helper processes die with the training process ---
 TRAINING_PROCESS = """
 import multiprocessing
-import multiprocessing.forkserver
 import time
 
+import psutil
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_accel import loaders, startup
 
 if __name__ == "__main__":
-    assert startup.fork_forkserver()  # as run_main does for a command that asks for workers
+    startup.start_forkserver(startup.WORKER_SERVER_MODULES)  # as run_main does for a command that asks for workers
     loader = DataLoader(TensorDataset(torch.arange(64)), batch_size=1, num_workers=2)
     with loaders.batches(loader) as batches:
         for _ in range(4):  # a batch from each worker: both run their loop, which watches their parent
             next(batches)
         workers = [child.pid for child in multiprocessing.active_children() if child.daemon]
-        print(multiprocessing.forkserver._forkserver._forkserver_pid, *workers, flush=True)
+        server = next(c.pid for c in psutil.Process().children() if startup.FORKSERVER_COMMAND in " ".join(c.cmdline()))
+        print(server, *workers, flush=True)
         time.sleep(600)
 """
 
