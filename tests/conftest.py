@@ -81,6 +81,16 @@ def short_job(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def _the_session_keeps_its_forkserver(monkeypatch):
+    """This process outlives each script it runs (run_main in-process), as a notebook's does: its forkserver serves
+    the next run (started again per run, it cost the in-process tier a second each; and one ended is not started
+    again in a process). A command's own ending is proven in launched tests."""
+    from ddp_accel import loaders, runtime
+
+    monkeypatch.setattr(runtime, "end_worker_processes", loaders.kill_leftover_workers)
+
+
+@pytest.fixture(autouse=True)
 def _signal_state_restored():
     """Each test starts with SIGTERM/SIGUSR1 unblocked and leaves pytest's handlers as it found them: a signal
     blocked in pytest is blocked in every process a later test starts (a launcher that never hears the SIGTERM a

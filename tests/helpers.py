@@ -159,11 +159,9 @@ def run_script(script: str, *args, env: dict | None = None, curves: bool = False
 
     training_curves.png is drawn only with `curves=True` (DDP_ACCEL_CURVES, as the suite's launched runs: see
     conftest.py); the plot is proven by its own test (test_pieces) and the runs that ask for it."""
-    from unittest import mock
-
     from accelerate.state import AcceleratorState
 
-    from ddp_accel import loaders, run_main, runtime
+    from ddp_accel import run_main
     from ddp_accel.plots import CURVES_VARIABLE
 
     module = load_script(script)
@@ -175,11 +173,8 @@ def run_script(script: str, *args, env: dict | None = None, curves: bool = False
     os.environ[CURVES_VARIABLE] = "1" if curves else "0"
     os.environ.update(env or {})
     code = 0
-    try:
-        # this process outlives the script, as a notebook's does: its forkserver serves the next run (started again
-        # per run, it cost the in-process tier a second each); a command's own ending is proven in launched tests
-        keep_the_forkserver = mock.patch.object(runtime, "end_worker_processes", loaders.kill_leftover_workers)
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), keep_the_forkserver:
+    try:  # (the session keeps its forkserver: conftest.py)
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             run_main(module.main)
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)

@@ -516,10 +516,10 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         '        raise UserError(f"cannot decode image {path} (a damaged JPEG); delete or replace it") from None\n',
         "        raise\n",
     ),
-    "forkserver_started_as_a_new_interpreter": (
+    "forkserver_preloads_nothing_the_script_imported": (
         "ddp_accel/startup.py",
-        "    if not fork_forkserver():\n",
-        "    if True:\n",
+        "    start_forkserver(WORKER_SERVER_MODULES + imported_by_main())",
+        "    start_forkserver(WORKER_SERVER_MODULES)",
     ),
     "curves_drawn_without_the_scores": (
         "ddp_accel/plots.py",
