@@ -27,6 +27,7 @@ from ddp_accel.async_save import (
     AcceleratorObjects,
     CheckpointWriter,
     StagedWrites,
+    is_full_state_dict,
     leave_marker,
     stage_accelerator_state,
     wait_for_markers,
@@ -308,22 +309,54 @@ def load_checkpoint(
     path: Path,
     identity: RunIdentity,
     state: TrainState | None = None,
-    states: CallbackStates | None = None,
-    hook_states: list[Any] | None = None,
+    contents: Contents | None = None,
 ) -> list[str]:
-    """Load the checkpoint at `path` into the prepared objects, `state` and the callbacks' `states`, when the
-    checkpoint is of this run's `identity` (a checkpoint of another model or run is refused). Without `states` the
-    callbacks' part is not read (an evaluation of the checkpoint's weights). Returns warnings to show."""
+    """Load the checkpoint at `path` into the prepared objects, `state` and the `contents`' callbacks and hooks, when
+    the checkpoint is of this run's `identity` (a checkpoint of another model or run is refused). Without `contents`
+    the callbacks' part is not read (an evaluation of the checkpoint's weights). Returns warnings to show."""
     saved, warning = check_checkpoint(accelerator, path, identity)
+    callbacks = contents.callbacks if contents is not None else None
     try:
-        notes = (states or CallbackStates([])).load(accelerator, path, callbacks_read=states is not None)
+        notes = (callbacks or CallbackStates([])).load(accelerator, path, callbacks_read=callbacks is not None)
+        if contents is not None and sharded_optimizer_left_unloaded(accelerator):
+            load_sharded_optimizers(contents.objects, path)
     except (RuntimeError, FileNotFoundError, KeyError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserError(f"cannot load checkpoint {path}: {first_line}") from None
-    hook_note = comm_hooks.load_states(hook_states or [], path, accelerator.process_index, accelerator.num_processes)
+    hooks = contents.hooks if contents is not None else []
+    hook_note = comm_hooks.load_states(hooks, path, accelerator.process_index, accelerator.num_processes)
     if state is not None:
         state.load_state_dict(saved)
     return ([warning] if warning else []) + notes + ([hook_note] if hook_note else [])
+
+
+# Accelerate before 1.13 loads an FSDP2 sharded optimizer state into the template `optimizer.state_dict()`, empty
+# until the first step: nothing is loaded, silently (the optimizer restarts at every resume); 1.13 asks torch's
+# get_optimizer_state_dict for the template, as load_sharded_optimizers does
+SHARDED_OPTIMIZER_LOADED_FROM = (1, 13)
+
+
+def sharded_optimizer_left_unloaded(accelerator: Accelerator) -> bool:
+    """Whether this Accelerate's load_state left an FSDP2 run's sharded optimizer state unloaded."""
+    import accelerate
+
+    if accelerator.distributed_type != DistributedType.FSDP or is_full_state_dict(accelerator.state.fsdp_plugin):
+        return False
+    version = tuple(int(part) for part in accelerate.__version__.split(".")[:2] if part.isdigit())
+    return accelerator.state.fsdp_plugin.fsdp_version == 2 and version < SHARDED_OPTIMIZER_LOADED_FROM
+
+
+def load_sharded_optimizers(objects: AcceleratorObjects, path: Path) -> None:
+    """Each optimizer's shards of `path` (`optimizer_N/`, Accelerate's layout), by torch's public state-dict API:
+    the template from get_optimizer_state_dict, then torch.distributed.checkpoint's load. Every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    for index, optimizer in enumerate(objects.optimizers):
+        model = objects.models[index]
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+        dcp.load(state, checkpoint_id=str(path / f"optimizer_{index}"))
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
 def check_checkpoint(accelerator: Accelerator, path: Path, identity: RunIdentity) -> tuple[dict[str, Any], str | None]:
@@ -527,8 +560,7 @@ class Checkpoints:
         return resolve_resume(value, self.root, self.accelerator)
 
     def load(self, path: Path, state: TrainState, identity: RunIdentity) -> list[str]:
-        contents = self.contents
-        return load_checkpoint(self.accelerator, path, identity, state, contents.callbacks, contents.hooks)
+        return load_checkpoint(self.accelerator, path, identity, state, self.contents)
 
     def saved_plan(self, value: str | None) -> tuple[dict[str, Any] | None, Path | None]:
         """The --time-budget plan recorded by the checkpoint `value` names (None when it has none), and that

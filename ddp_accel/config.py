@@ -331,10 +331,10 @@ def check_compilation(config: TrainConfig) -> None:
     if config.compile_backend != "inductor" and not config.compile:
         raise UserError(f"--compile-backend {config.compile_backend} is --compile's: add --compile")
     if config.compile:
-        import torch._dynamo
+        import torch.compiler
 
-        if config.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
-            names = ", ".join(torch._dynamo.list_backends())
+        if config.compile_backend not in torch.compiler.list_backends(exclude_tags=()):
+            names = ", ".join(torch.compiler.list_backends())
             raise UserError(
                 f"--compile-backend {config.compile_backend} is not one of torch's: {names}, eager, aot_eager"
             )

@@ -54,6 +54,7 @@ from ddp_accel.stopping import (
     StopSignals,
 )
 from ddp_accel.tracking import check_trackers, make_trackers, tracker_names
+from ddp_accel.versions import untested_line
 
 
 def has_accelerator() -> bool:
@@ -112,6 +113,9 @@ def build_accelerator(
             ],
         )
     adopt_fsdp_on_cpu(accelerator)  # an FSDP config on a machine without GPUs: FSDP2 over gloo, not DDP
+    untested = untested_line()
+    if untested and accelerator.is_main_process:
+        print(untested, file=sys.stderr, flush=True)
     comm_hooks.check_hook(ddp.comm_hook, accelerator.distributed_type.value, accelerator.num_processes)
     check_topology(accelerator)
     set_seed(seed)

@@ -36,6 +36,7 @@ def fsdp_asked(env: dict[str, str] | None = None) -> bool:
 
 def adopt_fsdp_on_cpu(accelerator: Any) -> bool:
     """Make a CPU run that asked for FSDP an FSDP2 run (module docstring). True when it adjusted the state."""
+    import torch
     import torch.distributed as dist
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
@@ -45,6 +46,7 @@ def adopt_fsdp_on_cpu(accelerator: Any) -> bool:
     import accelerate
 
     check_accelerate_version(accelerate.__version__)
+    check_torch_version(torch.__version__)
     plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables, as Accelerate builds its own
     if plugin.fsdp_version != 2:
         raise UserError(
@@ -76,6 +78,24 @@ def check_accelerate_version(version: str) -> None:
         f"FSDP on a machine without GPUs adjusts Accelerate's state, which was made and tested for Accelerate "
         f"{first[0]}.{first[1]} to {last[0]}.{last[1]}, and this is Accelerate {version}: install one of those "
         "(pip install 'accelerate>=1.10,<1.16'), or train with DDP (accelerate_configs/multi_gpu.yaml)"
+    )
+
+
+# torch's FSDP2 over gloo: before 2.7 its CPU stream cannot record events (every forward fails), and before 2.9
+# gloo's reduce-scatter sums where FSDP2 asks for the average (pytorch#162338): N processes train with N times
+# the gradients, silently
+FSDP_ON_CPU_TORCH = (2, 9)
+
+
+def check_torch_version(version: str) -> None:
+    """A UserError when this torch's FSDP2 cannot train on CPU processes over gloo."""
+    major_minor = tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
+    if major_minor >= FSDP_ON_CPU_TORCH:
+        return
+    raise UserError(
+        f"FSDP on a machine without GPUs needs torch {FSDP_ON_CPU_TORCH[0]}.{FSDP_ON_CPU_TORCH[1]} or newer (older "
+        f"FSDP2 over gloo sums gradients it should average), and this is torch {version}: upgrade torch, or train "
+        "with DDP (accelerate_configs/multi_gpu.yaml)"
     )
 
 

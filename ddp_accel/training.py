@@ -180,7 +180,11 @@ class TrainingRun:
             loader.generator.manual_seed(self.config.seed * 100_003 + epoch)
         skip = self.state.batches_in_epoch if epoch == self.state.epoch else 0
         self.state.epoch, self.state.batches_in_epoch = epoch, skip
-        with loaders.batches(self.accelerator.skip_first_batches(loader, skip) if skip else loader) as batches:
+        if skip:
+            loader = self.accelerator.skip_first_batches(loader, skip)
+            if hasattr(loader, "set_epoch"):  # the new loader's epoch: Accelerate < 1.15 starts it at 0's shuffle
+                loader.set_epoch(epoch)
+        with loaders.batches(loader) as batches:
             self.step.restart_clock()
             yield batches
 

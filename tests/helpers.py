@@ -98,12 +98,13 @@ def launch(script, *args, nproc: int = 2, launcher: str = "accelerate", timeout:
 
 
 def session_members(session: int) -> dict[int, str]:
-    """pid -> command line of every process of `session` (zombies included)."""
+    """pid -> command line of every process of `session` that is still running (a zombie, dead and waiting for its
+    parent, or for the init that adopted it, to reap it, is not)."""
     members = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == session:  # after the state, the parent, the process group: the session
+            if int(fields[3]) == session and fields[0] != "Z":  # the state, the parent, the process group, session
                 members[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except (OSError, IndexError, ValueError):
             continue  # it ended while we read
@@ -122,9 +123,14 @@ def helper_process(command: str) -> int | None:
     return None
 
 
-def assert_nothing_left(session: int, command: list[str]) -> None:
-    """The command returned: no process of its session may outlive it, not even a zombie."""
+def assert_nothing_left(session: int, command: list[str], grace_s: float = 3.0) -> None:
+    """The command returned: no process of its session may still run a moment later (multiprocessing's resource
+    tracker ends by itself once the command's processes are gone)."""
+    deadline = time.monotonic() + grace_s
     left = session_members(session)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = session_members(session)
     if left:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(session, signal.SIGKILL)

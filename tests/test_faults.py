@@ -151,7 +151,7 @@ def read_marker(output_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-@pytest.mark.parametrize("target", ["agent", "one_worker"])
+@pytest.mark.parametrize("target", [pytest.param("agent", marks=pytest.mark.versions), "one_worker"])
 @pytest.mark.multiprocess
 def test_preemption_signal_saves_the_step_reached_and_resume_loses_nothing(standard_reference, tmp_path, target):
     """SIGTERM to torchrun's agent (it forwards it to every worker), or SIGUSR1 (SLURM's time-limit warning) to

@@ -6,6 +6,7 @@ full weights in model.safetensors. One 2-process run is shared; 1-process FSDP r
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -88,6 +89,7 @@ def test_fsdp_yaml_shards_over_gloo_and_trains_as_one_process_does(sharded_run, 
 
 
 @multiprocess
+@pytest.mark.versions
 def test_a_signal_to_every_process_at_a_hidden_moment_saves_the_agreed_step_and_resumes_bitwise(tmp_path):
     # SIGTERM to the launcher and both ranks at once, somewhere in steps 5-15 (40 ms each): the ranks agree on a
     # step, save its sharded checkpoint and leave; the resumed run ends bitwise equal to the uninterrupted one.
@@ -193,6 +195,10 @@ def test_accelerate_still_drops_the_fsdp_plugin_on_cpu_and_the_adjustment_makes_
     for outside in ("1.16.0", "1.9.1", "2.0.0.dev0"):
         with pytest.raises(UserError, match=f"tested for Accelerate 1.10 to 1.15, and this is Accelerate {outside}"):
             sharding.check_accelerate_version(outside)
+    sharding.check_torch_version(torch.__version__)
+    for old in ("2.8.0+cu128", "2.6.0"):
+        with pytest.raises(UserError, match=f"needs torch 2.9 or newer .*, and this is torch {re.escape(old)}"):
+            sharding.check_torch_version(old)
     for name, value in FSDP_ENV.items():
         monkeypatch.setenv(name, value)
     try:
@@ -325,3 +331,20 @@ def test_async_checkpoints_under_fsdp_version_1_are_refused_in_one_line():
         check_strategy(TrainConfig(async_checkpoint=True), sharded=True, fsdp_version=1)
     check_strategy(TrainConfig(async_checkpoint=True), sharded=True, fsdp_version=2)
     check_strategy(TrainConfig(), sharded=True, fsdp_version=1)
+
+
+@inprocess
+def test_a_sharded_optimizer_state_accelerate_left_unloaded_is_loaded_by_torchs_api(tmp_path, monkeypatch):
+    # Accelerate before 1.13 loaded an FSDP2 optimizer's shards into its empty state_dict() template: nothing came
+    # back, and the resumed run went on with a fresh optimizer. What it left, torch's public API loads
+    import accelerate.accelerator
+
+    from ddp_accel import checkpoint
+
+    check_ok(one_process(tmp_path / "whole"))
+    resume_copy(tmp_path / "whole", 10, tmp_path / "cut")
+    monkeypatch.setattr(accelerate.accelerator, "load_fsdp_optimizer", lambda *args, **kwargs: None)
+    monkeypatch.setattr(checkpoint, "SHARDED_OPTIMIZER_LOADED_FROM", (99, 0))  # as if this were Accelerate 1.12
+    output = check_ok(one_process(tmp_path / "cut", "--resume-from-checkpoint", "latest"))
+    assert "resumed from" in output, output[-2000:]
+    assert_same_weights(tmp_path / "cut", tmp_path / "whole")

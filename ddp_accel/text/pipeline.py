@@ -147,7 +147,10 @@ def prepare_text_data(accelerator: Accelerator, source: TextSource, options: Tex
     data_paths = {"train data": source.train_file or source.data_dir or name, "test data": source.test_file}
     fingerprints = fingerprint_sources(data_paths, accelerator=accelerator)
     train, val, held_out = _hold_out(train, options, name)
-    key = cache_key(fingerprints["train data"], len(train), held_out, options.seed, PIPELINE_VERSION)
+    # the datasets version too: a cache file written by one version can fail to load in another
+    key = cache_key(
+        fingerprints["train data"], len(train), held_out, options.seed, PIPELINE_VERSION, datasets.__version__
+    )
     num_proc = min(4, os.cpu_count() or 1) if len(train) > 5000 else None
     encoding = _Encoding(cache, key, num_proc, options.max_length, fingerprints["test data"])
     vocab_path = cache / f"vocab-{cache_key(key, options.min_freq, options.max_vocab)}.json"

@@ -551,6 +551,31 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        [task.model],\n",
         "        [prepared.model],\n",
     ),
+    "sharded_optimizer_left_as_accelerate_loaded_it": (
+        "ddp_accel/checkpoint.py",
+        "            load_sharded_optimizers(contents.objects, path)\n",
+        "            pass\n",
+    ),
+    "a_skipping_loader_left_at_its_own_epoch": (
+        "ddp_accel/training.py",
+        "                loader.set_epoch(epoch)\n",
+        "                pass\n",
+    ),
+    "encoded_cache_shared_across_datasets_versions": (
+        "ddp_accel/text/pipeline.py",
+        "options.seed, PIPELINE_VERSION, datasets.__version__",
+        "options.seed, PIPELINE_VERSION",
+    ),
+    "untested_versions_run_without_a_word": (
+        "ddp_accel/runtime.py",
+        "    if untested and accelerator.is_main_process:",
+        "    if untested and False:",
+    ),
+    "fsdp_on_cpu_under_a_torch_whose_gloo_sums": (
+        "ddp_accel/sharding.py",
+        "    if major_minor >= FSDP_ON_CPU_TORCH:",
+        "    if True:",
+    ),
     "async_staging_shares_addresses_across_objects": (
         "ddp_accel/async_save.py",
         "        self._storages = {}\n        self.writes.append(",
