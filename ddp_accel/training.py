@@ -180,11 +180,7 @@ class TrainingRun:
             loader.generator.manual_seed(self.config.seed * 100_003 + epoch)
         skip = self.state.batches_in_epoch if epoch == self.state.epoch else 0
         self.state.epoch, self.state.batches_in_epoch = epoch, skip
-        if skip:
-            loader = self.accelerator.skip_first_batches(loader, skip)
-            if hasattr(loader, "set_epoch"):  # the new loader's epoch: Accelerate < 1.15 starts it at 0's shuffle
-                loader.set_epoch(epoch)
-        with loaders.batches(loader) as batches:
+        with loaders.batches(skipping(self.accelerator, loader, skip, epoch) if skip else loader) as batches:
             self.step.restart_clock()
             yield batches
 
@@ -304,6 +300,15 @@ class TrainingRun:
         if not isinstance(error, UserError) and not lost_peers(error):
             rank, resumed_from = self.accelerator.process_index, self.resumed_from
             self.folder.refuse_a_repeated_crash(rank, resumed_from, self.state.step, error)
+
+
+def skipping(accelerator: Accelerator, loader: Any, batches: int, epoch: int) -> Any:
+    """`loader` from its batch `batches` on, in `epoch`'s order: the new loader's own epoch is set (Accelerate
+    before 1.15 starts it at 0, and a mid-epoch resume then went on in epoch 0's shuffle)."""
+    skipped = accelerator.skip_first_batches(loader, batches)
+    if hasattr(skipped, "set_epoch"):
+        skipped.set_epoch(epoch)
+    return skipped
 
 
 def fit(

@@ -558,8 +558,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "a_skipping_loader_left_at_its_own_epoch": (
         "ddp_accel/training.py",
-        "                loader.set_epoch(epoch)\n",
-        "                pass\n",
+        "        skipped.set_epoch(epoch)\n",
+        "        pass\n",
     ),
     "encoded_cache_shared_across_datasets_versions": (
         "ddp_accel/text/pipeline.py",
