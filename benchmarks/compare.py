@@ -12,6 +12,8 @@ Figures (single process, the machine's threads):
 - loop: benchmarks/overhead_accel.py (a 512-wide MLP, 8 epochs, one thread): samples/s through ddp_accel.fit. One
   thread and ~5 s of steps: with 2 epochs and the machine's threads, one run took 1.3 s and moved between ~26,000
   and ~35,000 samples/s on the same commit, a noise larger than what the figure is meant to catch
+- --loops TASK:PROCESSES ...: more of benchmarks/overhead.py's workloads through ddp_accel.fit (mlp-512, mlp-2048,
+  resnet20; 2 processes under torchrun, one thread each), e.g. `--loops mlp-512:2 mlp-2048:1 resnet20:1 resnet20:2`
 Without --cifar / --imdb, generated images and the synthetic corpus stand in. Each figure is the median of
 --repeats runs per side, base and HEAD alternated so that machine noise hits both alike. Exit 1 when a ratio
 (HEAD / base) falls below --fail-below.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -57,7 +60,36 @@ def image_folder(archive: str | None, work: Path) -> Path:
     return next(path.parent for path in (work / "cifar").rglob("train") if (path.parent / "val").is_dir())
 
 
-def figures(tree: Path, work: Path, images: Path, imdb: str | None) -> dict[str, float]:
+LOOP_STEPS = {"mlp-512": 2048, "mlp-2048": 256, "resnet20": 128}  # optimizer steps: ~5-15 s of steps each
+
+
+def loop_figure(tree: Path, work: Path, env: dict[str, str], loop: str) -> float:
+    """samples/s of benchmarks/overhead_accel.py's TASK on PROCESSES processes (`mlp-512:2`), in `tree`."""
+    task, _, processes = loop.partition(":")
+    name, _, hidden = task.partition("-")
+    script = [str(tree / "benchmarks" / "overhead_accel.py"), "--task", name, *(["--hidden", hidden] if hidden else [])]
+    script += ["--epochs", "100", "--max-steps", str(LOOP_STEPS[task]), "--output-dir", str(work / "loop")]
+    script += ["--overwrite-output-dir", "--log-steps", "1000000"]
+    launcher = [sys.executable]
+    if int(processes or 1) > 1:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        launcher = [
+            str(Path(sys.executable).parent / "torchrun"),
+            "--nproc_per_node",
+            processes,
+            "--master_port",
+            str(port),
+        ]
+    env = {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{tree}{os.pathsep}{tree / 'benchmarks'}"}
+    result = subprocess.run([*launcher, *script], cwd=tree, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{tree}: {loop} failed:\n{result.stderr[-3000:]}")
+    return json.loads(next(line for line in result.stdout.splitlines() if line.startswith('{"loop"')))["samples_per_s"]
+
+
+def figures(tree: Path, work: Path, images: Path, imdb: str | None, loops: list[str]) -> dict[str, float]:
     """One run of each benchmark in `tree`: samples/s."""
     env = {**os.environ, "PYTHONPATH": str(tree), "XDG_CACHE_HOME": str(work / "cache")}
     out = work / "out"
@@ -85,6 +117,8 @@ def figures(tree: Path, work: Path, images: Path, imdb: str | None) -> dict[str,
         cwd=tree, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, check=True,
     )  # fmt: skip
     found["loop samples/s"] = json.loads(loop.stdout.strip().splitlines()[-1])["samples_per_s"]
+    for extra in loops:
+        found[f"loop {extra} samples/s"] = loop_figure(tree, work, env, extra)
     return found
 
 
@@ -95,6 +129,7 @@ def main() -> None:
     parser.add_argument("--cifar", help="cifar10_mini.tar.gz (ImageFolder layout inside)")
     parser.add_argument("--imdb", help="a jsonl/csv/parquet file of reviews")
     parser.add_argument("--fail-below", type=float, default=0.9, help="exit 1 when a ratio is below this")
+    parser.add_argument("--loops", nargs="*", default=[], help="more overhead workloads: TASK:PROCESSES")
     args = parser.parse_args()
     args.imdb = str(Path(args.imdb).resolve()) if args.imdb else None  # the runs' working folder is each tree
     with tempfile.TemporaryDirectory(prefix="ddp_accel_compare_") as tmp:
@@ -109,7 +144,7 @@ def main() -> None:
                 for side, tree in (
                     (("base", base), ("HEAD", ROOT)) if repeat % 2 == 0 else (("HEAD", ROOT), ("base", base))
                 ):
-                    for name, value in figures(tree, work / side, images, args.imdb).items():
+                    for name, value in figures(tree, work / side, images, args.imdb, args.loops).items():
                         runs[side].setdefault(name, []).append(value)
                     print(f"run {repeat + 1}/{args.repeats} {side}: done", file=sys.stderr, flush=True)
         finally:

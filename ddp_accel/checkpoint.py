@@ -380,6 +380,7 @@ def check_checkpoint(accelerator: Accelerator, path: Path, identity: RunIdentity
             "options, or start a new run (another --output-dir) from the checkpoint's model.safetensors."
         )
     check_strategy(accelerator, path)
+    check_random_states(accelerator, path)
     if saved.get("checkpoint_format", 1) < 2:
         misplaced = misplaced_optimizer_state(path)
         if misplaced:
@@ -393,6 +394,28 @@ def check_checkpoint(accelerator: Accelerator, path: Path, identity: RunIdentity
         compare_identity(saved.get("identity"), identity.identity, f"checkpoint {path}") if identity.identity else None
     )
     return saved, warning
+
+
+def check_random_states(accelerator: Accelerator, path: Path) -> None:
+    """Every rank's RNG states load as Accelerate's load_state will load them (`accelerate.utils.load`, which only
+    logs a failure and goes on with other random streams: a resume that is not exact, silently); the ranks agree.
+    numpy 1's unpickler cannot read numpy 2's arrays, for one."""
+    from accelerate.utils import load
+
+    rng = path / f"random_states_{accelerator.process_index}.pkl"
+    problem = None
+    if rng.is_file():
+        try:
+            load(rng)
+        except Exception as error:
+            problem = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    failed = accelerator.reduce(torch.tensor(float(problem is not None), device=accelerator.device), "sum")
+    if failed.item():
+        raise UserError(
+            f"checkpoint {path}: this Accelerate cannot read its random states ({problem or 'on another process'}), "
+            "so a resume would not continue it exactly; resume it under the libraries it was written with (numpy's "
+            "major version among them), or start a new run from its model"
+        )
 
 
 def misplaced_optimizer_state(path: Path) -> str | None:

@@ -102,6 +102,15 @@ class Engine:
         """What this process says while its process group has not formed after `waited_s` (None: nothing to say)."""
         return None
 
+    def store_to_reach(self) -> tuple[str, int] | None:
+        """Where this process's rendezvous connects to a store another process serves (env://, rank > 0): waited for
+        before torch connects, whose failed connect prints its C++ frames; None where nothing is to be reached."""
+        return None
+
+    def never_formed_line(self, timeout_s: float) -> str:
+        """The error of a process whose group did not form within --timeout-s."""
+        return f"the process group did not form within --timeout-s {timeout_s:g}"
+
     def peer_failed(self) -> bool:
         """Another process of this job already reported its failure to the launcher: a stop signal now is the
         launcher ending the rest of the group, not a preemption (no marker: a job script would requeue the failure)."""
@@ -181,6 +190,26 @@ class EnvLaunch(Engine):
             )
             what = f"rank {self.rank} of {self.world_size}: waiting for the group at {address}:{port}: {there}"
         return f"{what}; {waited_s:.0f} s so far, --timeout-s {timeout_s:g} ends the wait"
+
+    def store_to_reach(self) -> tuple[str, int] | None:
+        port = self.env.get("MASTER_PORT", "")
+        if not self.forms_its_own_group or self.rank == 0 or not port.isdigit():
+            return None
+        return self.env.get("MASTER_ADDR", ""), int(port)
+
+    def never_formed_line(self, timeout_s: float) -> str:
+        address, port = self.env.get("MASTER_ADDR", ""), self.env.get("MASTER_PORT", "")
+        if self.rank == 0:
+            return (
+                f"rank 0 of {self.world_size}: the process group did not form within --timeout-s {timeout_s:g}: the "
+                f"other processes did not join at {address}:{port}; start every rank with the same MASTER_ADDR, "
+                "MASTER_PORT and WORLD_SIZE (or a larger --timeout-s)"
+            )
+        there = "rank 0 answers there" if port.isdigit() and answers(address, int(port)) else "nothing answers there"
+        return (
+            f"rank {self.rank} of {self.world_size}: the process group did not form within --timeout-s {timeout_s:g} "
+            f"at {address}:{port} ({there}); start rank 0 there, or check MASTER_ADDR and MASTER_PORT"
+        )
 
     def check(self) -> None:
         env, world_size = self.env, self.check_rank()

@@ -4,8 +4,15 @@ and a Ctrl-C or a preemption signal is not acted on until it ends: Python runs a
 thread is back in Python.
 
 `while_the_group_forms` puts a thread beside that wait. It says what the group waits for (the engine's
-`waiting_line`: the address and port, whether rank 0 answers there), after FIRST_REPORT_S and then every REPORT_S,
-and on a stop signal ends the process at once: nothing is trained yet, so a preemption signal leaves
+`waiting_line`: the address and port, whether rank 0 answers there), after FIRST_REPORT_S (or half the timeout,
+when shorter) and then every REPORT_S. The timeout is the bound. A rank other than 0 first waits, in Python, until
+rank 0's store answers at MASTER_ADDR:MASTER_PORT (`until_it_answers`; at --timeout-s the line that the group did
+not form, the engine's `never_formed_line`, as a UserError): torch's own client would try twice the timeout and
+print some 60 lines of C++ frames at its first failed connect. Then torch's rendezvous: a timeout error of its is
+the same line, and where it still waits at --timeout-s plus BOUND_GRACE_S the thread says that line and ends the
+process with exit 2.
+
+On a stop signal the thread ends the process at once: nothing is trained yet, so a preemption signal leaves
 preempted.json (phase `startup`, moment `rendezvous`) and exits 0, as during the imports, and Ctrl-C exits 130. The
 signals reach the thread through Python's wakeup file descriptor, which the C-level handler writes even while the
 main thread is blocked. Under a launcher's agent (torchrun, accelerate launch, Ray) the machines met before the
@@ -25,9 +32,12 @@ import time
 from collections.abc import Iterator
 
 from ddp_accel import engines
+from ddp_accel.errors import UserError
 from ddp_accel.startup import SIGNALS, end_forkserver, stop_before_training
 
 FIRST_REPORT_S, REPORT_S = 10.0, 30.0
+BOUND_GRACE_S = 2.0  # past --timeout-s, the process ends whatever torch's rendezvous still waits for
+NEVER_FORMED_EXIT_CODE = 2  # as a user error: what to change is in the line
 
 
 @contextlib.contextmanager
@@ -42,12 +52,19 @@ def while_the_group_forms(timeout_s: float, output_dir: str | None) -> Iterator[
     for end in (woken, wake):
         end.setblocking(False)
     previous = signal.set_wakeup_fd(wake.fileno(), warn_on_full_buffer=False)
-    watcher = threading.Thread(
-        target=_watch, args=(engine, woken, formed, timeout_s, output_dir or "."), name="ddp_accel group", daemon=True
-    )
+    started = time.monotonic()  # here: the thread may first run once torch's wait has begun
+    watch = (engine, woken, formed, started, timeout_s, output_dir or ".")
+    watcher = threading.Thread(target=_watch, args=watch, name="ddp_accel group", daemon=True)
     watcher.start()
     try:
+        store = engine.store_to_reach()
+        if store is not None:  # rank 0's store first, in Python: torch's failed connect prints pages of C++ frames
+            until_it_answers(store, started + timeout_s, engine.never_formed_line(timeout_s))
         yield
+    except Exception as error:
+        if _timed_out(error, time.monotonic() - started, timeout_s):
+            raise UserError(engine.never_formed_line(timeout_s), every_process=True) from None
+        raise
     finally:
         signal.set_wakeup_fd(previous)
         say_formed.send(b"x")
@@ -56,23 +73,52 @@ def while_the_group_forms(timeout_s: float, output_dir: str | None) -> Iterator[
             end.close()
 
 
+def until_it_answers(store: tuple[str, int], deadline: float, never_formed: str) -> None:
+    """Until something accepts a connection at `store` (a UserError saying `never_formed` at `deadline`)."""
+    while not engines.answers(*store, timeout=min(1.0, max(0.05, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            raise UserError(never_formed, every_process=True)
+        time.sleep(0.1)
+
+
+def _timed_out(error: Exception, waited_s: float, timeout_s: float) -> bool:
+    """torch's rendezvous gave up for the timeout (its store's connect or wait), not for another reason."""
+    message = str(error).lower()
+    return waited_s >= 0.9 * timeout_s and ("timed out" in message or "timeout" in message or "connect" in message)
+
+
 def _watch(
-    engine: engines.Engine, woken: socket.socket, formed: socket.socket, timeout_s: float, output_dir: str
+    engine: engines.Engine,
+    woken: socket.socket,
+    formed: socket.socket,
+    started: float,
+    timeout_s: float,
+    output_dir: str,
 ) -> None:
-    started = time.monotonic()
-    report_at = started + FIRST_REPORT_S
+    report_at = started + min(FIRST_REPORT_S, timeout_s / 2)
+    bound = started + timeout_s + BOUND_GRACE_S
     while True:
-        ready, _, _ = select.select([woken, formed], [], [], max(0.0, report_at - time.monotonic()))
+        next_at = min(report_at, bound)
+        ready, _, _ = select.select([woken, formed], [], [], max(0.0, next_at - time.monotonic()))
         if formed in ready:
             return
         if woken in ready:
             for signum in woken.recv(64):
                 _stop(signum, output_dir)
             continue
+        if time.monotonic() >= bound:
+            _never_formed(engine, timeout_s)
         line = engine.waiting_line(time.monotonic() - started, timeout_s)
         if line:
             print(f"waiting: {line}", file=sys.stderr, flush=True)
         report_at = time.monotonic() + REPORT_S
+
+
+def _never_formed(engine: engines.Engine, timeout_s: float) -> None:
+    """The bound passed with the main thread still in torch's rendezvous: its line, and the process ends."""
+    end_forkserver()
+    print(f"error: {engine.never_formed_line(timeout_s)}", file=sys.stderr, flush=True)
+    os._exit(NEVER_FORMED_EXIT_CODE)
 
 
 def _stop(signum: int, output_dir: str) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from ddp_accel.errors import UserError
 
-VERSIONS = ("torch", "accelerate", "ddp-accel")
+VERSIONS = ("torch", "accelerate", "numpy", "ddp-accel")
 
 
 def versions() -> dict[str, str]:

@@ -77,6 +77,29 @@ def test_a_checkpoint_of_another_optimizer_is_one_line(tmp_path):
     )
 
 
+class _Unreadable:  # what accelerate.utils.load (weights_only) refuses, as numpy 1 refuses numpy 2's arrays
+    pass
+
+
+@inprocess
+def test_random_states_this_accelerate_cannot_read_are_one_line_not_a_silently_inexact_resume(tmp_path):
+    # Accelerate's load_state only logs that it could not load the random states and goes on with others
+    import json
+
+    import torch
+
+    common = ["--epochs", 3, "--checkpointing-steps", 2, "--output-dir", tmp_path]
+    check_ok(run_script("tests/probe.py", *common, "--max-steps", 2))
+    step = tmp_path / "checkpoints" / "step_2"
+    states = torch.load(step / "random_states_0.pkl", weights_only=False)
+    torch.save({**states, "numpy_random_seed": _Unreadable()}, step / "random_states_0.pkl")
+    files = json.loads((step / "files.json").read_text())  # (the sizes match: not a damaged checkpoint)
+    files["random_states_0.pkl"] = (step / "random_states_0.pkl").stat().st_size
+    (step / "files.json").write_text(json.dumps(files))
+    result = run_script("tests/probe.py", *common, "--resume-from-checkpoint", "latest")
+    assert_clean_error(result, "this Accelerate cannot read its random states (UnpicklingError", "numpy's major")
+
+
 @inprocess
 def test_output_dir_that_is_a_file_or_empty(tmp_path):
     (tmp_path / "file").write_text("x")

@@ -178,3 +178,33 @@ def test_machine_0_alone_says_none_connected_without_counting_itself(monkeypatch
     assert launch.what_is_seen(setup).endswith("connected from: none yet")
     monkeypatch.setattr(launch, "connected_peers", lambda port: ["127.0.0.1"])
     assert launch.what_is_seen(setup).endswith("connected from: 127.0.0.1 (this machine's own agent among them)")
+
+
+@pytest.mark.multiprocess
+def test_a_group_that_never_gets_its_last_rank_ends_at_the_bound_in_one_line_on_each_rank(tmp_path):
+    # ranks 0 and 1 of 3 (the third never starts): torch's rendezvous waits in C++ past --timeout-s; each rank ends
+    # by --timeout-s plus the grace with one line, no frames of torch's
+    import subprocess
+    import sys
+
+    from helpers import ROOT, assert_nothing_left, free_port
+
+    base = {**os.environ, "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    base.update(OMP_NUM_THREADS="1", DDP_ACCEL_CURVES="0")
+    command = [sys.executable, str(ROOT / "scripts" / "minimal.py"), "--output-dir", str(tmp_path), "--timeout-s", "3"]
+    ranks = []
+    for rank in (0, 1):
+        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        ranks.append(subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True))
+    started = time.monotonic()
+    outputs = [rank.communicate(timeout=120)[1] for rank in ranks]
+    waited = time.monotonic() - started
+    for rank, process in enumerate(ranks):
+        assert_nothing_left(process.pid, command)
+        errors = [line for line in outputs[rank].splitlines() if line.startswith("error: ")]
+        assert process.returncode == 2 and len(errors) == 1, outputs[rank][-2000:]
+        assert f"rank {rank} of 3: the process group did not form within --timeout-s 3" in errors[0], errors
+        assert "frame #" not in outputs[rank], outputs[rank][-2000:]
+    from ddp_accel import group_wait
+
+    assert waited < 3 + group_wait.BOUND_GRACE_S + 15, waited  # (the imports: a few seconds on 2 loaded cores)

@@ -343,6 +343,14 @@ def test_latest_and_rotation_follow_training_progress_when_the_global_batch_chan
     assert resolve_resume("latest", tmp_path, accelerator) == tmp_path / "step_61" and model is not None
 
 
+def fixture_random_states_readable() -> bool:
+    """The fixtures' RNG states were pickled under numpy 2, whose arrays numpy 1 cannot unpickle: there a resume of
+    them is refused in one line (ddp_accel.checkpoint.check_random_states), not continued inexactly."""
+    import numpy
+
+    return int(numpy.__version__.split(".")[0]) >= 2
+
+
 @inprocess
 def test_a_checkpoint_of_729a739_still_resumes_bitwise_with_a_warning(tmp_path):
     # tests/fixtures/checkpoint_729a739/step_5: written by tests/probe.py of ddp_accel 729a739 (before TrainState,
@@ -352,9 +360,11 @@ def test_a_checkpoint_of_729a739_still_resumes_bitwise_with_a_warning(tmp_path):
     common = ["--batch-size", 4, "--epochs", 2, "--checkpointing-steps", 5, "--dropout", "0.3"]
     fixture = Path(__file__).parent / "fixtures" / "checkpoint_729a739" / "step_5"
     shutil.copytree(fixture, tmp_path / "old" / "checkpoints" / "step_5")
-    output = check_ok(
-        run_script(PROBE, "--output-dir", tmp_path / "old", *common, "--resume-from-checkpoint", "latest")
-    )
+    resumed = run_script(PROBE, "--output-dir", tmp_path / "old", *common, "--resume-from-checkpoint", "latest")
+    if not fixture_random_states_readable():
+        assert_clean_error(resumed, "this Accelerate cannot read its random states")
+        return
+    output = check_ok(resumed)
     assert "resumed from" in output and "step 5, epoch 0, skipping 5 batches" in output, output[-2000:]
     assert "written before run identities were recorded" in output
     check_ok(run_script(PROBE, "--output-dir", tmp_path / "new", *common))
@@ -377,9 +387,11 @@ def test_a_checkpoint_of_af45933_with_positional_callback_states_resumes_into_th
     common += ["ema_accuracy", "--eval-steps", 4, "--checkpointing-steps", 6]
     fixture = Path(__file__).parent / "fixtures" / "checkpoint_af45933" / "step_6"
     shutil.copytree(fixture, tmp_path / "old" / "checkpoints" / "step_6")
-    output = check_ok(
-        run_script(PROBE, "--output-dir", tmp_path / "old", *common, "--resume-from-checkpoint", "latest")
-    )
+    resumed = run_script(PROBE, "--output-dir", tmp_path / "old", *common, "--resume-from-checkpoint", "latest")
+    if not fixture_random_states_readable():
+        assert_clean_error(resumed, "this Accelerate cannot read its random states")
+        return
+    output = check_ok(resumed)
     assert "resumed from" in output and "step 6, epoch 0" in output, output[-2000:]
     check_ok(run_script(PROBE, "--output-dir", tmp_path / "new", *common))
     assert (tmp_path / "new" / "checkpoints" / "step_6" / "callback_states.pt").is_file()

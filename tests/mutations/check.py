@@ -576,6 +576,21 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    if major_minor >= FSDP_ON_CPU_TORCH:",
         "    if True:",
     ),
+    "unreadable_random_states_resumed": (
+        "ddp_accel/checkpoint.py",
+        '    if failed.item():\n        raise UserError(\n            f"checkpoint {path}: this Accelerate cannot read',
+        '    if False:\n        raise UserError(\n            f"checkpoint {path}: this Accelerate cannot read',
+    ),
+    "a_rank_left_to_torchs_client_for_rank_0": (
+        "ddp_accel/group_wait.py",
+        "        if store is not None:  # rank 0's store first",
+        "        if False:  # rank 0's store first",
+    ),
+    "the_group_wait_unbounded": (
+        "ddp_accel/group_wait.py",
+        "        if time.monotonic() >= bound:\n",
+        "        if False:\n",
+    ),
     "async_staging_shares_addresses_across_objects": (
         "ddp_accel/async_save.py",
         "        self._storages = {}\n        self.writes.append(",
