@@ -217,7 +217,13 @@ def test_a_rank_whose_rank_0_never_starts_says_so_then_ends_at_the_timeout_with_
         unused.bind(("127.0.0.1", 0))
         port = unused.getsockname()[1]
     env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    import torch.distributed
+
+    entered = []  # torch's rendezvous is not entered before rank 0 answers (its client's failed connect: C++ frames)
+    init = torch.distributed.init_process_group
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: entered.append(1) or init(*a, **k))
     result = run_script("scripts/minimal.py", "--output-dir", tmp_path, "--timeout-s", 1, env=env)
+    assert entered == [], "torch's rendezvous was entered with nothing at rank 0's address"
     assert result.returncode != 0
     waiting = [line for line in result.stderr.splitlines() if line.startswith("waiting: ")]
     assert waiting and f"rank 1 of 2: waiting for the group at 127.0.0.1:{port}: nothing answers" in waiting[0]

@@ -187,7 +187,7 @@ def test_a_group_that_never_gets_its_last_rank_ends_at_the_bound_in_one_line_on_
     import subprocess
     import sys
 
-    from helpers import ROOT, assert_nothing_left, free_port
+    from helpers import assert_nothing_left
 
     base = {**os.environ, "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     base.update(OMP_NUM_THREADS="1", DDP_ACCEL_CURVES="0")
@@ -208,3 +208,27 @@ def test_a_group_that_never_gets_its_last_rank_ends_at_the_bound_in_one_line_on_
     from ddp_accel import group_wait
 
     assert waited < 3 + group_wait.BOUND_GRACE_S + 15, waited  # (the imports: a few seconds on 2 loaded cores)
+
+
+BLOCKED_PAST_THE_BOUND = """
+import os, sys, time
+from ddp_accel import engines, group_wait
+os.environ.update(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+with group_wait.while_the_group_forms(1, None):
+    time.sleep(30)  # as torch's rendezvous, stuck in C++ past its own timeout
+print("not ended", flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_rendezvous_still_waiting_past_the_bound_is_ended_by_the_watcher_in_one_line():
+    # whatever torch's rendezvous still waits for at --timeout-s + the grace: the process ends, exit 2, one line
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", BLOCKED_PAST_THE_BOUND], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and "not ended" not in result.stdout, (result.stdout, result.stderr[-2000:])
+    assert len(errors) == 1 and "rank 0 of 2: the process group did not form within --timeout-s 1" in errors[0]
