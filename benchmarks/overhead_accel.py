@@ -11,7 +11,7 @@ import torch
 from overhead_task import build_task
 from torch.utils.data import DataLoader
 
-from ddp_accel import ArgumentParser, Callback, Task, TrainConfig, add_training_args, fit, make_accelerator, run_main
+from ddp_accel import ArgumentParser, Callback, Run, Task, TrainConfig, add_training_args, run_main
 
 
 class StepClock(Callback):
@@ -33,12 +33,13 @@ def main() -> None:
     parser.set_defaults(output_dir="outputs/bench_overhead", epochs=2, batch_size=64, max_grad_norm=1.0, log_steps=50)
     args = parser.parse_args()
     config = TrainConfig.from_args(args)
-    accelerator = make_accelerator(config)
+    run = Run(config)
+    accelerator = run.accelerator
     model, dataset, loss_fn = build_task(args.task, hidden=args.hidden)
     loader = DataLoader(dataset, batch_size=config.batch_size, shuffle=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     clock = StepClock()
-    metrics = fit(accelerator, config, Task(model, optimizer, loader, loss_fn), callbacks=[clock])
+    metrics = run.fit(Task(model, optimizer, loader, loss_fn), callbacks=[clock])
     accelerator.print(
         json.dumps(
             {

@@ -33,13 +33,14 @@ if TYPE_CHECKING:
     from ddp_accel.stopping import Preempted, StopSignals
     from ddp_accel.sync_bn import convert_sync_batchnorm
     from ddp_accel.task import RunRecord, Task
-    from ddp_accel.training import TrainingRun, fit
+    from ddp_accel.training import Run, TrainingRun, fit
 
 _EXPORTS = {
     "ArgumentParser": "ddp_accel.cli",
     "Callback": "ddp_accel.callbacks",
     "Optimizers": "ddp_accel.optim",
     "Preempted": "ddp_accel.stopping",
+    "Run": "ddp_accel.training",
     "RunRecord": "ddp_accel.task",
     "SparseAdamW": "ddp_accel.optim",
     "StopSignals": "ddp_accel.stopping",
@@ -74,6 +75,7 @@ __all__ = [
     "Callback",
     "Optimizers",
     "Preempted",
+    "Run",
     "RunRecord",
     "SparseAdamW",
     "StopSignals",

@@ -228,7 +228,3 @@ class RunFolder:
         (self.path / PREEMPTED_MARKER).unlink(missing_ok=True)
         shutil.rmtree(self.path / "failures", ignore_errors=True)  # the crashes this run came through
 
-
-def folder_for(output_dir: str, checked: RunFolder | None) -> RunFolder:
-    """The run's folder: make_accelerator's (built and checked once per run) when it is `output_dir`'s, else new."""
-    return checked if checked is not None and checked.given == str(output_dir) else RunFolder(output_dir)

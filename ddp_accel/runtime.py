@@ -125,16 +125,24 @@ def build_accelerator(
 def make_accelerator(
     config: TrainConfig, signals: StopSignals | None = None, check_output_dir: bool = True, **kwargs: Any
 ) -> Accelerator:
-    """The Accelerator of a run of `config`, after checking --output-dir (pass check_output_dir=False when not
-    training into it); `signals` (run_main's) then leave their marker there if a preemption stops the run before
-    training. A missing tracker package is one line here, before anything; the trackers start at the first log.
-    `kwargs`: more of DDP's options (find_unused_parameters=True)."""
+    """The Accelerator of a run of `config` (`open_run`'s, without its folder: `fit` then checks the folder again;
+    `ddp_accel.Run` holds both). `kwargs`: more of DDP's options (find_unused_parameters=True)."""
+    return open_run(config, signals, check_output_dir, **kwargs)[1]
+
+
+def open_run(
+    config: TrainConfig, signals: StopSignals | None = None, check_output_dir: bool = True, **kwargs: Any
+) -> tuple[RunFolder, Accelerator]:
+    """The output folder and the Accelerator of a run of `config`, after checking --output-dir (pass
+    check_output_dir=False when not training into it); `signals` (run_main's) then leave their marker there if a
+    preemption stops the run before training. A missing tracker package is one line here, before anything; the
+    trackers start at the first log."""
     imports_done()  # a script that paused the garbage collector for its imports but runs without run_main
     folder = RunFolder(config.output_dir)
     if check_output_dir:
         folder.check(config.resume_from_checkpoint, config.overwrite_output_dir)
     if signals is not None:
-        signals.set_output_dir(folder.path, folder)
+        signals.set_output_dir(folder.path)
     config.check()
     names = tracker_names(config.report_to, config.with_tracking)
     if process_rank() == 0:  # the main process logs
@@ -143,7 +151,7 @@ def make_accelerator(
         raise OptionsChecked(config)
     # a tracker run continues only with the checkpoint it logged: `latest` without one starts a new run
     trackers = make_trackers(names, config.output_dir, resuming=folder.resumes(config.resume_from_checkpoint))
-    return build_accelerator(
+    accelerator = build_accelerator(
         seed=config.seed,
         log_with=trackers or None,
         output_dir=config.output_dir,
@@ -152,6 +160,7 @@ def make_accelerator(
         timeout_s=config.timeout_s,
         ddp=ddp_options(config, **kwargs),
     )
+    return folder, accelerator
 
 
 def ddp_options(config: TrainConfig, find_unused_parameters: bool = False) -> DdpOptions:

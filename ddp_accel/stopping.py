@@ -158,7 +158,6 @@ class StopSignals:
         self.received: int | None = None
         self.phase = Phase.STARTUP
         self.output_dir: Path | None = None
-        self.run_folder: Any = None  # the RunFolder make_accelerator checked: fit goes on with it, not a new one
         self.resume_hint = NO_CHECKPOINT_HINT
         self.pid = os.getpid()  # the process these signals belong to
         self._previous: dict[int, Any] = {}
@@ -215,8 +214,8 @@ class StopSignals:
         if self.phase is Phase.STARTUP and self.output_dir is not None:
             self.stop_before_training()
 
-    def set_output_dir(self, output_dir: Path, run_folder: Any = None) -> None:
-        self.output_dir, self.run_folder = output_dir, run_folder
+    def set_output_dir(self, output_dir: Path) -> None:
+        self.output_dir = output_dir
         if self.phase is Phase.STARTUP and self.received:
             self.stop_before_training()
 

@@ -28,7 +28,7 @@ from ddp_accel.context import RunContext
 from ddp_accel.errors import UserError
 from ddp_accel.evaluation import evaluate
 from ddp_accel.meters import EvalHistory, numbers
-from ddp_accel.run_folder import RunFolder, folder_for
+from ddp_accel.run_folder import RunFolder
 from ddp_accel.run_setup import (
     build_scheduler,
     check_options_against_task,
@@ -37,7 +37,7 @@ from ddp_accel.run_setup import (
     prepare_task,
     standard_callbacks,
 )
-from ddp_accel.runtime import exported_model, lost_peers
+from ddp_accel.runtime import exported_model, lost_peers, open_run
 from ddp_accel.state import RunIdentity, TrainState
 from ddp_accel.stopping import Phase, Preempted, SaveGrace, StepAgreement, StopFacts, StopSignals, Verdict
 from ddp_accel.task import RunRecord, Task
@@ -64,10 +64,11 @@ class TrainingRun:
         task: Task,
         record: RunRecord,
         signals: StopSignals,
+        folder: RunFolder,
         callbacks: Sequence[Callback] = (),
     ):
         self.accelerator, self.config, self.task, self.record, self.signals = accelerator, config, task, record, signals
-        self.folder = folder_for(config.output_dir, signals.run_folder)  # make_accelerator's, when it made one
+        self.folder = folder
         self.identity = RunIdentity(
             model_fingerprint(task.model), record.identity, optimizer_fingerprint(task.optimizer)
         )
@@ -311,6 +312,35 @@ def skipping(accelerator: Accelerator, loader: Any, batches: int, epoch: int) ->
     return skipped
 
 
+class Run:
+    """One training run, built from its options and the process's stop signals: its output folder (checked once,
+    before anything is built), its Accelerator (for the script's data and model) and its trackers. `fit(task)`
+    trains it. Every process builds its Run and calls fit.
+
+        run = Run(config, signals)                      # signals: run_main's, passed to main(signals)
+        model = build_model().to(run.accelerator.device)
+        run.fit(Task(model, optimizer, loader, loss_fn), RunRecord(title="my run"))
+
+    `check_output_dir=False`: not training into --output-dir (an evaluation). `find_unused_parameters`: DDP's."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        signals: StopSignals | None = None,
+        *,
+        check_output_dir: bool = True,
+        find_unused_parameters: bool = False,
+    ):
+        self.config, self.signals = config, signals
+        self.folder, self.accelerator = open_run(
+            config, signals, check_output_dir, find_unused_parameters=find_unused_parameters
+        )
+
+    def fit(self, task: Task, record: RunRecord | None = None, callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
+        """Train `task` (see `ddp_accel.fit`); returns the final metrics, the same on every rank."""
+        return train(self.accelerator, self.config, task, record, self.signals, self.folder, callbacks)
+
+
 def fit(
     accelerator: Accelerator,
     config: TrainConfig,
@@ -327,12 +357,27 @@ def fit(
     Every process calls fit(). Returns the final metrics (the same on every rank). On SIGTERM/SIGUSR1/SIGHUP every rank
     checkpoints the step reached and fit raises `Preempted`; a loss that is not finite stops with a UserError.
     `signals`: the process's StopSignals (run_main's); without them fit uses the installed ones, or watches the
-    signals itself while it runs (a notebook). `callbacks`: ddp_accel.callbacks.Callback hooks.
+    signals itself while it runs (a notebook). `callbacks`: ddp_accel.callbacks.Callback hooks. With an Accelerator
+    of your own (or make_accelerator's) the output folder is checked here; `Run` checks it once, before the
+    Accelerator is built.
     """
+    return train(accelerator, config, task, record, signals, RunFolder(config.output_dir), callbacks)
+
+
+def train(
+    accelerator: Accelerator,
+    config: TrainConfig,
+    task: Task,
+    record: RunRecord | None,
+    signals: StopSignals | None,
+    folder: RunFolder,
+    callbacks: Sequence[Callback],
+) -> dict[str, Any]:
+    """The loop (`fit`'s and `Run.fit`'s), in the run's `folder`."""
     signals = signals or StopSignals.current
-    run = TrainingRun(accelerator, config, task, record or RunRecord(), signals or StopSignals(), callbacks)
+    run = TrainingRun(accelerator, config, task, record or RunRecord(), signals or StopSignals(), folder, callbacks)
     if run.signals.output_dir is None:
-        run.signals.set_output_dir(run.folder.path, run.folder)
+        run.signals.set_output_dir(run.folder.path)
     with run.signals if signals is None else contextlib.nullcontext(), run:
         committed = run.start()
         if committed is not None:

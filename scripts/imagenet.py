@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 
 from ddp_accel import (
     ArgumentParser,
+    Run,
     RunRecord,
     StopSignals,
     Task,
@@ -43,10 +44,8 @@ from ddp_accel import (
     cli,
     convert_sync_batchnorm,
     evaluate,
-    fit,
     load_saved_weights,
     load_weights_file,
-    make_accelerator,
     make_identity,
     make_optimizer,
     run_main,
@@ -367,7 +366,8 @@ def main(signals: StopSignals) -> None:
         return
     config = TrainConfig.from_args(args)
     set_backends(args)
-    accelerator = make_accelerator(config, signals, check_output_dir=not args.evaluate)
+    run = Run(config, signals, check_output_dir=not args.evaluate)
+    accelerator = run.accelerator
     train_set, val_set, classes = datasets_for(args)
     model, sync_bn_layers = make_model(args, accelerator, classes)
     model_input = make_model_input(args)
@@ -417,7 +417,7 @@ def main(signals: StopSignals) -> None:
         "parameters": sum(p.numel() for p in model.parameters()),
     }
     record = RunRecord(title="imagenet", banner=banner, identity=identity_of(args, accelerator))
-    metrics = fit(accelerator, config, task, record, signals=signals, callbacks=[mixing] if mixing.active else [])
+    metrics = run.fit(task, record, callbacks=[mixing] if mixing.active else [])
     best = (config.best_metric or "eval_top1").removeprefix("eval_")
     accelerator.print(f"best {best} {metrics['best_' + best]:.4f}; model_best.safetensors in {config.output_dir}")
 

@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 from ddp_accel import (
     ArgumentParser,
     Optimizers,
+    Run,
     RunRecord,
     SparseAdamW,
     StopSignals,
@@ -42,8 +43,6 @@ from ddp_accel import (
     classification_names,
     classification_values,
     cli,
-    fit,
-    make_accelerator,
     make_identity,
     make_optimizer,
     process_rank,
@@ -313,7 +312,8 @@ def model_config(args) -> TextModelConfig:
 
 def train(args: argparse.Namespace, signals: StopSignals) -> None:
     config = TrainConfig.from_args(args)
-    accelerator = make_accelerator(config, signals)
+    run = Run(config, signals)
+    accelerator = run.accelerator
     text = prepare_text_data(
         accelerator,
         TextSource(args.dataset, args.data_dir, args.train_file, args.test_file),
@@ -365,7 +365,7 @@ def train(args: argparse.Namespace, signals: StopSignals) -> None:
             {**identity_options(args), "sparse_table": sparse}, text.sources, unset=UNSET, labels=LABELS
         ),
     )
-    fit(accelerator, config, task, record, signals=signals)
+    run.fit(task, record)
 
 
 def make_task(args: argparse.Namespace, config: TrainConfig, text, model: torch.nn.Module) -> Task:

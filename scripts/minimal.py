@@ -21,13 +21,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_accel import (
     ArgumentParser,
+    Run,
     StopSignals,
     Task,
     TrainConfig,
     add_training_args,
     cli,
-    fit,
-    make_accelerator,
     make_optimizer,
     run_main,
 )
@@ -40,7 +39,8 @@ def main(signals: StopSignals) -> None:
     parser.set_defaults(optimizer="sgd", momentum=0.0, weight_decay=0.0)  # plain SGD
     args = parser.parse_args()
     config = TrainConfig.from_args(args)
-    accelerator = make_accelerator(config, signals)
+    run = Run(config, signals)
+    accelerator = run.accelerator
 
     data = torch.Generator().manual_seed(config.seed)
     dataset = TensorDataset(
@@ -66,7 +66,7 @@ def main(signals: StopSignals) -> None:
         eval_loader=DataLoader(dataset, batch_size=config.batch_size),
         eval_fn=per_sample_mse,
     )
-    metrics = fit(accelerator, config, task, signals=signals)
+    metrics = run.fit(task)
 
     state = accelerator.state
     print(

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ddp_accel import (
     ArgumentParser,
+    Run,
     RunRecord,
     StopSignals,
     Task,
@@ -34,8 +35,6 @@ from ddp_accel import (
     classification_values,
     cli,
     convert_sync_batchnorm,
-    fit,
-    make_accelerator,
     make_optimizer,
     run_main,
 )
@@ -43,9 +42,10 @@ from ddp_accel import (
 
 class Trainer:
     def __init__(self, args, signals: StopSignals | None = None):
-        self.args, self.signals = args, signals
+        self.args = args
         self.config = TrainConfig.from_args(args, eval_every_epochs=args.eval_interval)
-        self.accelerator = make_accelerator(self.config, signals)
+        self.run = Run(self.config, signals)  # the output folder checked, then the Accelerator built
+        self.accelerator = self.run.accelerator
 
     # --- 1. your data: three datasets (train is sharded across processes, val/test too for speed) ---
     def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
@@ -76,7 +76,7 @@ class Trainer:
     metric_names = classification_names(3)  # what `metrics` reports: --best-metric is checked before training
 
     # --- the run: usually nothing to change below ---
-    def run(self) -> dict[str, float]:
+    def fit(self) -> dict[str, float]:
         args, accelerator = self.args, self.accelerator
         train_set, val_set, test_set = self.build_datasets()
         model = self.build_model()
@@ -104,7 +104,7 @@ class Trainer:
             test_loader=loader(test_set, False),  # evaluated once, after training, before the results are written
             make_scheduler=cosine,
         )
-        return fit(accelerator, self.config, task, RunRecord(title="template"), signals=self.signals)
+        return self.run.fit(task, RunRecord(title="template"))
 
 
 def main(signals: StopSignals) -> None:
@@ -116,7 +116,7 @@ def main(signals: StopSignals) -> None:
     )
     parser.set_defaults(output_dir="outputs/template", epochs=10, batch_size=256, lr=0.1, log_steps=10)
     parser.set_defaults(optimizer="sgd", momentum=0.9, weight_decay=1e-4)
-    Trainer(parser.parse_args(), signals).run()
+    Trainer(parser.parse_args(), signals).fit()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from ddp_accel import (
     ArgumentParser,
     Callback,
     Optimizers,
+    Run,
     RunRecord,
     SparseAdamW,
     StopSignals,
@@ -36,8 +37,6 @@ from ddp_accel import (
     classification_metrics,
     classification_names,
     classification_values,
-    fit,
-    make_accelerator,
     make_identity,
     make_optimizer,
     run_main,
@@ -146,7 +145,8 @@ def main(signals: StopSignals | None = None) -> None:
     )
     args = parser.parse_args()
     config = TrainConfig.from_args(args)
-    accelerator = make_accelerator(config, signals)
+    run = Run(config, signals)
+    accelerator = run.accelerator
 
     layers: list[torch.nn.Module] = [QuantizedBag(args.hidden, sparse=True)] if args.sparse_embedding else []
     if args.complex:  # after the table when both are asked: one job proves both all-reduces
@@ -220,7 +220,7 @@ def main(signals: StopSignals | None = None) -> None:
     identity = make_identity({key: getattr(args, key) for key in ("hidden", "complex", "sparse_embedding")})
     crash = [CrashAt(args.crash_at_step, min(1, accelerator.num_processes - 1))] if args.crash_at_step else []
     callbacks = [*crash, LearningRates(config.output_dir)]
-    fit(accelerator, config, task, RunRecord(identity=identity), signals=signals, callbacks=callbacks)
+    run.fit(task, RunRecord(identity=identity), callbacks)
     Path(config.output_dir, f"seen_rank{accelerator.process_index}.json").write_text(json.dumps(seen))
     # torch elastic's per-worker error files (ATTEMPT/LOCAL_RANK/error.json), the layout through which a worker
     # learns that another one failed (engines.TorchElastic.peer_failed; tests/test_launchers.py checks it)

@@ -418,8 +418,8 @@ def test_a_dataloader_worker_whose_forkserver_is_already_gone_ends_at_its_first_
 # --- the run's folder: built and checked once ---
 @pytest.mark.inprocess
 def test_the_output_folder_is_built_and_checked_once_per_run(tmp_path, monkeypatch):
-    # make_accelerator checks --output-dir before anything is built; fit goes on with that folder (the stop
-    # signals hold it) and checks again only what needs the checkpoints (`latest`)
+    # Run checks --output-dir before anything is built; its fit goes on with that folder and checks again only
+    # what needs the checkpoints (`latest`)
     from ddp_accel import run_folder
 
     built: list[str] = []
@@ -437,7 +437,9 @@ def test_the_output_folder_is_built_and_checked_once_per_run(tmp_path, monkeypat
     from ddp_accel import runtime
 
     monkeypatch.setattr(runtime, "RunFolder", Counted)
-    monkeypatch.setattr(run_folder, "RunFolder", Counted)  # what fit makes, when it makes one
+    from ddp_accel import training
+
+    monkeypatch.setattr(training, "RunFolder", Counted)  # what fit makes, when it makes one
     args = ["--output-dir", tmp_path / "run", "--batch-size", 4, "--train-size", 16, "--checkpointing-steps", 2]
     check_ok(run_script(PROBE, *args, "--epochs", 1))
     assert built == [str(tmp_path / "run")] and checks == [None], (built, checks)

@@ -404,9 +404,9 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "",
     ),
     "run_folder_built_again_in_fit": (
-        "ddp_accel/run_folder.py",
-        "    return checked if checked is not None and checked.given == str(output_dir) else RunFolder(output_dir)",
-        "    return RunFolder(output_dir)",
+        "ddp_accel/training.py",
+        "        return train(self.accelerator, self.config, task, record, self.signals, self.folder, callbacks)",
+        "        return train(self.accelerator, self.config, task, record, self.signals, RunFolder(self.config.output_dir), callbacks)",
     ),
     "a_ray_worker_ends_the_processes_helpers": (
         "ddp_accel/runtime.py",
