@@ -406,8 +406,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     "run_folder_built_again_in_fit": (
         "ddp_accel/training.py",
         "        return train(self.accelerator, self.config, task, record, self.signals, self.folder, callbacks)",
-        "        return train(self.accelerator, self.config, task, record, self.signals, RunFolder(self.config.output_dir), "
-        "callbacks)",
+        "        return train(self.accelerator, self.config, task, record, self.signals, "
+        "RunFolder(self.config.output_dir), callbacks)",
     ),
     "a_ray_worker_ends_the_processes_helpers": (
         "ddp_accel/runtime.py",
