@@ -227,4 +227,3 @@ class RunFolder:
         write_json(self.path / COMMITTED, metrics)
         (self.path / PREEMPTED_MARKER).unlink(missing_ok=True)
         shutil.rmtree(self.path / "failures", ignore_errors=True)  # the crashes this run came through
-
