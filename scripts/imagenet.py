@@ -359,6 +359,25 @@ def evaluate_saved(args, accelerator, model, val_set, eval_fn, metrics_fn) -> No
         write_json(output_dir / "evaluate.json", {**metrics, "weights": args.resume, "tta_flip": args.tta_flip})
 
 
+def banner_lines(args, classes: int, images: tuple[int, int], sync_bn_layers: int, model) -> dict:
+    """What the banner says of the data, the model and the recipes."""
+    recipes = ", ".join(
+        f"{key} {getattr(args, key)}" for key, off in RECIPE_OPTIONS.items() if getattr(args, key) != off
+    )
+    return {
+        "arch": args.arch,
+        "classes": classes,
+        "train/val images": f"{images[0]}/{images[1]}",
+        "data": "SYNTHETIC (--dummy)" if args.dummy else args.data,
+        "image_size": args.image_size,
+        "channels_last": args.channels_last,
+        "batches": batch_form(args),
+        "sync_bn_layers": sync_bn_layers,
+        "recipes": recipes or "none",
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
 def main(signals: StopSignals) -> None:
     args = parse_args()
     if args.list_archs:
@@ -401,21 +420,7 @@ def main(signals: StopSignals) -> None:
         best_metric="eval_top1",  # model_best.safetensors, and best_top1 in metrics.json
         metric_names=classification_names(len(classes), topk=(1, 5)),
     )
-    banner = {
-        "arch": args.arch,
-        "classes": len(classes),
-        "train/val images": f"{len(train_set)}/{len(val_set)}",
-        "data": "SYNTHETIC (--dummy)" if args.dummy else args.data,
-        "image_size": args.image_size,
-        "channels_last": args.channels_last,
-        "batches": batch_form(args),
-        "sync_bn_layers": sync_bn_layers,
-        "recipes": ", ".join(
-            f"{key} {getattr(args, key)}" for key, off in RECIPE_OPTIONS.items() if getattr(args, key) != off
-        )
-        or "none",
-        "parameters": sum(p.numel() for p in model.parameters()),
-    }
+    banner = banner_lines(args, len(classes), (len(train_set), len(val_set)), sync_bn_layers, model)
     record = RunRecord(title="imagenet", banner=banner, identity=identity_of(args, accelerator))
     metrics = run.fit(task, record, callbacks=[mixing] if mixing.active else [])
     best = (config.best_metric or "eval_top1").removeprefix("eval_")
