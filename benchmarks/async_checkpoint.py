@@ -91,8 +91,11 @@ def drive(args: argparse.Namespace) -> None:
                 line = next(line for line in done.stdout.splitlines() if line.startswith('{"step_s"'))
                 results[kind].append(json.loads(line))
                 base, kept = stalls(results[kind][-1]["step_s"])
-                print(f"repeat {repeat + 1} {kind}: step {base:.2f} s, stalls {[round(s, 2) for s in kept]}",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"repeat {repeat + 1} {kind}: step {base:.2f} s, stalls {[round(s, 2) for s in kept]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     parameters = results["synchronous"][0]["parameters"]
     lines = [
         f"MLP, {parameters / 1e6:.1f}M parameters (AdamW: a checkpoint of {parameters * 12 / 2**30:.2f} GiB), "

@@ -75,9 +75,15 @@ def make_net(widths: tuple[int, int, int], train_images: torch.Tensor) -> nn.Seq
     whiten.weight.requires_grad = False
     w1, w2, w3 = widths
     return nn.Sequential(
-        whiten, nn.GELU(), ConvGroup(24, w1), ConvGroup(w1, w2), ConvGroup(w2, w3),
-        nn.MaxPool2d(3), nn.Flatten(), nn.Linear(w3, 10, bias=False),
-    )  # fmt: skip
+        whiten,
+        nn.GELU(),
+        ConvGroup(24, w1),
+        ConvGroup(w1, w2),
+        ConvGroup(w2, w3),
+        nn.MaxPool2d(3),
+        nn.Flatten(),
+        nn.Linear(w3, 10, bias=False),
+    )
 
 
 def evaluate(net: nn.Module, images: torch.Tensor, labels: torch.Tensor, bf16: bool) -> float:
@@ -136,10 +142,13 @@ def main() -> None:
     biases = [p for name, p in net.named_parameters() if p.requires_grad and (".norm" in name or name == "0.bias")]
     others = [p for p in net.parameters() if p.requires_grad and all(p is not b for b in biases)]
     optimizer = torch.optim.SGD(
-        [dict(params=biases, lr=lr * bias_scale, weight_decay=decay / bias_scale),
-         dict(params=others, lr=lr, weight_decay=decay)],
-        momentum=momentum, nesterov=True,
-    )  # fmt: skip
+        [
+            dict(params=biases, lr=lr * bias_scale, weight_decay=decay / bias_scale),
+            dict(params=others, lr=lr, weight_decay=decay),
+        ],
+        momentum=momentum,
+        nesterov=True,
+    )
     initial = [group["lr"] for group in optimizer.param_groups]
     steps_per_epoch = len(train_images) // args.batch_size
     total = math.ceil(args.epochs * steps_per_epoch)

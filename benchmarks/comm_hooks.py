@@ -82,8 +82,9 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "comm_hooks.md").write_text(f"`python benchmarks/comm_hooks.py --repeats {args.repeats} "
-                                                     f"--hidden {args.hidden}`\n\n{table}\n")  # fmt: skip
+    (HERE / "results" / "comm_hooks.md").write_text(
+        f"`python benchmarks/comm_hooks.py --repeats {args.repeats} --hidden {args.hidden}`\n\n{table}\n"
+    )
 
 
 if __name__ == "__main__":

@@ -103,19 +103,60 @@ def figures(tree: Path, work: Path, images: Path, imdb: str | None, loops: list[
         return json.loads((out / "metrics.json").read_text())
 
     found = {}
-    run("scripts/imagenet.py", images, "-a", "cifar_resnet9_w16", "--image-size", 32, "--augment", "cifar", "-j", 1,
-        "-b", 64, "--max-steps", 120, "--epochs", 100, "--output-dir", out, "--overwrite-output-dir")  # fmt: skip
+    run(
+        "scripts/imagenet.py",
+        images,
+        "-a",
+        "cifar_resnet9_w16",
+        "--image-size",
+        32,
+        "--augment",
+        "cifar",
+        "-j",
+        1,
+        "-b",
+        64,
+        "--max-steps",
+        120,
+        "--epochs",
+        100,
+        "--output-dir",
+        out,
+        "--overwrite-output-dir",
+    )
     found["cifar steady samples/s"] = metrics()["steady_samples_per_s"]
     data = ["--train-file", imdb] if imdb else ["--dataset", "synthetic"]
     # the same model on both sides (the default became trigrams in 4M buckets): the code's speed, not the recipe's
-    run("scripts/imdb.py", *data, "--ngrams", 2, "--buckets", 1_000_000, "--max-steps", 300, "--output-dir", out,
-        "--overwrite-output-dir")  # fmt: skip
+    run(
+        "scripts/imdb.py",
+        *data,
+        "--ngrams",
+        2,
+        "--buckets",
+        1_000_000,
+        "--max-steps",
+        300,
+        "--output-dir",
+        out,
+        "--overwrite-output-dir",
+    )
     found["imdb bag samples/s"] = metrics()["train_samples_per_s"]
     loop = subprocess.run(
-        [sys.executable, "benchmarks/overhead_accel.py", "--output-dir", str(out), "--overwrite-output-dir",
-         "--epochs", "8"],
-        cwd=tree, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "benchmarks/overhead_accel.py",
+            "--output-dir",
+            str(out),
+            "--overwrite-output-dir",
+            "--epochs",
+            "8",
+        ],
+        cwd=tree,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     found["loop samples/s"] = json.loads(loop.stdout.strip().splitlines()[-1])["samples_per_s"]
     for extra in loops:
         found[f"loop {extra} samples/s"] = loop_figure(tree, work, env, extra)
@@ -135,8 +176,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ddp_accel_compare_") as tmp:
         work = Path(tmp)
         base = work / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", str(base), args.base], cwd=ROOT, check=True,
-                       capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(base), args.base], cwd=ROOT, check=True, capture_output=True
+        )
         try:
             images = image_folder(args.cifar, work)
             runs: dict[str, dict[str, list[float]]] = {"base": {}, "HEAD": {}}

@@ -656,8 +656,14 @@ def check_ray_gpu(runner: Runner) -> dict:
     command = [PY, "-m", "ddp_accel", "ray", "--workers", 1, "--gpus-per-worker", 1, "--cpus-per-worker", 2]
     command += ["--max-failures", 2, "tests/probe.py", *common, "--pid-dir", pids, "--output-dir", output_dir]
     started = time.monotonic()
-    driver = subprocess.Popen([str(c) for c in command], stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                              cwd=ROOT, env=env, start_new_session=True)  # fmt: skip
+    driver = subprocess.Popen(
+        [str(c) for c in command],
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+    )
     deadline = started + min(200, runner.left())
     step10 = output_dir / "checkpoints" / "step_10" / "training_state.json"
     while time.monotonic() < deadline and driver.poll() is None and not step10.is_file():
@@ -719,8 +725,11 @@ def check_auto_batch(runner: Runner) -> dict:
     result = {}
     for name, fraction, extra in (("capped_auto", 0.1, ["--auto-batch-size"]), ("capped_plain", 0.1, [])):
         out = runner.work / f"auto_batch_{name}"
-        run = runner.run(f"auto_batch_{name}", capped_memory_run(fraction, "scripts/imagenet.py", *common, *extra,
-                                                                 "--output-dir", out), 240)  # fmt: skip
+        run = runner.run(
+            f"auto_batch_{name}",
+            capped_memory_run(fraction, "scripts/imagenet.py", *common, *extra, "--output-dir", out),
+            240,
+        )
         m = metrics(out)
         keys = (["batch_size_per_process"], ["gradient_accumulation_steps"], ["global_batch_size"])
         lines = [line.strip() for line in run["output"].splitlines() if line.split()[:1] in keys]

@@ -28,12 +28,36 @@ sys.path.insert(0, str(ROOT / "tests"))
 from helpers import free_port, process_tree  # noqa: E402  (the process table, read as the tests read it)
 
 JOBS = {
-    "probe (Linear 8-16-2)": ["tests/probe.py", "--batch-size", "4", "--epochs", "50", "--train-size", "256",
-                              "--workers", "2", "--step-ms", "20"],
+    "probe (Linear 8-16-2)": [
+        "tests/probe.py",
+        "--batch-size",
+        "4",
+        "--epochs",
+        "50",
+        "--train-size",
+        "256",
+        "--workers",
+        "2",
+        "--step-ms",
+        "20",
+    ],
     "imagenet.py resnet50 (--dummy, 64 px, batch 4)": [
-        "scripts/imagenet.py", "--dummy", "-a", "resnet50", "--image-size", "64", "-b", "4", "-j", "2",
-        "--dummy-classes", "100", "--epochs", "50"],
-}  # fmt: skip
+        "scripts/imagenet.py",
+        "--dummy",
+        "-a",
+        "resnet50",
+        "--image-size",
+        "64",
+        "-b",
+        "4",
+        "-j",
+        "2",
+        "--dummy-classes",
+        "100",
+        "--epochs",
+        "50",
+    ],
+}
 
 
 def once(job: list[str], work: Path) -> tuple[float, float, int]:

@@ -127,9 +127,14 @@ class RunFolder:
         return committed
 
     def completion(
-        self, target: tuple[int, int], total_steps: int, identity: dict[str, Any], early_stopping: bool,
-        has_checkpoints: bool, time_budget: bool = False,
-    ) -> tuple[dict[str, Any], str] | None:  # fmt: skip
+        self,
+        target: tuple[int, int],
+        total_steps: int,
+        identity: dict[str, Any],
+        early_stopping: bool,
+        has_checkpoints: bool,
+        time_budget: bool = False,
+    ) -> tuple[dict[str, Any], str] | None:
         """A run committed here as far as a command asks for (`committed_metrics`): its metrics and the line that
         says so (what would continue it); None when there is none."""
         committed = self.committed_metrics(target, total_steps, identity, early_stopping, time_budget)

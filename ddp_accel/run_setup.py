@@ -21,14 +21,16 @@ from ddp_accel.checkpoint import Checkpoints, Contents
 from ddp_accel.comm_hooks import PowerSGD, check_model, register_powersgd
 from ddp_accel.config import TrainConfig, check_evaluation, check_strategy
 from ddp_accel.ema import WeightAverage
+from ddp_accel.loaders import exit_now
 from ddp_accel.profiling import ProfilerWindow
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.runtime import ddp_options, shards_weights
 from ddp_accel.schedules import PlateauFeed, make_schedule
 from ddp_accel.sharding import before_prepare
-from ddp_accel.stopping import StepAgreement
+from ddp_accel.stopping import StepAgreement, StopSignals
 from ddp_accel.task import Task
 from ddp_accel.train_step import TrainStep
+from ddp_accel.watchdog import ProgressWatchdog
 
 
 def epoch_samples(loader: Any) -> int:
@@ -120,6 +122,11 @@ def check_options_against_task(
     check_strategy(config, shards_weights(accelerator), kind == DistributedType.DEEPSPEED, fsdp_version)
 
 
+def progress_watchdog(folder: RunFolder, rank: int, config: TrainConfig, signals: StopSignals) -> ProgressWatchdog:
+    """The run's watchdog (--hang-timeout-s): it reports the run's phase, and exits with the helpers ended."""
+    return ProgressWatchdog(folder.path, rank, config.hang_timeout_s, phase=lambda: signals.phase, exit=exit_now)
+
+
 def checkpoint_contents(task: Task, prepared: Prepared, scheduler: Any, callbacks: list[Callback]) -> Contents:
     """What the run's checkpoints hold: the state of what it handed Accelerate's prepare, in its order (the model
     as handed over: Accelerate saves it, not its DDP wrapper; the rest as prepared), the stateful callbacks' states
@@ -135,9 +142,14 @@ def checkpoint_contents(task: Task, prepared: Prepared, scheduler: Any, callback
 
 
 def build_scheduler(
-    accelerator: Accelerator, config: TrainConfig, task: Task, optimizer: torch.optim.Optimizer, total_steps: int,
-    steps_per_epoch: int, best_metric: str | None,
-) -> tuple[Any, list[Callback]]:  # fmt: skip
+    accelerator: Accelerator,
+    config: TrainConfig,
+    task: Task,
+    optimizer: torch.optim.Optimizer,
+    total_steps: int,
+    steps_per_epoch: int,
+    best_metric: str | None,
+) -> tuple[Any, list[Callback]]:
     """The shared --lr-schedule (it replaces the script's own), else the script's, prepared; and the plateau
     schedule's feed of evaluations."""
     scheduler: Any = None
@@ -178,9 +190,14 @@ def standard_callbacks(
 
 
 def plan_time_budget(
-    accelerator: Accelerator, config: TrainConfig, task: Task, prepared: Prepared, checkpoints: Checkpoints,
-    folder: RunFolder, started: float,
-) -> tuple[BudgetPlan, bool]:  # fmt: skip
+    accelerator: Accelerator,
+    config: TrainConfig,
+    task: Task,
+    prepared: Prepared,
+    checkpoints: Checkpoints,
+    folder: RunFolder,
+    started: float,
+) -> tuple[BudgetPlan, bool]:
     """--time-budget: the plan the run made at its start (kept by a resume, or a rerun of the complete run), else
     a new one from batches timed here on the prepared objects. Returns (plan, kept?)."""
     kept_state, trained_without = checkpoints.saved_plan(config.resume_from_checkpoint)
@@ -195,9 +212,16 @@ def plan_time_budget(
     )
     eval_loader = prepared.eval_loader if prepared.eval_loader is not None else prepared.test_loader
     timing = Timing(
-        accelerator, probe, prepared.model, prepared.optimizer, prepared.train_loader, task.eval_fn, eval_loader,
-        prepared.accumulation, started,
-    )  # fmt: skip
+        accelerator,
+        probe,
+        prepared.model,
+        prepared.optimizer,
+        prepared.train_loader,
+        task.eval_fn,
+        eval_loader,
+        prepared.accumulation,
+        started,
+    )
     steps_per_epoch = prepared.steps_per_epoch
     most = -(-config.max_steps // steps_per_epoch) if config.max_steps else config.epochs
     shape = RunShape(

@@ -82,9 +82,13 @@ def committed_run(run: StartingRun) -> dict[str, Any] | None:
     epochs, steps = divmod(run.total_steps, run.prepared.steps_per_epoch)
     target = (epochs, steps * run.prepared.accumulation * run.state.global_batch)
     complete = run.folder.completion(
-        target, run.total_steps, run.identity.identity, bool(run.config.early_stopping_patience),
-        bool(run.checkpoints.complete()), bool(run.config.time_budget),
-    )  # fmt: skip
+        target,
+        run.total_steps,
+        run.identity.identity,
+        bool(run.config.early_stopping_patience),
+        bool(run.checkpoints.complete()),
+        bool(run.config.time_budget),
+    )
     if complete is None:
         return None
     run.accelerator.print(complete[1])
@@ -97,9 +101,13 @@ def resume(run: StartingRun) -> None:
     state, prepared = run.state, run.prepared
     state.training_options = run.config.changeable_options()
     path = run.checkpoints.resume(
-        run.config.resume_from_checkpoint, state, run.identity, len(prepared.train_loader), prepared.accumulation,
+        run.config.resume_from_checkpoint,
+        state,
+        run.identity,
+        len(prepared.train_loader),
+        prepared.accumulation,
         run.total_steps,
-    )  # fmt: skip
+    )
     if path is not None:
         say_changed_options(run, path)
         run.resumed_from = run.context.resumed_from = path

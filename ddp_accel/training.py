@@ -35,6 +35,7 @@ from ddp_accel.run_setup import (
     checkpoint_contents,
     plan_time_budget,
     prepare_task,
+    progress_watchdog,
     standard_callbacks,
 )
 from ddp_accel.runtime import exported_model, lost_peers, open_run
@@ -42,7 +43,6 @@ from ddp_accel.state import RunIdentity, TrainState
 from ddp_accel.stopping import Phase, Preempted, SaveGrace, StepAgreement, StopFacts, StopSignals, Verdict
 from ddp_accel.task import RunRecord, Task
 from ddp_accel.train_step import TrainStep
-from ddp_accel.watchdog import ProgressWatchdog
 
 
 class StopTraining(Exception):
@@ -119,21 +119,22 @@ class TrainingRun:
         self.resumed_from: Path | None = None
         self.wall_start = time.perf_counter()
         self.grace = SaveGrace(accelerator.is_main_process)
-        self.watchdog = ProgressWatchdog(
-            self.folder.path,
-            accelerator.process_index,
-            config.hang_timeout_s,
-            phase=lambda: self.signals.phase,
-            exit=loaders.exit_now,
-        )
+        self.watchdog = progress_watchdog(self.folder, accelerator.process_index, config, self.signals)
         self.checkpoints.activity = lambda what, kind: self.watchdog.activity(what, kind=kind)
         self.checkpoints.on_saved.append(self.after_save)
         self.hyperparameters = dataclasses.replace(config, epochs=self.epochs).hyperparameters()
         self.context = RunContext(
-            accelerator, self.model, self.optimizer, self.state, self.folder, self.total_steps, self.hyperparameters,
+            accelerator,
+            self.model,
+            self.optimizer,
+            self.state,
+            self.folder,
+            self.total_steps,
+            self.hyperparameters,
             lambda: exported_model(accelerator, self.model),
-            lambda prefix: self.run_evaluation(self.eval_loader, prefix), self.watchdog.activity,
-        )  # fmt: skip
+            lambda prefix: self.run_evaluation(self.eval_loader, prefix),
+            self.watchdog.activity,
+        )
 
     def __enter__(self) -> TrainingRun:
         return self

@@ -85,9 +85,14 @@ def launch(script, *args, nproc: int = 2, launcher: str = "accelerate", timeout:
     full_env.pop("WORLD_SIZE", None)
     # a session of its own: when the command returns, nothing of it may be left (ranks, workers, forkservers)
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=full_env,
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=full_env,
         start_new_session=True,
-    )  # fmt: skip
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -80,8 +80,9 @@ def test_a_checkpoint_is_latest_only_once_written_and_a_write_cut_short_leaves_t
     shutil.copytree(tmp_path / "held" / "checkpoints" / "step_10", killed / ".tmp_step_10")
     (killed / ".tmp_step_10" / "training_state.json").unlink()
     shutil.copy(tmp_path / "held" / "history.json", tmp_path / "killed" / "history.json")
-    output = one_process(tmp_path / "killed", "--async-checkpoint", "--max-steps", 12, "--resume-from-checkpoint",
-                         "latest")  # fmt: skip
+    output = one_process(
+        tmp_path / "killed", "--async-checkpoint", "--max-steps", 12, "--resume-from-checkpoint", "latest"
+    )
     assert "resumed from" in output and "step_5" in output, output[-2000:]
     assert_same_weights(tmp_path / "killed", tmp_path / "held")
 

@@ -112,8 +112,12 @@ def test_a_node_joins_then_one_leaves_and_the_run_goes_on(tmp_path, etcd_endpoin
     command = elastic_agent(etcd_endpoint, "join-leave", output_dir, train_size=1024, step_ms=30)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     logs = [tmp_path / "agent_a.log", tmp_path / "agent_b.log"]
-    start = [lambda i=i: subprocess.Popen(command, stdout=open(logs[i], "w"), stderr=subprocess.STDOUT, cwd=ROOT,
-                                          env=env, start_new_session=True) for i in (0, 1)]  # fmt: skip
+    start = [
+        lambda i=i: subprocess.Popen(
+            command, stdout=open(logs[i], "w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
+        )
+        for i in (0, 1)
+    ]
     a = start[0]()
     try:
         wait_for(lambda: checkpoint_steps(output_dir), timeout=120, alive=a, what="agent A training alone")
@@ -126,8 +130,12 @@ def test_a_node_joins_then_one_leaves_and_the_run_goes_on(tmp_path, etcd_endpoin
             both = lambda: agent_log(logs[0]) + agent_log(logs[1])  # noqa: E731 (rank 0, whose banner it is, may be B)
             assert re.search(r"world_size\s+2\b", both()), both()[-3000:]
             before = set(checkpoint_steps(output_dir))  # then a checkpoint written at world size 2
-            wait_for(lambda: set(checkpoint_steps(output_dir)) - before, timeout=120, alive=b,
-                     what="training at world size 2")  # fmt: skip
+            wait_for(
+                lambda: set(checkpoint_steps(output_dir)) - before,
+                timeout=120,
+                alive=b,
+                what="training at world size 2",
+            )
             # B must leave while the run has steps left (A trains alone while B starts: B starts at A's first
             # checkpoint, step 10)
             assert not (output_dir / "metrics.json").exists(), "the run finished before node B could leave"
@@ -162,11 +170,18 @@ def test_a_node_that_joins_in_the_second_half_of_a_run_finishes_it(tmp_path, etc
     agents = []
     try:
         for log in logs:
-            agents.append(subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT,
-                                           env=env, start_new_session=True))  # fmt: skip
+            agents.append(
+                subprocess.Popen(
+                    command, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True
+                )
+            )
             if len(agents) == 1:  # B starts once A alone is past the middle: step 128 of 256
-                wait_for(lambda: max(checkpoint_steps(output_dir), default=0) > 128, timeout=180, alive=agents[0],
-                         what="agent A past the middle of the run")  # fmt: skip
+                wait_for(
+                    lambda: max(checkpoint_steps(output_dir), default=0) > 128,
+                    timeout=180,
+                    alive=agents[0],
+                    what="agent A past the middle of the run",
+                )
         for agent, log in zip(agents, logs, strict=True):
             assert agent.wait(timeout=300) == 0, agent_log(log)[-4000:]
     finally:

@@ -395,8 +395,15 @@ def test_ctrl_c_says_where_the_newest_checkpoint_is(tmp_path):
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # as from a terminal: a shell that starts pytest in the background hands its children SIGINT ignored
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     wait_for_checkpoint(tmp_path, 5, alive=process)
     process.send_signal(signal.SIGINT)
     output, _ = process.communicate(timeout=60)
@@ -417,8 +424,15 @@ def test_a_stop_signal_while_an_env_launch_waits_for_its_group_ends_it_at_once(t
         env |= {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(rank_0.getsockname()[1])}
         command = [sys.executable, str(ROOT / "scripts" / "minimal.py"), "--output-dir", str(tmp_path)]
         as_from_a_terminal = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731 (see the test above)
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                                   env=env, preexec_fn=as_from_a_terminal)  # fmt: skip
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            preexec_fn=as_from_a_terminal,
+        )
         try:
             rank_0.settimeout(120)
             connection, _ = rank_0.accept()  # rank 1 is in the rendezvous

@@ -99,8 +99,9 @@ def test_a_signal_to_every_process_at_a_hidden_moment_saves_the_agreed_step_and_
     reference = tmp_path / "uninterrupted"
     check_ok(fsdp_launch(reference, "--batchnorm"))
     # its evaluation (each rank scores its share of the 23 samples) is rank 0's model's, statistics included
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Dropout(0),
-                                torch.nn.Linear(16, 2)).eval()  # fmt: skip
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Dropout(0), torch.nn.Linear(16, 2)
+    ).eval()
     model.load_state_dict(weights(reference), strict=True)
     val = IdDataset(23, 2)
     with torch.no_grad():
@@ -137,8 +138,9 @@ def test_a_signal_to_every_process_at_a_hidden_moment_saves_the_agreed_step_and_
 @multiprocess
 def test_sharded_checkpoints_resume_on_another_world_size(sharded_run, tmp_path):
     # 2 -> 1: the 2-process run's step 10, resumed on one process under FSDP (batch 8: the same global batch)
-    output = check_ok(one_process(resume_copy(sharded_run, 10, tmp_path / "two_to_one"), "--resume-from-checkpoint",
-                                  "latest"))  # fmt: skip
+    output = check_ok(
+        one_process(resume_copy(sharded_run, 10, tmp_path / "two_to_one"), "--resume-from-checkpoint", "latest")
+    )
     assert "resumed from" in output and "178 on rank 0" in output, output[-3000:]
     assert_same_weights(tmp_path / "two_to_one", sharded_run, atol=1e-6)
     # 1 -> 2: a 1-process FSDP run's step 10 (its shards: one rank's whole), resumed on two processes

@@ -82,8 +82,14 @@ def start_pod(machines: dict, index: int, container: dict, env: dict, command: l
     container_env = {item["name"]: item["value"] for item in container.get("env", [])}
     full_env = {**os.environ, **container_env, **env, "OMP_NUM_THREADS": "1"}
     full_env |= {"GLOO_SOCKET_IFNAME": machines["veths"][index], **emulation}
-    return subprocess.Popen(["ip", "netns", "exec", machines["namespaces"][index], *command], stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, cwd=ROOT, env=full_env, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        ["ip", "netns", "exec", machines["namespaces"][index], *command],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=full_env,
+        start_new_session=True,
+    )
 
 
 def start_pods(job: dict, machines: dict, output_dir: Path, logs: list[Path]) -> list[subprocess.Popen]:
@@ -186,8 +192,9 @@ def etcd_in(space: str, address: str, port: int, data_dir: Path):
     probe = ["ip", "netns", "exec", space, sys.executable, "-c"]
     probe += [f"import urllib.request; urllib.request.urlopen('{url}/version', timeout=1)"]
     try:
-        wait_for(lambda: subprocess.run(probe, capture_output=True).returncode == 0, timeout=60, alive=server,
-                 what="etcd")  # fmt: skip
+        wait_for(
+            lambda: subprocess.run(probe, capture_output=True).returncode == 0, timeout=60, alive=server, what="etcd"
+        )
         yield
     finally:
         os.killpg(server.pid, signal.SIGKILL)
@@ -238,8 +245,12 @@ def test_an_elastic_pytorchjob_goes_on_without_a_deleted_pod_and_grows_back_when
             # worker-0 alone: resumed at world size 1, and a checkpoint written there
             wait_for(lambda: "resumed from" in logs[0].read_text(), timeout=120, alive=pods[0], what="worker-0 alone")
             alone = set(checkpoint_steps(output_dir))
-            wait_for(lambda: set(checkpoint_steps(output_dir)) - alone, timeout=120, alive=pods[0],
-                     what="a checkpoint at world size 1")  # fmt: skip
+            wait_for(
+                lambda: set(checkpoint_steps(output_dir)) - alone,
+                timeout=120,
+                alive=pods[0],
+                what="a checkpoint at world size 1",
+            )
             assert not (output_dir / "metrics.json").exists(), "the run ended before the pod could come back"
             pods.append(start_elastic_pod(job, two_machines, 1, output_dir, logs[2]))  # the operator recreates it
             codes = [pods[0].wait(timeout=300), pods[2].wait(timeout=60)]
@@ -256,5 +267,8 @@ def test_an_elastic_pytorchjob_goes_on_without_a_deleted_pod_and_grows_back_when
     assert metrics["progress"]["samples"] == 3 * 512, metrics["progress"]  # every sample of the 3 epochs
     resumed = re.findall(r"resumed from \S+: step (\d+)", texts[0] + texts[2])  # rank 0's: either pod's
     assert len(resumed) >= 2, (resumed, texts[0][-3000:], texts[2][-3000:])  # alone, then grown back
-    print(f"\npod left after step 5 ({left_s:.1f} s); worker-0 resumed alone from step {resumed[0]}, the group of 2 "
-          f"from step {resumed[-1]}; {metrics['steps']} steps in all", file=sys.stderr)  # fmt: skip
+    print(
+        f"\npod left after step 5 ({left_s:.1f} s); worker-0 resumed alone from step {resumed[0]}, the group of 2 "
+        f"from step {resumed[-1]}; {metrics['steps']} steps in all",
+        file=sys.stderr,
+    )

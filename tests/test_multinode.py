@@ -89,8 +89,9 @@ def launch_alone(machine_rank: int, port: int, tmp_path, *extra: str):
     command = [str(BIN / "ddp-accel"), "launch", "--join-timeout-s", "12", "--wait-report-s", "4", *extra]
     command += ["--config_file", str(MULTI_NODE_YAML), "--machine_rank", str(machine_rank), "--main_process_ip"]
     command += ["127.0.0.1", "--main_process_port", str(port), "scripts/minimal.py", "--output-dir", str(tmp_path)]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True
+    )
 
 
 @pytest.mark.multiprocess

@@ -240,8 +240,11 @@ def test_one_process_stopped_mid_training_resumes_bitwise(tmp_path, references):
     # (accelerate launch and SIGUSR1 twice have their moments in the chain above)
     output_dir = tmp_path / "one_process"
     agent = start(output_dir, "python", epochs=2)
-    wait_for(lambda: (output_dir / "checkpoints" / "step_10" / "training_state.json").is_file(), alive=agent,
-             what="the checkpoint of step 10")  # fmt: skip
+    wait_for(
+        lambda: (output_dir / "checkpoints" / "step_10" / "training_state.json").is_file(),
+        alive=agent,
+        what="the checkpoint of step 10",
+    )
     time.sleep(0.2)
     pids = process_tree(agent.pid)
     signal_every_process(agent, signal.SIGTERM)

@@ -79,8 +79,9 @@ def ray_head():
 def ray_driver(env: dict, output_dir: Path, *args: str, max_failures: int = 1, log: Path) -> subprocess.Popen:
     command = [str(BIN / "ddp-accel"), "ray", "--workers", "2", "--max-failures", str(max_failures), PROBE]
     command += [*PROBE_ARGS, *args, "--output-dir", str(output_dir)]
-    return subprocess.Popen(command, env=env, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        command, env=env, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def pid_of(pids: Path, rank: int, start: int) -> int:
@@ -200,8 +201,14 @@ def test_a_group_that_never_finds_room_ends_in_bounded_time_with_one_line(ray_he
     # the start forever (its controller's failure limit is endless by default)
     command = [str(BIN / "ddp-accel"), "ray", "--workers", "3", "--max-failures", "1", "--start-timeout-s", "5", PROBE]
     started = time.monotonic()
-    result = subprocess.run([*command, *PROBE_ARGS, "--output-dir", str(tmp_path / "run")], env=ray_head, cwd=ROOT,
-                            capture_output=True, text=True, timeout=240)  # fmt: skip
+    result = subprocess.run(
+        [*command, *PROBE_ARGS, "--output-dir", str(tmp_path / "run")],
+        env=ray_head,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     took = time.monotonic() - started
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 1 and len(errors) == 1, (result.returncode, result.stderr[-3000:])
@@ -262,8 +269,14 @@ def driver_in(space: str, env: dict, options: list, script_args: list, output_di
     """`ddp-accel ray OPTIONS tests/probe.py ... SCRIPT_ARGS` started in network namespace `space`; killed with
     its session at exit if still running."""
     command = ["ip", "netns", "exec", space, str(BIN / "ddp-accel"), "ray", *options, PROBE, *PROBE_ARGS, *script_args]
-    driver = subprocess.Popen([*command, "--output-dir", str(output_dir)], env=env, cwd=ROOT, stdout=open(log, "w"),
-                              stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    driver = subprocess.Popen(
+        [*command, "--output-dir", str(output_dir)],
+        env=env,
+        cwd=ROOT,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         yield driver
     finally:

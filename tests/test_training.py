@@ -442,9 +442,17 @@ def test_a_resume_past_the_middle_with_fewer_steps_per_epoch_continues_from_its_
     full = stopped_past_the_middle / "full"
     shutil.copytree(full / "checkpoints" / "step_20", tmp_path / "cut" / "checkpoints" / "step_20")
     output = probe(
-        tmp_path / "cut", "--batch-size", 4, "--epochs", 2, *COSINE, *change, "--resume-from-checkpoint", "latest",
+        tmp_path / "cut",
+        "--batch-size",
+        4,
+        "--epochs",
+        2,
+        *COSINE,
+        *change,
+        "--resume-from-checkpoint",
+        "latest",
         nproc=1,
-    )  # fmt: skip
+    )
     assert "step 20 as the checkpoint counted" in output and "at step 10 of this command's 16" in output, output
     assert "resumed from" in output and "step 10, epoch 1" in output, output[-2000:]
     assert metrics_of(tmp_path / "cut")["steps"] == 16
