@@ -399,9 +399,9 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "",
     ),
     "watchdog_exit_leaves_the_forkserver": (
-        "ddp_accel/training.py",
-        "            exit=loaders.exit_now,\n",
-        "",
+        "ddp_accel/run_setup.py",
+        "phase=lambda: signals.phase, exit=exit_now)",
+        "phase=lambda: signals.phase)",
     ),
     "run_folder_built_again_in_fit": (
         "ddp_accel/training.py",
