@@ -59,7 +59,8 @@ def while_the_group_forms(timeout_s: float, output_dir: str | None) -> Iterator[
     try:
         store = engine.store_to_reach()
         if store is not None:  # rank 0's store first, in Python: torch's failed connect prints pages of C++ frames
-            until_it_answers(store, started + timeout_s, engine.never_formed_line(timeout_s))
+            with _signals_left_to_the_watcher():
+                until_it_answers(store, started + timeout_s, engine.never_formed_line(timeout_s))
         yield
     except Exception as error:
         if _timed_out(error, time.monotonic() - started, timeout_s):
@@ -71,6 +72,22 @@ def while_the_group_forms(timeout_s: float, output_dir: str | None) -> Iterator[
         watcher.join()
         for end in (woken, wake, formed, say_formed):
             end.close()
+
+
+@contextlib.contextmanager
+def _signals_left_to_the_watcher() -> Iterator[None]:
+    """Inside, this thread's handlers of the stop signals and Ctrl-C do nothing but wake the watcher (through the
+    wakeup descriptor), which acts on them as it does while torch's rendezvous blocks: one way to end, whichever
+    moment of the wait a signal comes. An ignored signal stays ignored."""
+    previous = {}
+    for signum in (*SIGNALS, signal.SIGINT):
+        if signal.getsignal(signum) != signal.SIG_IGN:
+            previous[signum] = signal.signal(signum, lambda received, frame: None)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def until_it_answers(store: tuple[str, int], deadline: float, never_formed: str) -> None:
