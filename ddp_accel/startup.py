@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from pathlib import Path
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
@@ -115,11 +115,7 @@ def stop_before_training(signum: int, output_dir: str, moment: str) -> None:
     name = signal.Signals(signum).name
     facts = {"phase": "startup", "signal": name, "step": None, "checkpoint": None, "moment": moment}
     try:
-        folder = Path(output_dir)
-        folder.mkdir(parents=True, exist_ok=True)
-        partial = folder / f".{MARKER}.{os.getpid()}"  # every rank writes the same facts: each its own, renamed
-        partial.write_text(json.dumps({**facts, "time": time.time()}, indent=2))
-        os.replace(partial, folder / MARKER)
+        write_marker(Path(output_dir), facts)
     except OSError:  # an output dir that cannot be written: the run's own check says so at the next start
         pass
     end_forkserver()
@@ -131,6 +127,15 @@ def stop_before_training(signum: int, output_dir: str, moment: str) -> None:
             flush=True,
         )
     os._exit(0)  # mid-import: nothing to clean up, and nothing half-imported must run
+
+
+def write_marker(output_dir: Path, facts: Mapping[str, object]) -> None:
+    """OUTPUT_DIR/preempted.json, the one writer of the marker (a job script requeues on it, the next run reads it):
+    `facts` and the time, written aside and renamed (every rank may write the same facts: each its own file)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    partial = output_dir / f".{MARKER}.{os.getpid()}"
+    partial.write_text(json.dumps({**facts, "time": time.time()}, indent=2))
+    os.replace(partial, output_dir / MARKER)
 
 
 def _ending_for_a_peer() -> bool:

@@ -25,7 +25,6 @@ import math
 import os
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -35,8 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_accel import engines
-from ddp_accel.files import write_json
-from ddp_accel.startup import SIGNALS
+from ddp_accel.startup import SIGNALS, write_marker
 
 # SIGHUP: a closed terminal or SSH session saves and stops like a preemption (unless started under nohup)
 PREEMPTION_SIGNALS = SIGNALS  # (SIGTERM, SIGUSR1, SIGHUP): the start-up guard's, which imports no torch
@@ -74,13 +72,9 @@ class StopFacts:
         return self.phase is Phase.STARTUP
 
     def write(self, output_dir: Path) -> None:
-        """preempted.json: the one writer of the marker (the job script and the next run read it)."""
-        output_dir.mkdir(parents=True, exist_ok=True)
+        """preempted.json (by startup.write_marker, its one writer: the job script and the next run read it)."""
         fields = {"phase": self.phase.value, "signal": self.signal, "step": self.step, "checkpoint": self.checkpoint}
-        write_json(
-            output_dir / PREEMPTED_MARKER,
-            {**fields, **({"save_s": self.save_s} if self.save_s is not None else {}), "time": time.time()},
-        )
+        write_marker(output_dir, {**fields, **({"save_s": self.save_s} if self.save_s is not None else {})})
 
     @staticmethod
     def last_save_s(output_dir: Path) -> float:
