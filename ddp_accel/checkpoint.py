@@ -86,7 +86,10 @@ def optimizer_fingerprint(optimizer: torch.optim.Optimizer) -> str:
     return " + ".join(parts)
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
+Reader = Callable[[Path], dict[str, Any]]  # a checkpoint's training_state.json
+
+
+def complete_checkpoints(root: Path, read: Reader | None = None) -> list[Path]:
     """`step_N` folders that finished writing, oldest first: by how far training had got (epoch, samples into it),
     not by N alone. A resume with another global batch (another world size, an elastic join or leave) counts
     steps of the new size from a lower N, next to the higher N of earlier, older checkpoints."""
@@ -96,29 +99,63 @@ def complete_checkpoints(root: Path) -> list[Path]:
     for path in root.iterdir():
         match = _STEP_DIR.match(path.name)
         if match and (path / TRAINING_STATE).is_file():
-            found.append((training_progress(path), int(match.group(1)), path.name, path))
+            found.append((training_progress(path, read), int(match.group(1)), path.name, path))
     return [path for *_, path in sorted(found)]
 
 
-def training_progress(path: Path) -> tuple[float, float]:
+class Listing:
+    """A run's checkpoint folder as read: its complete checkpoints, oldest first, and each one's
+    training_state.json, each read once until `refresh` (a save changes the folder). The output folder holds one
+    (`RunFolder.listing`), which its checks and the run's Checkpoints share."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._complete: list[Path] | None = None
+        self._states: dict[Path, dict[str, Any] | Exception] = {}
+
+    def refresh(self) -> None:
+        self._complete, self._states = None, {}
+
+    def state(self, path: Path) -> dict[str, Any]:
+        if path not in self._states:
+            try:
+                self._states[path] = read_training_state(path)
+            except (OSError, ValueError) as error:  # (read again, it would fail again)
+                self._states[path] = error
+        value = self._states[path]
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    def complete(self) -> list[Path]:
+        if self._complete is None:
+            self._complete = complete_checkpoints(self.root, self.state)
+        return list(self._complete)
+
+
+def training_progress(path: Path, read: Reader | None = None) -> tuple[float, float]:
     """(epoch, samples seen in it) of a checkpoint; one whose training_state.json cannot be read sorts as the
     newest, so that `latest` reports it as damaged rather than passing over it."""
     try:
         progress = TrainState()
-        progress.load_state_dict(read_training_state(path))
+        progress.load_state_dict((read or read_training_state)(path))
         return float(progress.epoch), float(progress.samples_in_epoch)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return math.inf, math.inf
 
 
-def resolve_resume(value: str | None, root: Path, accelerator: Accelerator | None = None) -> Path | None:
+def resolve_resume(
+    value: str | None, root: Path, accelerator: Accelerator | None = None, listing: Listing | None = None
+) -> Path | None:
     """`latest` -> the newest complete and intact checkpoint (a damaged one is skipped, saying so), or None (a
-    first start); a path must be a complete checkpoint (whether it is intact, load_checkpoint checks)."""
+    first start); a path must be a complete checkpoint (whether it is intact, load_checkpoint checks). `listing`:
+    the folder as the run read it."""
     if value is None:
         return None
+    listing = listing or Listing(root)
     if value == "latest":
-        for path in reversed(complete_checkpoints(root)):
-            problem = checkpoint_problem(accelerator, path) if accelerator is not None else None
+        for path in reversed(listing.complete()):
+            problem = checkpoint_problem(accelerator, path, listing.state) if accelerator is not None else None
             if problem is None:
                 return path
             if accelerator is not None and accelerator.is_main_process:
@@ -258,11 +295,11 @@ def complete(partial: Path, final: Path, training_state: str, limit: int | None)
             shutil.rmtree(old, ignore_errors=True)
 
 
-def checkpoint_problem(accelerator: Accelerator, path: Path) -> str | None:
+def checkpoint_problem(accelerator: Accelerator, path: Path, read: Reader | None = None) -> str | None:
     """Every rank checks the files of the checkpoint (names and sizes against the list saved with it, and that its
     own RNG state reads), then the ranks agree: returns what is wrong (as seen here, or on another rank) or None."""
     try:
-        state = read_training_state(path)
+        state = (read or read_training_state)(path)
         listed = json.loads((path / FILE_LIST).read_text()) if (path / FILE_LIST).is_file() else state.get("files", {})
         problem = None
         for name, size in listed.items():  # checkpoints of older versions list theirs in training_state.json
@@ -310,11 +347,12 @@ def load_checkpoint(
     identity: RunIdentity,
     state: TrainState | None = None,
     contents: Contents | None = None,
+    read: Reader | None = None,
 ) -> list[str]:
     """Load the checkpoint at `path` into the prepared objects, `state` and the `contents`' callbacks and hooks, when
     the checkpoint is of this run's `identity` (a checkpoint of another model or run is refused). Without `contents`
     the callbacks' part is not read (an evaluation of the checkpoint's weights). Returns warnings to show."""
-    saved, warning = check_checkpoint(accelerator, path, identity)
+    saved, warning = check_checkpoint(accelerator, path, identity, read)
     callbacks = contents.callbacks if contents is not None else None
     try:
         notes = (callbacks or CallbackStates([])).load(accelerator, path, callbacks_read=callbacks is not None)
@@ -359,13 +397,15 @@ def load_sharded_optimizers(objects: AcceleratorObjects, path: Path) -> None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
-def check_checkpoint(accelerator: Accelerator, path: Path, identity: RunIdentity) -> tuple[dict[str, Any], str | None]:
+def check_checkpoint(
+    accelerator: Accelerator, path: Path, identity: RunIdentity, read: Reader | None = None
+) -> tuple[dict[str, Any], str | None]:
     """Every check before a load (complete on every rank, the model, the optimizer, sharded or not, the options of
     the identity): its training state and a warning to show, or a UserError."""
-    problem = checkpoint_problem(accelerator, path)
+    problem = checkpoint_problem(accelerator, path, read)
     if problem:
         raise UserError(f"checkpoint {path} is damaged ({problem}); resume another step_N folder or 'latest'")
-    saved = read_training_state(path)
+    saved = (read or read_training_state)(path)
     if saved.get("model_fingerprint") != identity.model_fingerprint:
         raise UserError(
             f"checkpoint {path} was written by another model ({saved.get('model_fingerprint')}, "
@@ -480,8 +520,10 @@ class Checkpoints:
         every: int | str | None = None,
         limit: int | None = None,
         contents: Contents | None = None,
+        listing: Listing | None = None,
     ):
         self.accelerator, self.root, self.every, self.limit = accelerator, root, every, limit
+        self.listing = listing or Listing(root)  # the folder as read; refreshed by each save
         self.contents = contents or Contents(callbacks=CallbackStates([]))
         self.leftover = 0  # samples of the epoch the resume sees again (its skip rounded down to this global batch)
         self.rebase: Rebase | None = None  # the resume's, once resumed
@@ -491,9 +533,11 @@ class Checkpoints:
         self.in_flight: tuple[Path, float] | None = None  # the background save: its folder and the step's stall
 
     @classmethod
-    def of_run(cls, accelerator: Accelerator, config: TrainConfig, root: Path) -> Checkpoints:
-        """A run's: --checkpointing-steps, --checkpoint-limit, --async-checkpoint (a writer of its own)."""
-        checkpoints = cls(accelerator, root, config.checkpointing_steps, config.checkpoint_limit)
+    def of_run(cls, accelerator: Accelerator, config: TrainConfig, listing: Listing) -> Checkpoints:
+        """A run's, in `listing`'s folder: --checkpointing-steps, --checkpoint-limit, --async-checkpoint (a writer
+        of its own)."""
+        every, limit = config.checkpointing_steps, config.checkpoint_limit
+        checkpoints = cls(accelerator, listing.root, every, limit, listing=listing)
         if config.async_checkpoint:
             checkpoints.writer = CheckpointWriter(sharded=accelerator.distributed_type == DistributedType.FSDP)
         return checkpoints
@@ -505,7 +549,7 @@ class Checkpoints:
         return self.every == "epoch"
 
     def complete(self) -> list[Path]:
-        return complete_checkpoints(self.root)
+        return self.listing.complete()
 
     def holds(self, state: TrainState, identity: RunIdentity) -> bool:
         """Whether step_N of this state was saved with exactly this state (a stop right after a save)."""
@@ -517,7 +561,11 @@ class Checkpoints:
 
     def save(self, state: TrainState, identity: RunIdentity, in_background: bool = False) -> Path:
         writer = self.writer if in_background else None
-        return save_checkpoint(self.accelerator, self.root, state, identity, self.limit, self.contents, writer)
+        self.listing.refresh()
+        try:
+            return save_checkpoint(self.accelerator, self.root, state, identity, self.limit, self.contents, writer)
+        finally:
+            self.listing.refresh()
 
     def maybe_save(self, state: TrainState, identity: RunIdentity, epoch_end: bool = False) -> Path | None:
         """The policy: the checkpoint of this step when one is due (`epoch_end`: an epoch just ended)."""
@@ -568,6 +616,7 @@ class Checkpoints:
             self.writer.abandon(timeout_s)
 
     def _saved(self, path: Path, seconds: float) -> None:
+        self.listing.refresh()  # (an asynchronous save completes its folder in the writer thread)
         for listener in self.on_saved:
             listener(path, seconds)
 
@@ -580,20 +629,20 @@ class Checkpoints:
         return self.save_now(state, identity, in_background=False)
 
     def resolve(self, value: str | None) -> Path | None:
-        return resolve_resume(value, self.root, self.accelerator)
+        return resolve_resume(value, self.root, self.accelerator, self.listing)
 
     def load(self, path: Path, state: TrainState, identity: RunIdentity) -> list[str]:
-        return load_checkpoint(self.accelerator, path, identity, state, self.contents)
+        return load_checkpoint(self.accelerator, path, identity, state, self.contents, self.listing.state)
 
     def saved_plan(self, value: str | None) -> tuple[dict[str, Any] | None, Path | None]:
         """The --time-budget plan recorded by the checkpoint `value` names (None when it has none), and that
         checkpoint when it was trained without a plan. (None, None) when there is no checkpoint or it cannot be
         read (the resume says why)."""
-        path = resolve_resume(value, self.root)  # (its integrity is checked at the resume)
+        path = resolve_resume(value, self.root, listing=self.listing)  # (its integrity is checked at the resume)
         if path is None:
             return None, None
         try:
-            plan = read_training_state(path).get("time_budget")
+            plan = self.listing.state(path).get("time_budget")
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None, None
         return (plan, None) if plan else (None, path)

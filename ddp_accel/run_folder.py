@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from ddp_accel.checkpoint import complete_checkpoints
+from ddp_accel.checkpoint import Listing
 from ddp_accel.errors import UserError
 from ddp_accel.files import write_json
 from ddp_accel.identity import compare_identity
@@ -44,6 +44,7 @@ class RunFolder:
         self.path = Path(path)
         self.checkpoints = self.path / "checkpoints"
         self.staging = self.checkpoints / FINAL_STAGING
+        self.listing = Listing(self.checkpoints)  # the checkpoints as read: this folder's checks and its run's
         self._lock: int | None = None
         self.checked = False  # decided by the early check (all but `latest`, which needs fit's checkpoints)
 
@@ -60,7 +61,7 @@ class RunFolder:
         if has_checkpoints is None:
             if resume_from_checkpoint == "latest":
                 return
-            has_checkpoints = bool(complete_checkpoints(self.checkpoints))
+            has_checkpoints = bool(self.listing.complete())
         self.checked = True
         if self.resumes(resume_from_checkpoint, has_checkpoints) or not self.path.is_dir() or overwrite:
             return
@@ -86,7 +87,7 @@ class RunFolder:
             return False
         if resume_from_checkpoint != "latest":
             return True
-        return bool(complete_checkpoints(self.checkpoints)) if has_checkpoints is None else has_checkpoints
+        return bool(self.listing.complete()) if has_checkpoints is None else has_checkpoints
 
     def read_committed(self) -> dict[str, Any] | None:
         """metrics.json as the last commit wrote it; None when missing or unreadable."""
@@ -170,6 +171,7 @@ class RunFolder:
         """--overwrite-output-dir, once every check passed: the old run's checkpoints must not be resumed later, its
         curves and tracker runs not continued; its final artifacts are replaced at this run's commit."""
         shutil.rmtree(self.checkpoints, ignore_errors=True)
+        self.listing.refresh()
         shutil.rmtree(self.path / "tensorboard", ignore_errors=True)
         shutil.rmtree(self.path / "failures", ignore_errors=True)
         for name in ("history.json", PREEMPTED_MARKER, TRACKER_RUNS):

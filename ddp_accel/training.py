@@ -84,7 +84,7 @@ class TrainingRun:
         )
         self.best_metric = config.best_metric or task.best_metric  # --best-metric, else the script's
         check_options_against_task(accelerator, config, task, self.best_metric)
-        self.checkpoints = Checkpoints.of_run(accelerator, config, self.folder.checkpoints)
+        self.checkpoints = Checkpoints.of_run(accelerator, config, self.folder.listing)
         self.started = command_started(time.time())  # --time-budget's clock
         self.budget: BudgetPlan | None = None
         self.budget_kept = False

@@ -174,7 +174,7 @@ def test_each_micro_batch_of_an_accumulated_step_is_mixed_with_draws_of_its_own(
 def test_every_evaluation_batch_is_a_heartbeat_of_the_watchdog(tmp_path, monkeypatch):
     # an evaluation lasts longer than the bound taken from the training steps' pace: without a beat per evaluation
     # batch the watchdog would take a long evaluation for a hang and end the rank with exit 4
-    from ddp_accel import training
+    from ddp_accel import run_setup
     from ddp_accel.watchdog import ProgressWatchdog
 
     beats: list[str] = []
@@ -188,7 +188,7 @@ def test_every_evaluation_batch_is_a_heartbeat_of_the_watchdog(tmp_path, monkeyp
             beats.append(what)
             super().beat(what)
 
-    monkeypatch.setattr(training, "ProgressWatchdog", Recording)
+    monkeypatch.setattr(run_setup, "ProgressWatchdog", Recording)
     # 16 training samples in batches of 4: 4 steps; 23 validation samples: 6 evaluation batches, at the epoch's end
     args = ["--output-dir", tmp_path / "run", "--batch-size", 4, "--train-size", 16, "--epochs", 1, "--dropout", 0]
     check_ok(run_script(PROBE, *args))
@@ -453,3 +453,43 @@ def test_the_output_folder_is_built_and_checked_once_per_run(tmp_path, monkeypat
     refused = run_script(PROBE, *args, "--epochs", 1)
     assert refused.returncode == 2 and "already holds a trained model" in refused.stderr, refused.stderr
     assert built == [str(tmp_path / "run")] and checks == [None]
+
+
+@pytest.mark.inprocess
+def test_before_the_first_step_of_a_resume_the_checkpoints_are_listed_once_and_each_state_read_once(
+    tmp_path, monkeypatch
+):
+    # the folder's checks, `latest`, the time-budget plan, the integrity check and the load share one listing
+    # (RunFolder.listing): it was listed 4 times and each training_state.json read 4-5 times
+    from collections import Counter
+
+    from ddp_accel import checkpoint, training
+
+    args = ["--output-dir", tmp_path / "run", "--batch-size", 4, "--train-size", 16, "--checkpointing-steps", 2]
+    check_ok(run_script(PROBE, *args, "--epochs", 1, "--time-budget", "1h"))
+    listed, read, before_step_1 = Counter(), Counter(), {}
+    complete, reader, start = (
+        checkpoint.complete_checkpoints,
+        checkpoint.read_training_state,
+        training.TrainingRun.start,
+    )
+
+    def counted_complete(root, read=None):
+        listed[str(root)] += 1
+        return complete(root, read)
+
+    def counted_read(path):
+        read[path.name] += 1
+        return reader(path)
+
+    def counted_start(run):
+        result = start(run)
+        before_step_1.update(listed=dict(listed), read=dict(read))
+        return result
+
+    monkeypatch.setattr(checkpoint, "complete_checkpoints", counted_complete)
+    monkeypatch.setattr(checkpoint, "read_training_state", counted_read)
+    monkeypatch.setattr(training.TrainingRun, "start", counted_start)
+    check_ok(run_script(PROBE, *args, "--epochs", 2, "--time-budget", "1h", "--resume-from-checkpoint", "latest"))
+    assert before_step_1["listed"] == {str(tmp_path / "run" / "checkpoints"): 1}, before_step_1
+    assert before_step_1["read"] == {"step_2": 1, "step_4": 1}, before_step_1

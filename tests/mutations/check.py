@@ -592,6 +592,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        if time.monotonic() >= bound:\n",
         "        if False:\n",
     ),
+    "each_training_state_read_again_and_again": (
+        "ddp_accel/checkpoint.py",
+        "        if path not in self._states:\n",
+        "        if True:\n",
+    ),
+    "the_checkpoints_listed_again_by_each_reader": (
+        "ddp_accel/checkpoint.py",
+        "        if self._complete is None:\n            self._complete",
+        "        if True:\n            self._complete",
+    ),
     "async_staging_shares_addresses_across_objects": (
         "ddp_accel/async_save.py",
         "        self._storages = {}\n        self.writes.append(",
