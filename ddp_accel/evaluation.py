@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,9 +67,19 @@ def evaluate(
     return {f"{prefix}_{key}": value for key, value in metrics.items()}
 
 
+@dataclass(frozen=True)
+class SavedWeights:
+    """What load_saved_weights loaded: the prepared model, the file or checkpoint folder the weights came from, and
+    the optimizer step they were saved at (None for a weights file, which records no step)."""
+
+    model: torch.nn.Module
+    source: Path
+    step: int | None
+
+
 def load_saved_weights(
     accelerator: Accelerator, model: torch.nn.Module, source: str, output_dir: Path, identity: dict[str, Any]
-) -> torch.nn.Module:
+) -> SavedWeights:
     """The prepared `model` with saved weights: `source` is a .safetensors file (a run's model or best model), a
     step_N checkpoint folder, or `latest` (the newest checkpoint in OUTPUT_DIR/checkpoints). The options of
     `identity` (make_identity of the options that shape model and data) must match the ones the weights were
@@ -81,21 +92,23 @@ def load_saved_weights(
             raise UserError(f"--resume {source}: no such file")
         check_trained_with(file, identity)
         load_weights_file(model, file)
-        return prepare_for_evaluation(accelerator, model)
+        return SavedWeights(prepare_for_evaluation(accelerator, model), file, None)
     path = resolve_resume(source, output_dir / "checkpoints", accelerator)
     if path is None:
         raise UserError(f"--resume latest: no complete checkpoint in {output_dir / 'checkpoints'}")
-    saved = read_training_state(path).get("identity")
+    state = read_training_state(path)
+    saved = state.get("identity")
     if identity and saved:
         compare_identity(same_keys(saved, identity), identity, f"checkpoint {path}")
     run_identity = RunIdentity(model_fingerprint(model))  # the model's fingerprint is checked
+    step = state.get("step")
     if accelerator.distributed_type == DistributedType.FSDP:  # the weights alone, into the bare model
         check_checkpoint(accelerator, path, run_identity)
         load_sharded_model(model, path)
-        return prepare_for_evaluation(accelerator, model)
+        return SavedWeights(prepare_for_evaluation(accelerator, model), path, step)
     prepared = accelerator.prepare(model)
     load_checkpoint(accelerator, path, run_identity)
-    return prepared
+    return SavedWeights(prepared, path, step)
 
 
 def prepare_for_evaluation(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:

@@ -345,18 +345,21 @@ def evaluate_saved(args, accelerator, model, val_set, eval_fn, metrics_fn) -> No
     output_dir = Path(args.output_dir)
     if output_dir.exists() and not output_dir.is_dir():  # said before the evaluation, not after it
         raise UserError(f"--output-dir {output_dir} is a file; evaluate.json goes into a folder")
-    model = load_saved_weights(
+    saved = load_saved_weights(
         accelerator, model, args.resume, output_dir, identity_of(args, accelerator, evaluation=True)
     )
-    metrics = evaluate(accelerator, model, accelerator.prepare(loader(val_set, args, False)), eval_fn, metrics_fn)
+    val_loader = accelerator.prepare(loader(val_set, args, False))
+    metrics = evaluate(accelerator, saved.model, val_loader, eval_fn, metrics_fn)
+    at_step = f" (step {saved.step})" if saved.step is not None else ""
     accelerator.print(
         f"top1 {metrics['eval_top1']:.4f}"
         + (f" top5 {metrics['eval_top5']:.4f}" if "eval_top5" in metrics else "")
-        + f" on {metrics['eval_samples']} images"
+        + f" on {metrics['eval_samples']} images; the weights of {saved.source}{at_step}"
     )
     if accelerator.is_main_process:  # what was evaluated, and how: beside the figures
         output_dir.mkdir(parents=True, exist_ok=True)
-        write_json(output_dir / "evaluate.json", {**metrics, "weights": args.resume, "tta_flip": args.tta_flip})
+        what = {"weights": str(saved.source), "step": saved.step, "asked": args.resume, "tta_flip": args.tta_flip}
+        write_json(output_dir / "evaluate.json", {**metrics, **what})
 
 
 def banner_lines(args, classes: int, images: tuple[int, int], sync_bn_layers: int, model) -> dict:

@@ -88,9 +88,16 @@ def test_two_processes_train_count_every_val_image_once_and_evaluate_reproduces_
     assert evaluated["eval_top1"] == pytest.approx(metrics["best_top1"], abs=1e-6)
     assert evaluated["weights"] == str(out / "model_best.safetensors") and evaluated["tta_flip"] is False
     assert "on 18 images" in best
-    check_ok(run_script("scripts/imagenet.py", data, *EVALUATE, "-e", "--resume", "latest", "--output-dir", out))
-    assert json.loads((out / "evaluate.json").read_text())["eval_top1"] == pytest.approx(metrics["eval_top1"], abs=1e-6)
-    assert json.loads((out / "evaluate.json").read_text())["weights"] == "latest"
+    latest = check_ok(
+        run_script("scripts/imagenet.py", data, *EVALUATE, "-e", "--resume", "latest", "--output-dir", out)
+    )
+    evaluated = json.loads((out / "evaluate.json").read_text())
+    assert evaluated["eval_top1"] == pytest.approx(metrics["eval_top1"], abs=1e-6)
+    newest = max(int(path.name.split("_")[1]) for path in (out / "checkpoints").glob("step_*"))
+    # which checkpoint `latest` was, in the line and in evaluate.json
+    assert (evaluated["asked"], evaluated["step"]) == ("latest", newest), evaluated
+    assert evaluated["weights"] == str(out / "checkpoints" / f"step_{newest}")
+    assert f"the weights of {out / 'checkpoints' / f'step_{newest}'} (step {newest})" in latest, latest[-2000:]
     # the weights under other evaluation options than they were trained with: one line, no evaluate.json written
     (out / "evaluate.json").unlink()
     for weights in (out / "model_best.safetensors", "latest"):

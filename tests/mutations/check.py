@@ -602,6 +602,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        if self._complete is None:\n            self._complete",
         "        if True:\n            self._complete",
     ),
+    "evaluation_of_latest_names_no_step": (
+        "ddp_accel/evaluation.py",
+        '    step = state.get("step")\n',
+        "    step = None\n",
+    ),
     "async_staging_shares_addresses_across_objects": (
         "ddp_accel/async_save.py",
         "        self._storages = {}\n        self.writes.append(",
