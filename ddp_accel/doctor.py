@@ -13,6 +13,7 @@ set; a table when all is well. Exit status 0 when all is well, 1 when a problem 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import os
@@ -48,6 +49,7 @@ class Report:
     versions: dict[str, str] = field(default_factory=dict)
     free_gb: float | None = None
     sees_output_dir: bool | None = None
+    cannot_write: str | None = None  # rank 0: why --output-dir could not take its marker (a file there, read-only)
     clock: float = 0.0
     latency_ms: float | None = None
     bandwidth_mb_s: float | None = None
@@ -169,6 +171,18 @@ def measure(report: Report, megabytes: int) -> None:
     report.bandwidth_mb_s = 3 * megabytes / (time.perf_counter() - started)
 
 
+def write_marker(marker: Path, host: str) -> str | None:
+    """Rank 0's marker in --output-dir, which the others look for; why it could not be written, or None."""
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(host)
+    except OSError as error:
+        in_the_way = next((parent for parent in marker.parents if parent.is_file()), None)
+        why = f"{in_the_way} is a file" if in_the_way is not None else (error.strerror or type(error).__name__)
+        return f"cannot write under it ({why})"
+    return None
+
+
 def compare(
     reports: list[Report], output_dir: str | None, data: str | None = None, min_free_gb: float = LOW_DISK_GB
 ) -> list[str]:
@@ -191,7 +205,12 @@ def compare(
             problems.append(
                 f"host {report.host}, rank {report.rank}: {theirs}, where rank 0 ({reference.host}) has {ours}"
             )
-    if output_dir is not None:
+    if output_dir is not None and reference.cannot_write:
+        problems.append(
+            f"host {reference.host}: --output-dir {output_dir}: {reference.cannot_write}; give a writable folder "
+            "every machine sees"
+        )
+    elif output_dir is not None:
         for report in reports:
             if report.sees_output_dir is False:
                 problems.append(
@@ -251,8 +270,7 @@ def run(
     marker = Path(output_dir) / f".doctor_{token}" if output_dir else None
     if marker is not None:
         if rank == 0:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(host)
+            report.cannot_write = write_marker(marker, host)
         if world > 1:
             dist.barrier()
         report.sees_output_dir = marker.is_file()
@@ -266,8 +284,9 @@ def run(
         dist.all_gather_object(gathered, asdict(report))
         dist.barrier()  # every rank has looked at the marker
     reports = sorted((Report(**item) for item in gathered), key=lambda item: item.rank)
-    if marker is not None and rank == 0:
-        marker.unlink(missing_ok=True)
+    if marker is not None and rank == 0 and report.cannot_write is None:
+        with contextlib.suppress(OSError):
+            marker.unlink(missing_ok=True)
     problems = compare(reports, output_dir, data, min_free_gb)
     if rank == 0:
         say(reports, problems)

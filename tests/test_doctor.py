@@ -97,3 +97,29 @@ def test_data_that_differs_between_machines_is_one_line(tmp_path):
     ]
     lines = compare(reports, None, "/data/cifar")
     assert len(lines) == 1 and "host b, rank 1: --data /data/cifar is 2 files, 11 bytes" in lines[0], lines
+
+
+@pytest.mark.inprocess
+@pytest.mark.parametrize("where", ["a file", "under a file", "a /proc path", "read-only"])
+def test_an_output_dir_that_cannot_take_a_file_is_one_line_naming_why(tmp_path, capsys, monkeypatch, where):
+    # doctor exists to report these: they ended in a 12-line traceback from its own marker, on every rank
+    (tmp_path / "file").write_text("x")
+    output_dir = {"a file": tmp_path / "file", "under a file": tmp_path / "file" / "run"}.get(where)
+    if where == "a /proc path":
+        output_dir = "/proc/ddp_accel_doctor"
+    if where == "read-only":
+        output_dir = tmp_path / "ro"
+
+        def refused(self, *args, **kwargs):
+            raise OSError(30, "Read-only file system", str(self))
+
+        monkeypatch.setattr("pathlib.Path.write_text", refused)  # (a read-only mount, without mounting one)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["doctor", "--output-dir", str(output_dir)]) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("doctor: ")]
+    assert len(lines) == 1 and f"--output-dir {output_dir}: cannot write under it (" in lines[0], err[-2000:]
+    assert "Traceback" not in err
+    reason = {"a file": "is a file", "under a file": "is a file", "read-only": "Read-only file system"}.get(where)
+    assert reason is None or reason in lines[0], lines

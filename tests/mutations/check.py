@@ -607,6 +607,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         '    step = state.get("step")\n',
         "    step = None\n",
     ),
+    "doctor_writes_its_marker_unguarded": (
+        "ddp_accel/doctor.py",
+        "            report.cannot_write = write_marker(marker, host)",
+        "            marker.parent.mkdir(parents=True, exist_ok=True)\n            marker.write_text(host)",
+    ),
     "async_staging_shares_addresses_across_objects": (
         "ddp_accel/async_save.py",
         "        self._storages = {}\n        self.writes.append(",
