@@ -33,8 +33,10 @@ class DdpOptions:
     powersgd_start_step: int = 1000
     find_unused_parameters: bool = False
 
-    def describe(self) -> str | None:
-        return describe(self.comm_hook, self.powersgd_rank, self.powersgd_start_step)
+    def describe(self, total_steps: int | None = None, keepers: list[PowerSGD] | None = None) -> str | None:
+        """The banner's line (with the run's length and its PowerSGD keeper: whether it ever compresses)."""
+        compressed = keepers[0].compressed() if keepers else -1
+        return describe(self.comm_hook, self.powersgd_rank, self.powersgd_start_step, total_steps, compressed)
 
 
 PLAIN_DDP = DdpOptions()
@@ -86,10 +88,18 @@ def check_model(model: Any, hook: str) -> None:
         )
 
 
-def describe(hook: str, powersgd_rank: int, powersgd_start_step: int) -> str | None:
-    """The banner's line; None without a hook."""
+def describe(
+    hook: str, powersgd_rank: int, powersgd_start_step: int, total_steps: int | None = None, compressed: int = -1
+) -> str | None:
+    """The banner's line; None without a hook. With the run's `total_steps` and the number of matrices PowerSGD
+    `compressed` at its rank, a PowerSGD that would compress nothing says so."""
     if hook == "powersgd":
-        return f"PowerSGD rank {powersgd_rank} from step {powersgd_start_step + 1}, error feedback kept in checkpoints"
+        line = f"PowerSGD rank {powersgd_rank} from step {powersgd_start_step + 1}"
+        if total_steps is not None and powersgd_start_step >= total_steps:
+            return f"{line}: never, in this run's {total_steps} steps (every step a plain all-reduce)"
+        if compressed == 0:
+            return f"{line}: no matrix of the model is larger than that rank (every step a plain all-reduce)"
+        return f"{line}, error feedback kept in checkpoints"
     if hook in ("fp16", "bf16"):
         return f"{hook} compression of the gradients' all-reduce (half the bytes)"
     return None
@@ -193,8 +203,22 @@ class PowerSGD:
         for name in layout:
             self.pending.pop(name, None)
 
+    def compressed(self) -> int:
+        """How many of the model's matrices PowerSGD compresses at its rank (torch compresses a matrix only where
+        the factors are smaller than it)."""
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+        count, state = 0, self.state
+        for shape in self.shapes.values():
+            rows, numel = shape[0] if shape else 1, math.prod(shape)
+            columns = numel // rows if rows else 0
+            rank = min(rows, columns, state.matrix_approximation_rank)
+            count += bool(len(shape) > 1 and _should_compress(rows, columns, rank, state.min_compression_rate)[0])
+        return count
+
     def state_dict(self) -> dict[str, Any]:
-        kept = {slot: getattr(self.state, slot) for slot in ("iter", "rng", "matrix_approximation_rank")}
+        slots = ("iter", "rng", "matrix_approximation_rank", "start_powerSGD_iter")
+        kept = {slot: getattr(self.state, slot) for slot in slots}
         return {**kept, "by_parameter": {**(self.pending or {}), **self._pieces_now()}}
 
     def _pieces_now(self) -> dict[str, dict[str, Any]]:
@@ -206,18 +230,32 @@ class PowerSGD:
         self.state.q_memory_dict.update(saved[2])
         return pieces
 
-    def load_state_dict(self, values: dict[str, Any], feedback: bool = True) -> None:
+    def load_state_dict(self, values: dict[str, Any], feedback: bool = True) -> list[str]:
         """The step count and random generator (the same on every rank); with `feedback`, this rank's error
-        feedback, and its factors where they were made at this rank of approximation."""
-        self.state.iter, self.state.rng = values["iter"], values["rng"]
-        for memory in (self.state.error_dict, self.state.p_memory_dict, self.state.q_memory_dict):
+        feedback, and its factors where they were made at this rank of approximation. Returns what a change of
+        rank or start step at the resume drops (one line each)."""
+        state, notes = self.state, []
+        state.iter, state.rng = values["iter"], values["rng"]
+        for memory in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
             memory.clear()
-        same_rank = values.get("matrix_approximation_rank") == self.state.matrix_approximation_rank
+        saved_rank, saved_start = values.get("matrix_approximation_rank"), values.get("start_powerSGD_iter")
+        same_rank = saved_rank == state.matrix_approximation_rank
+        if feedback and not same_rank and values["by_parameter"]:
+            notes.append(f"PowerSGD's rank {saved_rank} -> {state.matrix_approximation_rank}: its factors start afresh")
+        # compressing at the checkpoint, and not any more until a later start: its error feedback would be stale then
+        off_again = saved_start is not None and saved_start <= state.iter < state.start_powerSGD_iter
+        if feedback and off_again and values["by_parameter"] and saved_start is not None:
+            notes.append(
+                f"PowerSGD compressed from step {saved_start + 1}; now off until step {state.start_powerSGD_iter + 1}, "
+                "and its error feedback starts afresh then"
+            )
+            feedback = False
         pieces = values["by_parameter"] if feedback else {}
         self.pending = {
             name: {kind: piece for kind, piece in kinds.items() if kind == "error" or same_rank}
             for name, kinds in pieces.items()
         } or None
+        return notes
 
 
 def register_powersgd(model: Any, options: DdpOptions) -> list[PowerSGD]:
@@ -247,23 +285,31 @@ def load_states(keepers: list[PowerSGD], folder: Path, rank: int, world_size: in
     random factors) and starts its error feedback afresh (each rank's is for its own gradients); a note then."""
     import torch
 
-    if not keepers:
-        return None
     first = folder / STATE_FILE.format(rank=0)
+    if not keepers:
+        return (
+            "PowerSGD's state in the checkpoint (its error feedback) is left unused: this run does not compress "
+            "with PowerSGD"
+            if first.is_file()
+            else None
+        )
     if not first.is_file():
         return "PowerSGD starts afresh: the checkpoint holds no state of it (saved without --ddp-comm-hook powersgd)"
     saved = torch.load(first, map_location="cpu", weights_only=False)  # numpy's random generator among them
     same_world = saved["world_size"] == world_size and len(saved["states"]) == len(keepers)
     if same_world and rank:
         saved = torch.load(folder / STATE_FILE.format(rank=rank), map_location="cpu", weights_only=False)
-    for keeper, values in zip(keepers, saved["states"], strict=False):
-        keeper.load_state_dict(values, feedback=same_world)
-    if same_world:
-        return None
-    return (
-        f"PowerSGD's error feedback starts afresh (its step count goes on): it was saved by {saved['world_size']} "
-        f"processes, each for its own gradients, and {world_size} run now"
-    )
+    notes = [
+        note
+        for keeper, values in zip(keepers, saved["states"], strict=False)
+        for note in keeper.load_state_dict(values, feedback=same_world)
+    ]
+    if not same_world:
+        notes.append(
+            f"PowerSGD's error feedback starts afresh (its step count goes on): it was saved by "
+            f"{saved['world_size']} processes, each for its own gradients, and {world_size} run now"
+        )
+    return "; ".join(notes) or None
 
 
 def _start(item: tuple[slice, str]) -> int:

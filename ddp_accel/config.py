@@ -120,7 +120,10 @@ CHANGEABLE_AT_RESUME = (
     *("lr", "lr_schedule", "warmup_epochs", "min_lr", "lr_gamma", "lr_step_epochs", "lr_milestones"),
     *("plateau_patience", "momentum", "nesterov", "weight_decay", "betas", "max_grad_norm", "ema_decay"),
     *("ema_warmup", "early_stopping_patience", "early_stopping_min_delta"),
+    *("ddp_comm_hook", "powersgd_rank", "powersgd_start_step"),
 )
+# what an unset --powersgd-* means (ddp_accel.comm_hooks.PLAIN_DDP has the same): recorded as PowerSGD runs with it
+POWERSGD_DEFAULTS = {"powersgd_rank": 1, "powersgd_start_step": 1000}
 
 
 def option(default: Any, help: str | None = None, **argparse_options: Any) -> Any:
@@ -291,6 +294,8 @@ class TrainConfig:
     def changeable_options(self) -> dict[str, Any]:
         """This run's values of CHANGEABLE_AT_RESUME, as JSON keeps them (tuples as lists)."""
         values = {key: getattr(self, key) for key in CHANGEABLE_AT_RESUME}
+        for key, default in POWERSGD_DEFAULTS.items():  # PowerSGD's values as it runs with them, or none at all
+            values[key] = (values[key] or default) if self.ddp_comm_hook == "powersgd" else None
         return {key: list(value) if isinstance(value, tuple) else value for key, value in values.items()}
 
     def hyperparameters(self) -> dict[str, Any]:

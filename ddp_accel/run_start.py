@@ -67,7 +67,11 @@ def print_run_banner(run: StartingRun) -> None:
         **prepared.epoch_padding(run.accelerator.num_processes),
         **run.record.banner,
         **({"sharding": shards.describe()} if (shards := sharding_summary(run.accelerator, prepared.model)) else {}),
-        **({"ddp_comm_hook": hook} if (hook := ddp_options(run.config).describe()) else {}),
+        **(
+            {"ddp_comm_hook": hook}
+            if (hook := ddp_options(run.config).describe(run.total_steps, prepared.powersgd))
+            else {}
+        ),
         **({"time_budget": budget} if budget else {}),
         **({"allocator": kept} if (kept := allocator.describe()) else {}),
     )
@@ -137,7 +141,7 @@ def say_changed_options(run: StartingRun, path: Path) -> None:
     changed = [
         f"--{key.replace('_', '-')} {saved[key]} -> {now[key]}"
         for key in now
-        if key in saved and saved[key] != now[key]
+        if key in saved and saved[key] != now[key] and now[key] is not None  # (an option now unused: its own line)
     ]
     if changed:
         run.accelerator.print(

@@ -70,6 +70,7 @@ class Keeper:
 
     def load_state_dict(self, values, feedback=True):
         self.given = (values["iter"], values["rng"], feedback)
+        return []
 
 
 @inprocess
@@ -89,6 +90,48 @@ def test_on_another_world_size_every_rank_takes_rank_0_s_step_count_and_generato
     notes = [comm_hooks.load_states([keeper], tmp_path, rank, 3) for rank, keeper in enumerate(grown)]
     assert all("error feedback starts afresh" in note for note in notes), notes
     assert [keeper.given for keeper in grown] == [(12, "rank 0's", False)] * 3
+
+
+class DdpModel:
+    """What comm_hooks.PowerSGD needs of a DDP model: its module and a hook to register (no process group)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def register_comm_hook(self, state, hook):
+        pass
+
+
+@inprocess
+def test_what_a_resume_changes_of_powersgd_is_said_in_one_line_and_stale_feedback_is_dropped(tmp_path):
+    # resumed with another hook, another rank, or a start step that turns compression off again: PowerSGD's state
+    # was dropped or kept without a word (stale error feedback applied once compression came back)
+    from ddp_accel import comm_hooks
+
+    model = DdpModel(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 2)))
+    saved = comm_hooks.PowerSGD(model, rank=2, start_step=2)
+    saved.state.iter = 10
+    values = {**saved.state_dict(), "by_parameter": {"0.weight": {"error": torch.ones(64 * 32)}}}
+    other_rank = comm_hooks.PowerSGD(model, rank=4, start_step=2)
+    assert other_rank.load_state_dict(values) == ["PowerSGD's rank 2 -> 4: its factors start afresh"]
+    assert other_rank.pending is not None  # the error feedback goes on
+    later = comm_hooks.PowerSGD(model, rank=2, start_step=50)
+    notes = later.load_state_dict(values)
+    assert notes == [
+        "PowerSGD compressed from step 3; now off until step 51, and its error feedback starts afresh then"
+    ]
+    assert later.pending is None
+    same = comm_hooks.PowerSGD(model, rank=2, start_step=2)
+    assert same.load_state_dict(values) == [] and same.pending is not None
+    torch.save({"world_size": 1, "states": [values]}, tmp_path / "comm_hook_state_0.pt")
+    note = comm_hooks.load_states([], tmp_path, 0, 1)  # resumed without PowerSGD
+    assert note and "left unused: this run does not compress with PowerSGD" in note
+    # the banner of a PowerSGD that would never compress
+    assert comm_hooks.PowerSGD(model, rank=100_000, start_step=2).compressed() == 0 and same.compressed() == 1
+    never = comm_hooks.describe("powersgd", 2, 500, total_steps=24, compressed=2)
+    assert never == "PowerSGD rank 2 from step 501: never, in this run's 24 steps (every step a plain all-reduce)"
+    too_large = comm_hooks.describe("powersgd", 100_000, 2, total_steps=24, compressed=0)
+    assert too_large.endswith("no matrix of the model is larger than that rank (every step a plain all-reduce)")
 
 
 @inprocess

@@ -612,6 +612,21 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            report.cannot_write = write_marker(marker, host)",
         "            marker.parent.mkdir(parents=True, exist_ok=True)\n            marker.write_text(host)",
     ),
+    "stale_powersgd_feedback_kept_when_compression_stops": (
+        "ddp_accel/comm_hooks.py",
+        "            feedback = False\n        pieces",
+        "        pieces",
+    ),
+    "powersgd_state_left_unused_without_a_word": (
+        "ddp_accel/comm_hooks.py",
+        "            if first.is_file()\n",
+        "            if False\n",
+    ),
+    "powersgd_banner_compresses_whatever_its_start": (
+        "ddp_accel/comm_hooks.py",
+        "        if total_steps is not None and powersgd_start_step >= total_steps:",
+        "        if False:",
+    ),
     "async_staging_shares_addresses_across_objects": (
         "ddp_accel/async_save.py",
         "        self._storages = {}\n        self.writes.append(",
