@@ -283,23 +283,41 @@ class BudgetGuard(Callback):
     reserve),
     training ends there (evaluated, tested, committed: `end_reason` says so). The ranks agree (the slowest rank's
     view), so every rank ends at the same epoch; the decision is in the training state, so a resume of that
-    checkpoint ends too. The command then ends within its budget plus at most one epoch at the pace it ran. Only
-    the command that made the plan is guarded: a resume follows the plan it keeps."""
+    checkpoint ends too. A resumed run is guarded too, against what its earlier commands left of the budget (the
+    training state carries the time spent, `budget_spent_s`): the run's commands in all end within the budget plus
+    at most one epoch at the pace they ran. An epoch far slower than the plan's (the batches timed at the start
+    misled it) is said once."""
+
+    MISLED = 20.0  # an epoch this many times the planned one: the plan's measurement was wrong
 
     def __init__(self, plan: BudgetPlan, started: float):
         self.plan, self.started = plan, started
         self.epoch_began = time.time()
+        self.spent_before = 0.0  # by the run's earlier commands (a resume's checkpoint says)
+        self.said_misled = False
 
     def on_start(self, run: RunContext) -> None:
         self.epoch_began = time.time()
+        self.spent_before = run.state.budget_spent_s
+
+    def on_step_end(self, run: RunContext) -> None:
+        run.state.budget_spent_s = self.spent_before + time.time() - self.started  # (saved with the step)
 
     def on_epoch_end(self, run: RunContext) -> None:
         plan, now, state = self.plan, time.time(), run.state
         epoch_s, self.epoch_began = now - self.epoch_began, now
+        state.budget_spent_s = self.spent_before + now - self.started
+        if epoch_s > self.MISLED * (plan.epoch_s + plan.evaluation_s) and not self.said_misled:
+            self.said_misled = True
+            run.accelerator.print(
+                f"warning: --time-budget {format_duration(plan.budget_s)}: an epoch took {format_duration(epoch_s)}, "
+                f"planned {format_duration(plan.epoch_s)} from the batches timed at the start; the budget still "
+                "holds: training ends at the epoch the next would pass it"
+            )
         if state.epoch >= plan.epochs or state.ended:
             return
         pace_s = max(epoch_s, plan.epoch_s + plan.evaluation_s)
-        projected_s = now - self.started + pace_s + plan.test_s
+        projected_s = state.budget_spent_s + pace_s + plan.test_s
         # half the reserve absorbs the plan pace's noise; the rest is the final files' and the exit's
         late = torch.tensor(float(projected_s > plan.budget_s - plan.reserve_s / 2), device=run.accelerator.device)
         if distributed():

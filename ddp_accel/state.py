@@ -83,6 +83,7 @@ class TrainState:
     stopped_early: bool = False
     out_of_time: bool = False  # --time-budget: the machine ran slower than planned, training ended at an epoch's end
     time_budget: dict[str, Any] | None = None  # what --time-budget planned (budget.BudgetPlan), kept by a resume
+    budget_spent_s: float = 0.0  # --time-budget: the seconds the run's commands spent so far, up to this step
     # the options that may change at a resume (config.CHANGEABLE_AT_RESUME), as this run trains with them: a resume
     # under other values says which in one line
     training_options: dict[str, Any] = field(default_factory=dict)

@@ -104,7 +104,7 @@ class TrainingRun:
             accelerator, config, task, self.optimizer, self.total_steps, self.steps_per_epoch, self.best_metric
         )
         chosen_by = f" ({epochs_text(self.epochs)}: --time-budget's plan)" if self.budget else ""
-        guard = [BudgetGuard(self.budget, self.started)] if self.budget and not self.budget_kept else []
+        guard = [BudgetGuard(self.budget, self.started)] if self.budget else []  # (a resume's too)
         features = standard_callbacks(
             config, self.best_metric, self.total_steps, chosen_by, [*feed, *guard, *callbacks]
         )

@@ -837,6 +837,28 @@ def test_a_machine_that_slows_down_after_the_plan_ends_training_early_and_says_s
     assert "is complete (ended by time budget" in rerun and "Without --time-budget" in rerun, rerun[-2000:]
 
 
+@inprocess
+def test_a_resumed_run_is_held_to_what_is_left_of_its_time_budget(tmp_path, monkeypatch):
+    # the plan made from batches that ran 20x faster than the epochs then did: the first command, stopped by a
+    # signal, and its resume (which keeps the plan) are guarded together: the resume followed the plan's 20 epochs
+    # without a line, far past the budget
+    from ddp_accel.budget import Costs
+
+    costs = Costs(train_batch_s=0.001, train_start_s=0.0, eval_batch_s=0.001, eval_start_s=0.0, spent_s=0.1)
+    monkeypatch.setattr("ddp_accel.budget.measure_costs", lambda *args: Costs(**vars(costs)))
+    monkeypatch.setattr("ddp_accel.budget.FIXED_RESERVE_S", 0.25)
+    common = ["--batch-size", 4, "--epochs", 20, "--time-budget", "3s", "--step-ms", 20, "--checkpointing-steps", 4]
+    stopped = probe(tmp_path, *common, "--sigterm-at-batch", 6, nproc=1)  # in the first epoch (16 steps)
+    assert "preempted by SIGTERM at step 6" in stopped, stopped[-2000:]
+    spent = json.loads((tmp_path / "checkpoints" / "step_6" / "training_state.json").read_text())["budget_spent_s"]
+    assert spent > 6 * 0.02, spent  # the first command's time, carried by the checkpoint
+    resumed = probe(tmp_path, *common, "--resume-from-checkpoint", "latest", nproc=1)
+    assert "an epoch took" in resumed and "from the batches timed at the start" in resumed, resumed[-2000:]
+    metrics = metrics_of(tmp_path)
+    assert metrics["end_reason"].startswith("time budget: the machine ran slower than planned"), metrics
+    assert metrics["progress"]["epoch"] < 20 and "the next would end past the budget" in resumed, resumed[-2000:]
+
+
 @multiprocess
 def test_on_two_processes_a_time_budget_plans_the_same_on_both_and_trains_as_without_it(tmp_path, two_process_job):
     # each rank times its own batches; both take the slowest figures (one all-reduce), so both train the same

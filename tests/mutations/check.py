@@ -627,6 +627,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        if total_steps is not None and powersgd_start_step >= total_steps:",
         "        if False:",
     ),
+    "a_resumed_run_unguarded_by_its_budget": (
+        "ddp_accel/training.py",
+        "if self.budget else []  # (a resume's too)",
+        "if self.budget and not self.budget_kept else []  # (a resume's too)",
+    ),
     "async_staging_shares_addresses_across_objects": (
         "ddp_accel/async_save.py",
         "        self._storages = {}\n        self.writes.append(",
