@@ -27,7 +27,8 @@ def replaced_atomically(path: str | Path) -> Iterator[Path]:
 
 
 def write_text(path: str | Path, text: str) -> None:
-    with replaced_atomically(path) as partial:
+    """`text` into `path`, whole or not at all; a file system that cannot take it is one line (`writing`)."""
+    with writing(path), replaced_atomically(path) as partial:
         partial.write_text(text)
 
 
@@ -52,6 +53,48 @@ def _existing(path: Path) -> Path:
     return path
 
 
+def is_error(error: BaseException) -> bool:
+    """An Exception, or torch.distributed.checkpoint's CheckpointException (a BaseException that gathers the
+    ranks' failures of a sharded save or load)."""
+    return isinstance(error, Exception) or type(error).__name__ == "CheckpointException"
+
+
+NO_SPACE = "no space left on its device"
+# what libraries that wrap the OSError say instead (safetensors: "I/O error: No space left on device (os error 28)")
+_REASONS = {
+    errno.ENOSPC: NO_SPACE,
+    errno.EDQUOT: NO_SPACE,
+    errno.EROFS: os.strerror(errno.EROFS),
+    errno.EACCES: os.strerror(errno.EACCES),
+    errno.EPERM: os.strerror(errno.EPERM),
+}
+
+
+def file_system_reason(error: BaseException) -> str | None:
+    """Why `error` is the file system's (full, read-only, not permitted), looked for in the error, what it was
+    raised from, the failures torch.distributed.checkpoint gathers from its ranks, and what a wrapping library's
+    message says; None for any other error."""
+    seen: set[int] = set()
+    pending: list[Any] = [error]
+    while pending:
+        found = pending.pop()
+        if not isinstance(found, BaseException) or id(found) in seen:
+            continue
+        seen.add(id(found))
+        if isinstance(found, OSError) and found.errno in _REASONS:
+            return _REASONS[found.errno]
+        for code, reason in _REASONS.items():
+            if os.strerror(code) in str(found):
+                return reason
+        if "unexpected pos" in str(found):  # torch.save's zip writer, after a short write: the disk took no more
+            return NO_SPACE
+        failures = getattr(found, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):  # rank -> (the exception, its traceback)
+            pending += [item[0] if isinstance(item, tuple) and item else item for item in failures.values()]
+        pending += [found.__cause__, found.__context__]
+    return None
+
+
 @contextlib.contextmanager
 def writing(path: str | Path, cleanup: Path | None = None) -> Iterator[None]:
     """A write into `path` that fails for a reason of the file system (full, read-only, not permitted) becomes one
@@ -60,16 +103,16 @@ def writing(path: str | Path, cleanup: Path | None = None) -> Iterator[None]:
     path = Path(path)
     try:
         yield
-    except Exception as error:
-        reason = None
+    except BaseException as error:
+        if not is_error(error):  # Ctrl-C, an exit, a preemption's stop: not the file system's
+            raise
+        reason = file_system_reason(error)
         try:
             full = shutil.disk_usage(_existing(path)).free < 1 << 20
         except OSError:
             full = False
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT) or full:
-            reason = "no space left on its device"
-        elif isinstance(error, OSError) and error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-            reason = error.strerror
+        if full:
+            reason = NO_SPACE
         if cleanup is not None:
             if cleanup.is_dir():
                 shutil.rmtree(cleanup, ignore_errors=True)

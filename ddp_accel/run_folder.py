@@ -4,6 +4,7 @@ run is already complete."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ from safetensors.torch import save_file
 
 from ddp_accel.checkpoint import Listing
 from ddp_accel.errors import UserError
-from ddp_accel.files import write_json
+from ddp_accel.files import write_json, writing
 from ddp_accel.identity import compare_identity
 from ddp_accel.locking import lock_output_dir
 from ddp_accel.stopping import PREEMPTED_MARKER
@@ -197,7 +198,9 @@ class RunFolder:
         deterministic: a UserError, so that the launcher does not restart it again."""
         try:
             earlier = self.repeated_failure(rank, resumed_from, step, error)
-        except OSError:  # the output dir cannot take the note: the crash's own error is what matters
+        except (OSError, UserError):  # the output dir cannot take the note: the crash's own error is what matters
+            with contextlib.suppress(OSError):
+                (self.path / "failures").rmdir()  # (left only when empty)
             return
         if earlier is not None:
             start = f"resuming from {resumed_from}" if resumed_from else "starting from the beginning"
@@ -214,10 +217,11 @@ class RunFolder:
 
     def stage_weights(self, name: str, weights: dict[str, torch.Tensor]) -> None:
         """A weights file staged until the commit (written aside, renamed)."""
-        self.staging.mkdir(parents=True, exist_ok=True)
         partial = self.staging / (name + ".partial")
-        save_file({key: value.detach().contiguous().cpu() for key, value in weights.items()}, str(partial))
-        os.replace(partial, self.staging / name)
+        with writing(partial, cleanup=partial):  # a full disk: one line, the partial file gone
+            self.staging.mkdir(parents=True, exist_ok=True)
+            save_file({key: value.detach().contiguous().cpu() for key, value in weights.items()}, str(partial))
+            os.replace(partial, self.staging / name)
 
     # --- the end ---
     def commit(self, final_model: Path, files: dict[str, Path], metrics: dict[str, Any]) -> None:

@@ -40,6 +40,7 @@ from ddp_accel.elastic import (
 )
 from ddp_accel.engines import Outcome, record_outcome
 from ddp_accel.errors import UserError
+from ddp_accel.files import is_error
 from ddp_accel.group_wait import while_the_group_forms
 from ddp_accel.loaders import end_worker_processes, kill_leftover_workers
 from ddp_accel.run_folder import RunFolder
@@ -673,7 +674,9 @@ def run_main(main: Callable[..., Any]) -> None:
         ended.__traceback__ = None
     except KeyboardInterrupt:
         outcome = Outcome("interrupted", _interrupted(signals))
-    except Exception as error:
+    except BaseException as error:
+        if not is_error(error):  # SystemExit and the like: as they are
+            raise
         signals.enter(Phase.DONE)
         outcome = _failed(error, signals)
     record_outcome(outcome)
@@ -698,7 +701,7 @@ def _user_error(error: UserError, signals: StopSignals) -> Outcome:
     return Outcome("user_error", 2, message)
 
 
-def _failed(error: Exception, signals: StopSignals) -> Outcome:
+def _failed(error: BaseException, signals: StopSignals) -> Outcome:
     """A crash: one line where the cause is known (a file, memory, a lost peer), else the traceback."""
     if _while_interrupted(error):  # a library's cleanup failed on the way out of a Ctrl-C (a worker pool's join)
         return Outcome("interrupted", _interrupted(signals))

@@ -14,6 +14,7 @@ if __name__ == "__main__":
 
     stop_during_imports(default_output_dir="outputs/run")
 
+import contextlib
 import json
 import os
 import threading
@@ -113,7 +114,8 @@ class LearningRates(Callback):
 
     def on_close(self, run) -> None:
         if self.rates:  # (a run refused before its first step leaves the output dir as it was)
-            Path(self.output_dir, f"lr_rank{run.accelerator.process_index}.json").write_text(json.dumps(self.rates))
+            with contextlib.suppress(OSError):  # (a full disk: the run's own line says so)
+                Path(self.output_dir, f"lr_rank{run.accelerator.process_index}.json").write_text(json.dumps(self.rates))
 
 
 def main(signals: StopSignals | None = None) -> None:

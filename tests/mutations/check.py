@@ -632,6 +632,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "if self.budget else []  # (a resume's too)",
         "if self.budget and not self.budget_kept else []  # (a resume's too)",
     ),
+    "a_sharded_save_s_failure_escapes_the_one_line": (
+        "ddp_accel/files.py",
+        '    return isinstance(error, Exception) or type(error).__name__ == "CheckpointException"',
+        "    return isinstance(error, Exception)",
+    ),
+    "a_wrapped_full_disk_unrecognised": (
+        "ddp_accel/files.py",
+        "            if os.strerror(code) in str(found):\n",
+        "            if False:\n",
+    ),
     "async_staging_shares_addresses_across_objects": (
         "ddp_accel/async_save.py",
         "        self._storages = {}\n        self.writes.append(",
