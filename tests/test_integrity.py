@@ -284,3 +284,29 @@ def test_a_save_longer_than_the_launchers_grace_is_warned_once(tmp_path):
     output = check_ok(result)
     assert output.count("warning: saving a checkpoint takes") == 1, output[-2000:]
     assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in output and "GRACE_S" in output
+
+
+def test_a_file_system_failure_is_recognised_however_a_library_wraps_it():
+    import errno
+
+    from ddp_accel.files import NO_SPACE, file_system_reason
+
+    class CheckpointException(BaseException):  # torch.distributed.checkpoint's: rank -> (exception, traceback)
+        def __init__(self, failures):
+            self.failures = failures
+
+    assert file_system_reason(OSError(errno.ENOSPC, "No space left on device")) == NO_SPACE
+    assert (
+        file_system_reason(RuntimeError("I/O error: No space left on device (os error 28)")) == NO_SPACE
+    )  # safetensors
+    gathered = CheckpointException({1: (RuntimeError("[enforce fail] unexpected pos 704 vs 598"), "tb")})
+    assert file_system_reason(gathered) == NO_SPACE
+    assert file_system_reason(OSError(errno.EROFS, "Read-only file system")) == "Read-only file system"
+    try:
+        try:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        except OSError as quota:
+            raise ValueError("could not save") from quota
+    except ValueError as wrapped:
+        assert file_system_reason(wrapped) == NO_SPACE
+    assert file_system_reason(ValueError("a bug")) is None
