@@ -4,9 +4,12 @@ a launch, with one line for what is wrong (`accelerate launch` answers a bad con
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib.util
 import io
 import json
+import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 
 from ddp_accel.errors import UserError
 from ddp_accel.runtime import has_accelerator
+from ddp_accel.sharding import cpu_fsdp_plugin, fsdp_plugin
 
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
 # what a distributed type or precision needs installed (accelerate launch fails deep inside otherwise)
@@ -32,13 +36,88 @@ def check_config(path: str) -> str:
     kind = check_loaded(path, raw, config)
     validate_like_accelerate_launch(path)
     summary = f"{path}: {kind}, {config.num_processes} process(es) on {config.num_machines} machine(s)"
+    notes = check_fsdp(path, raw) if kind == "FSDP" else []
     if kind in ("MULTI_GPU", "FSDP") and not has_accelerator():
         summary += (
             "; no GPU here: ddp_accel scripts run it as MULTI_CPU/gloo"
             if kind == "MULTI_GPU"
             else "; no GPU here: ddp_accel scripts run it as FSDP2 on the CPU over gloo"
         )
-    return summary
+    return "; ".join([summary, *notes])
+
+
+def check_fsdp(path: str, raw: dict[str, Any]) -> list[str]:
+    """An FSDP config as Accelerate reads it: every key of `fsdp_config` one accelerate launch knows, the plugin
+    Accelerate builds from them (and, without a GPU, one ddp_accel runs), and a note for each key that changes
+    nothing under this version (FSDP1's keys under fsdp_version 2: Accelerate drops them without a word)."""
+    from accelerate.commands.launch import launch_command_parser
+
+    settings = raw.get("fsdp_config") or {}
+    if not isinstance(settings, dict):
+        raise UserError(f"{path}: fsdp_config must be a mapping of fsdp_* settings")
+    known = [key for key in vars(launch_command_parser().parse_args(["train.py"])) if key.startswith("fsdp_")]
+    for key in settings:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f": did you mean {close[0]}?" if close else f" (accelerate launch knows {', '.join(sorted(known))})"
+            raise UserError(f"{path}: fsdp_config has no key {key}{hint}")
+    environment = launch_environment(path)
+    build = fsdp_plugin if has_accelerator() else cpu_fsdp_plugin
+    plugin = in_file(path, lambda: build(environment))
+    notes = []
+    for key in settings:  # left out, the launch gives its variable another value: the same plugin, it is ignored
+        without = launch_environment(path, drop=key)
+        changed = [name for name, value in environment.items() if name in without and without[name] != value]
+        if changed and same_plugin(probe_plugin(without), plugin):
+            notes.append(f"{key} changes nothing under fsdp_version {plugin.fsdp_version} (Accelerate ignores it)")
+    return notes
+
+
+def probe_plugin(environment: dict[str, str]) -> Any:
+    """The plugin of a variant of the config (one key left out); None where that variant is not one at all."""
+    try:
+        return fsdp_plugin(environment)
+    except UserError:
+        return None
+
+
+def in_file(path: str, build: Any) -> Any:
+    """`build()`, its one-line refusal said of the file `path`."""
+    try:
+        return build()
+    except UserError as error:
+        raise UserError(f"{path}: {error}") from None
+
+
+def same_plugin(one: Any, other: Any) -> bool:
+    """Whether two FSDP plugins are the same settings (their functions' addresses aside)."""
+
+    def settings(plugin: Any) -> dict[str, str]:
+        return {name: re.sub(r" at 0x[0-9a-f]+", "", repr(getattr(plugin, name))) for name in vars(plugin)}
+
+    return one is not None and other is not None and settings(one) == settings(other)
+
+
+def launch_environment(path: str, drop: str | None = None) -> dict[str, str]:
+    """The variables `accelerate launch --config_file path` gives each process (its own launch code), with the
+    key `drop` of fsdp_config left out (a copy of the file without it)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    with tempfile.TemporaryDirectory() as folder:
+        if drop is not None:
+            raw = read_settings(path)
+            raw["fsdp_config"] = {key: value for key, value in raw["fsdp_config"].items() if key != drop}
+            path = str(Path(folder) / Path(path).name)
+            Path(path).write_text(yaml.safe_dump(raw))
+        args = launch_command_parser().parse_args(["--config_file", path, "--main_process_port", "1", "train.py"])
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                args, _, _ = _validate_launch_command(args)
+                return dict(prepare_multi_gpu_env(args))
+        except (ValueError, TypeError, KeyError) as error:
+            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise UserError(f"{path}: accelerate launch would refuse it: {message}") from None
 
 
 def read_settings(path: str) -> dict[str, Any]:

@@ -288,7 +288,7 @@ class BudgetGuard(Callback):
     at most one epoch at the pace they ran. An epoch far slower than the plan's (the batches timed at the start
     misled it) is said once."""
 
-    MISLED = 20.0  # an epoch this many times the planned one: the plan's measurement was wrong
+    MISLED = 10.0  # an epoch this many times the planned one: the plan's measurement was wrong
 
     def __init__(self, plan: BudgetPlan, started: float):
         self.plan, self.started = plan, started

@@ -44,7 +44,7 @@ from ddp_accel.files import is_error
 from ddp_accel.group_wait import while_the_group_forms
 from ddp_accel.loaders import end_worker_processes, kill_leftover_workers
 from ddp_accel.run_folder import RunFolder
-from ddp_accel.sharding import adopt_fsdp_on_cpu
+from ddp_accel.sharding import adopt_fsdp_on_cpu, cpu_fsdp_plugin, fsdp_asked, fsdp_plugin
 from ddp_accel.startup import imports_done, start_wanted_worker_server
 from ddp_accel.stopping import (
     PEER_STOPPED_EXIT_CODE,
@@ -94,6 +94,7 @@ def build_accelerator(
             "needs a GPU; on CPU use bf16 or no"
         )
     check_launch_environment()
+    check_fsdp_config(cpu)
     check_no_inherited_process_group()
     with while_the_group_forms(timeout_s, output_dir):  # an env:// rendezvous: silent, deaf to signals
         init_elastic_process_group(cpu, timeout_s)
@@ -220,6 +221,17 @@ def launch_key() -> str:
     if not error_file or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
         return ""
     return "/" + Path(error_file).parents[2].name  # .../torchelastic_X/RUNID_Y/attempt_N/RANK/error.json -> RUNID_Y
+
+
+def check_fsdp_config(cpu: bool) -> None:
+    """An FSDP launch's settings, as Accelerate will read them (and, without a GPU, as ddp_accel runs them): one
+    line on every process where the Accelerator would end in a traceback."""
+    if not fsdp_asked():
+        return
+    try:
+        cpu_fsdp_plugin() if cpu else fsdp_plugin()
+    except UserError as error:
+        raise UserError(str(error), every_process=True) from None
 
 
 def check_launch_environment(env: dict[str, str] | None = None) -> None:

@@ -20,6 +20,7 @@ needed) or changes what is adjusted.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,27 +35,84 @@ def fsdp_asked(env: dict[str, str] | None = None) -> bool:
     return (env if env is not None else os.environ).get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
+def fsdp_plugin(env: Mapping[str, str] | None = None) -> Any:
+    """The FSDP plugin Accelerate builds from a launch's FSDP_* variables (`env`, else this process's), or a
+    UserError naming what Accelerate, or torch later, would refuse: an unknown version, a value it cannot read, a
+    state-dict type FSDP2 has not. Every process of a launch asks it before its Accelerator: one line each, where the
+    Accelerator (or its first save) ended in a traceback."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    saved = dict(os.environ)
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+    try:
+        version = os.environ.get("FSDP_VERSION", "1")
+        if version not in ("1", "2"):
+            raise UserError(f"fsdp_version {version}: Accelerate has FSDP 1 and 2 (torch's FSDP2: fsdp_version: 2)")
+        return FullyShardedDataParallelPlugin()
+    except (ValueError, TypeError, KeyError, ImportError, RuntimeError) as error:
+        raise UserError(f"the accelerate config's fsdp_config: {str(error).strip().splitlines()[0]}") from None
+    finally:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+CPU_FSDP2_ONLY = (
+    "FSDP on a machine without GPUs runs torch's FSDP2 only: set `fsdp_version: 2` in the accelerate config "
+    "(accelerate_configs/fsdp.yaml), or --fsdp_version 2"
+)
+
+
+def cpu_fsdp_plugin(env: Mapping[str, str] | None = None) -> Any:
+    """The plugin of an FSDP launch on a machine without GPUs, or a UserError: what ddp_accel cannot run there."""
+    if (env if env is not None else os.environ).get("FSDP_VERSION", "1") == "1":  # (FSDP1's plugin wants a GPU)
+        raise UserError(CPU_FSDP2_ONLY)
+    plugin = fsdp_plugin(env)
+    problem = cpu_fsdp_problem(plugin)
+    if problem is not None:
+        raise UserError(problem)
+    return plugin
+
+
+def cpu_fsdp_problem(plugin: Any) -> str | None:
+    """What an FSDP plugin asks that a machine without GPUs cannot run (ddp_accel runs FSDP2 over gloo there)."""
+    import accelerate
+    import torch
+
+    for check in (
+        lambda: check_accelerate_version(accelerate.__version__),
+        lambda: check_torch_version(torch.__version__),
+    ):
+        try:
+            check()
+        except UserError as error:
+            return str(error)
+    if plugin.fsdp_version != 2:
+        return CPU_FSDP2_ONLY
+    if type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy":  # it pins memory for a GPU's copies
+        return "fsdp_offload_params: true offloads to the CPU what is there already: set it to false here"
+    if plugin.cpu_ram_efficient_loading:  # its broadcast of rank 0's weights fails on a model with buffers
+        return (
+            "fsdp_cpu_ram_efficient_loading: true fails with a model that has buffers (BatchNorm's statistics: "
+            "accelerate#3898), and saves nothing on a machine without GPUs: set it to false"
+        )
+    return None
+
+
 def adopt_fsdp_on_cpu(accelerator: Any) -> bool:
     """Make a CPU run that asked for FSDP an FSDP2 run (module docstring). True when it adjusted the state."""
-    import torch
     import torch.distributed as dist
     from accelerate.state import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType
 
     if not fsdp_asked() or accelerator.device.type != "cpu" or accelerator.distributed_type == DistributedType.FSDP:
         return False
-    import accelerate
-
-    check_accelerate_version(accelerate.__version__)
-    check_torch_version(torch.__version__)
-    plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables, as Accelerate builds its own
-    if plugin.fsdp_version != 2:
-        raise UserError(
-            "FSDP on a machine without GPUs runs torch's FSDP2 only: set `fsdp_version: 2` in the accelerate config "
-            "(accelerate_configs/fsdp.yaml), or --fsdp_version 2"
-        )
-    if type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy":  # it pins memory for a GPU's copies
-        raise UserError("fsdp_offload_params: true offloads to the CPU what is there already: set it to false here")
+    try:
+        plugin = cpu_fsdp_plugin()  # from the FSDP_* variables, as Accelerate builds its own
+    except UserError as error:
+        raise UserError(str(error), every_process=True) from None
     if accelerator.num_processes == 1 and not dist.is_initialized():  # a plain `python` run: FSDP2 needs a group
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP

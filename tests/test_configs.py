@@ -52,3 +52,62 @@ def test_cpu_runnable_configs_launch(tmp_path, name, world_size):
     )
     check_ok(result)
     assert metrics_of(tmp_path)["world_size"] == world_size
+
+
+def fsdp_yaml(tmp_path, old: str, new: str):
+    """accelerate_configs/fsdp.yaml with one setting changed."""
+    text = (ROOT / "accelerate_configs" / "fsdp.yaml").read_text()
+    assert old in text
+    path = tmp_path / "fsdp_variant.yaml"
+    path.write_text(text.replace(old, new))
+    return path
+
+
+# each a class of mistake: a misspelt key, a version or value Accelerate has not, a state-dict type FSDP2 has not,
+# and what a machine without GPUs cannot run (they passed check-config, then every rank ended in a traceback)
+FSDP_REFUSED = [
+    ("fsdp_version: 2", "fsdp_versoin: 2", "fsdp_config has no key fsdp_versoin: did you mean fsdp_version?"),
+    ("fsdp_version: 2", "fsdp_version: 3", "fsdp_version 3: Accelerate has FSDP 1 and 2"),
+    ("SHARDED_STATE_DICT", "LOCAL_STATE_DICT", "FSDP2 does not support LOCAL_STATE_DICT"),
+    ("SIZE_BASED_WRAP", "BOGUS_WRAP", "Invalid auto wrap policy: BOGUS_WRAP"),
+    ("fsdp_reshard_after_forward: true", "fsdp_reshard_after_forward: maybe", "invalid truth value maybe"),
+    ("fsdp_cpu_ram_efficient_loading: false", "fsdp_cpu_ram_efficient_loading: true", "accelerate#3898"),
+    ("fsdp_version: 2", "fsdp_version: 1", "runs torch's FSDP2 only: set `fsdp_version: 2`"),
+]
+
+
+@pytest.mark.parametrize(
+    "old, new, fragment", FSDP_REFUSED, ids=[case[1].split(":")[0] + case[1][-6:] for case in FSDP_REFUSED]
+)
+@pytest.mark.inprocess
+def test_check_config_knows_what_accelerate_reads_of_an_fsdp_config(tmp_path, capsys, old, new, fragment):
+    from ddp_accel.runtime import has_accelerator
+
+    if has_accelerator() and ("ram_efficient" in new or "version: 1" in new):
+        pytest.skip("refused on machines without GPUs only")
+    path = fsdp_yaml(tmp_path, old, new)
+    assert ddp_accel_main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error: ") == 1 and fragment in err and "Traceback" not in err, err
+
+
+@pytest.mark.inprocess
+def test_an_fsdp1_key_in_an_fsdp2_config_is_said_to_change_nothing(tmp_path, capsys):
+    path = fsdp_yaml(tmp_path, "  fsdp_version: 2\n", "  fsdp_version: 2\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n")
+    assert ddp_accel_main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp_sharding_strategy changes nothing under fsdp_version 2 (Accelerate ignores it)" in out, out
+    assert "fsdp_state_dict_type changes nothing" not in out  # (a key at FSDP2's own default is not ignored)
+
+
+@pytest.mark.multiprocess
+def test_a_launch_of_an_fsdp_config_accelerate_cannot_build_is_one_line_on_each_rank(tmp_path):
+    path = fsdp_yaml(tmp_path, "SIZE_BASED_WRAP", "BOGUS_WRAP")
+    command = [str(BIN / "accelerate"), "launch", "--config_file", str(path), "--main_process_port", str(free_port())]
+    command += [str(ROOT / "scripts" / "minimal.py"), "--output-dir", str(tmp_path / "out")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and len(lines) == 2, result.stderr[-3000:]  # one per rank
+    assert all("Invalid auto wrap policy: BOGUS_WRAP" in line for line in lines), lines
+    assert "Traceback (most recent call last)" not in result.stderr.split("error: ")[0], result.stderr[-3000:]
+    assert not (tmp_path / "out").exists()

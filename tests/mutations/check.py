@@ -642,6 +642,21 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            if os.strerror(code) in str(found):\n",
         "            if False:\n",
     ),
+    "fsdp_config_keys_unchecked": (
+        "ddp_accel/accelerate_config.py",
+        "        if key not in known:\n",
+        "        if False:\n",
+    ),
+    "fsdp_plugin_left_to_the_accelerator": (
+        "ddp_accel/runtime.py",
+        "    check_fsdp_config(cpu)\n",
+        "",
+    ),
+    "fsdp1_keys_never_said_to_change_nothing": (
+        "ddp_accel/accelerate_config.py",
+        "        if changed and same_plugin(probe_plugin(without), plugin):",
+        "        if False:",
+    ),
     "async_staging_shares_addresses_across_objects": (
         "ddp_accel/async_save.py",
         "        self._storages = {}\n        self.writes.append(",
