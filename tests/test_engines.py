@@ -209,6 +209,20 @@ def test_a_group_that_forms_late_is_reported_until_it_forms_and_one_that_forms_a
     assert capsys.readouterr().err == ""
 
 
+def test_the_wait_is_reported_first_after_its_first_interval_then_at_its_own(monkeypatch, capsys):
+    # the rhythm: one line after FIRST_REPORT_S (or half the timeout), then one every REPORT_S, not every first one
+    monkeypatch.setattr(group_wait, "FIRST_REPORT_S", 0.1)
+    monkeypatch.setattr(group_wait, "REPORT_S", 2.0)
+    spawned = engines.EnvLaunch({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    with engines.use(spawned):
+        with group_wait.while_the_group_forms(30, None):
+            time.sleep(0.7)
+        assert len(capsys.readouterr().err.splitlines()) == 1
+        with group_wait.while_the_group_forms(0.4, None):  # half of a short timeout comes before FIRST_REPORT_S
+            time.sleep(0.35)
+        assert len(capsys.readouterr().err.splitlines()) == 1
+
+
 def test_a_rank_whose_rank_0_never_starts_says_so_then_ends_at_the_timeout_with_one_line(monkeypatch, tmp_path):
     # torch's env:// rendezvous: rank 1 waited for rank 0's port for twice --timeout-s without a word, then printed
     # 60 lines of C++ frames and "lost contact with the others" for a group that never formed

@@ -236,15 +236,17 @@ def test_fsdp_on_cpu_refuses_what_cannot_run_there_in_one_line(tmp_path):
     assert_clean_error(offload, "fsdp_offload_params: true offloads to the CPU what is there already")
 
 
+@pytest.mark.parametrize("precision", ["no", "bf16"])
 @inprocess
-def test_saved_weights_are_evaluated_under_fsdp_as_the_run_scored_them(tmp_path):
+def test_saved_weights_are_evaluated_under_fsdp_as_the_run_scored_them(tmp_path, precision):
     # FSDP2 prepares a model only with an optimizer, and a sharded checkpoint's model is read alone (no optimizer
-    # state): -e of the checkpoint and of model.safetensors give the run's own last evaluation
+    # state): -e of the checkpoint and of model.safetensors give the run's own last evaluation; under bf16 with the
+    # run's own precision policy (BatchNorm in fp32), as in training
     from test_imagenet import make_image_folder
 
     data = make_image_folder(tmp_path / "images", classes=3, train=4, val=2)
     common = ["scripts/imagenet.py", data, "-a", "cifar_resnet20", "--image-size", 16, "--augment", "cifar", "-b", 4]
-    common += ["-j", 0, "--mixed-precision", "no", "--output-dir", tmp_path / "run"]
+    common += ["-j", 0, "--mixed-precision", precision, "--output-dir", tmp_path / "run"]
     check_ok(run_script(*common, "--epochs", 1, "--checkpointing-steps", "epoch", env=FSDP_ENV))
     trained = metrics_of(tmp_path / "run")["eval_loss"]
     for weights_source in ("latest", str(tmp_path / "run" / "model.safetensors")):

@@ -658,6 +658,10 @@ def test_options_a_resume_may_change_are_said_in_one_line_when_they_do(tmp_path)
         "--ema-warmup False -> True",
     ):
         assert said in lines[0], lines[0]
+    # what the run remembers is what it trained with last: resumed again under the same options, nothing to say
+    changed[changed.index(12)] = 16
+    again = probe(tmp_path, *changed, "--lr-schedule", "cosine", nproc=1)
+    assert "resumed from" in again and "was trained with other options" not in again, again[-3000:]
 
 
 def learning_rates(output_dir) -> dict[int, float]:

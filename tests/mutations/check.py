@@ -657,6 +657,26 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        if changed and same_plugin(probe_plugin(without), plugin):",
         "        if False:",
     ),
+    "a_resume_remembers_the_options_of_the_first_command": (
+        "ddp_accel/run_start.py",
+        "    run.state.training_options = now\n",
+        "",
+    ),
+    "the_wait_reported_at_its_first_interval_again_and_again": (
+        "ddp_accel/group_wait.py",
+        "        report_at = time.monotonic() + REPORT_S\n",
+        "        report_at = time.monotonic() + FIRST_REPORT_S\n",
+    ),
+    "the_wait_deaf_to_slurm_s_time_limit_warning": (
+        "ddp_accel/group_wait.py",
+        "    if signum in SIGNALS:\n",
+        "    if signum == signal.SIGTERM:\n",
+    ),
+    "an_evaluation_alone_skips_the_runs_precision_policy": (
+        "ddp_accel/evaluation.py",
+        "    before_prepare(accelerator, model)\n    prepared, _ = accelerator.prepare(model, torch.optim.SGD(",
+        "    prepared, _ = accelerator.prepare(model, torch.optim.SGD(",
+    ),
     "async_staging_shares_addresses_across_objects": (
         "ddp_accel/async_save.py",
         "        self._storages = {}\n        self.writes.append(",
