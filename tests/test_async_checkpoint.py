@@ -88,6 +88,32 @@ def test_a_checkpoint_is_latest_only_once_written_and_a_write_cut_short_leaves_t
 
 
 @inprocess
+def test_a_run_commits_only_once_its_last_checkpoint_is_complete(tmp_path, monkeypatch):
+    # the write of step 20 (the last one) held for a second: the run's final files, metrics.json last, come after it
+    from ddp_accel import run_folder
+
+    released = threading.Event()
+    write_all, commit = async_save.StagedWrites.write_all, run_folder.RunFolder.commit
+
+    def slow_write_all(self):
+        if any("step_20" in str(path) for _, _, path in self.writes):
+            released.wait(1.0)
+        write_all(self)
+
+    seen = {}
+
+    def recording_commit(self, *args, **kwargs):
+        seen["last checkpoint complete"] = (self.checkpoints / "step_20" / "training_state.json").is_file()
+        released.set()
+        return commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(async_save.StagedWrites, "write_all", slow_write_all)
+    monkeypatch.setattr(run_folder.RunFolder, "commit", recording_commit)
+    one_process(tmp_path / "run", "--async-checkpoint")
+    assert seen == {"last checkpoint complete": True}
+
+
+@inprocess
 def test_the_staging_copies_tensors_so_later_steps_do_not_change_a_staged_checkpoint(tmp_path):
     weights = {"w": torch.ones(3)}
     staged = async_save.StagedWrites()

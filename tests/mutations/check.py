@@ -677,6 +677,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    before_prepare(accelerator, model)\n    prepared, _ = accelerator.prepare(model, torch.optim.SGD(",
         "    prepared, _ = accelerator.prepare(model, torch.optim.SGD(",
     ),
+    "done_said_before_the_last_write_completes": (
+        "ddp_accel/training.py",
+        "            run.checkpoints.finish_writes()  # --async-checkpoint: the last one is complete before the final work\n",
+        "",
+    ),
     "async_staging_shares_addresses_across_objects": (
         "ddp_accel/async_save.py",
         "        self._storages = {}\n        self.writes.append(",
