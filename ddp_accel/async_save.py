@@ -114,8 +114,16 @@ class StagedWrites:
         return copied
 
     def write_all(self) -> None:
+        """Every write; the first failure is raised once torch's own writes have all ended (a write still running
+        would put files back into a folder the failure's cleanup removed)."""
+        failures = []
         for future in self.futures:
-            future.result()
+            try:
+                future.result()
+            except BaseException as error:
+                failures.append(error)
+        if failures:
+            raise failures[0]
         for write, obj, path in self.writes:
             write(obj, path)
 

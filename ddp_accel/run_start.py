@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import torch
 from accelerate import Accelerator
 
-from ddp_accel import allocator
+from ddp_accel import allocator, rescue
 from ddp_accel.budget import BudgetPlan
 from ddp_accel.callbacks import Callbacks
 from ddp_accel.checkpoint import Checkpoints
@@ -74,6 +74,7 @@ def print_run_banner(run: StartingRun) -> None:
         ),
         **({"time_budget": budget} if budget else {}),
         **({"allocator": kept} if (kept := allocator.describe()) else {}),
+        **({"a_lost_peer": lost} if (lost := rescue.describe(run.accelerator, run.checkpoints.contents)) else {}),
     )
 
 

@@ -302,6 +302,39 @@ class Verdict:
     nonfinite: bool
 
 
+@dataclass(frozen=True)
+class RandomStreams:
+    """A process's random generators at one moment (Python's, numpy's, torch's CPU one), as Accelerate's
+    random_states_N.pkl holds them."""
+
+    python: Any
+    numpy: Any
+    torch_cpu: torch.Tensor
+
+    @classmethod
+    def now(cls) -> RandomStreams:
+        import random
+
+        import numpy
+
+        return cls(random.getstate(), numpy.random.get_state(), torch.get_rng_state())
+
+    def digest(self) -> int:
+        """52 bits of a hash of every generator's state (exact in a float64)."""
+        import hashlib
+
+        blake = hashlib.blake2b(digest_size=8)
+        blake.update(repr(self.python).encode())
+        blake.update(self.numpy[1].tobytes())
+        blake.update(self.torch_cpu.numpy().tobytes())
+        return int.from_bytes(blake.digest(), "little") & ((1 << 52) - 1)
+
+    def accelerate_states(self, step: int) -> dict[str, Any]:
+        """What Accelerate's save_state writes into random_states_N.pkl (on a machine without GPUs)."""
+        states = {"random_state": self.python, "numpy_random_seed": self.numpy, "torch_manual_seed": self.torch_cpu}
+        return {"step": step, **states}
+
+
 class StepAgreement:
     """Per optimizer step: every rank's (loss not finite, preempted) flags, combined with one MAX all-reduce.
 
@@ -309,14 +342,22 @@ class StepAgreement:
     a few microseconds a step. On a GPU they stay on the device and are read one step late (see the module doc).
     """
 
-    def __init__(self, accelerator: Any):
+    def __init__(self, accelerator: Any, streams: bool = False):
+        """`streams`: also agree, per step, whether every rank's random streams are the same (on a CPU): what a
+        survivor of a lost peer needs to save every rank's place (`ddp_accel.rescue`)."""
         self.accelerator, self.device = accelerator, accelerator.device
         self.lagged = self.device.type == "cuda"
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.skipped_steps = 0  # fp16: optimizer steps the gradient scaler skipped (inf/nan gradients)
         self.step_nonfinite: Any = torch.zeros((), device=self.device) if self.lagged else False  # any micro-batch
-        self._host = torch.zeros(2, pin_memory=self.lagged)
+        self.streams = streams and self.distributed and not self.lagged
+        flags_dtype = torch.float64 if self.streams else torch.float32  # (a 52-bit digest is exact in a float64)
+        self._host = torch.zeros(4 if self.streams else 2, dtype=flags_dtype, pin_memory=self.lagged)
         self._pending: tuple[int, torch.cuda.Event] | None = None
+        # (step, this rank's random streams after it, whether every rank's were the same): the newest agreed step's
+        # and the one being agreed on (a collective that fails leaves it here)
+        self.agreed_streams: tuple[int, RandomStreams, bool] | None = None
+        self.submitted_streams: tuple[int, RandomStreams] | None = None
 
     def step_done(self, step: int, signum: int | None, wait: bool = False) -> Verdict | None:
         """After optimizer step `step`: a verdict when the ranks agree to stop. `wait`: this step's verdict
@@ -339,12 +380,12 @@ class StepAgreement:
     def preempted(self, step: int, signum: int | None) -> Verdict | None:
         """Outside the training step (an evaluation batch): whether any rank received a signal, agreed now."""
         self.flush()
-        flags = [0.0, float(signum or 0)]
+        flags = [0.0, float(signum or 0)] + [0.0] * (len(self._host) - 2)  # (no streams compared here)
         if self.distributed:
-            self._host.copy_(torch.tensor(flags))
+            self._host.copy_(torch.tensor(flags, dtype=self._host.dtype))
             dist.all_reduce(self._host, op=dist.ReduceOp.MAX)
             flags = self._host.tolist()
-        return self._verdict(step, *flags)
+        return self._verdict(step, *flags[:2])
 
     def submit(self, step: int, signum: int, count_nonfinite: bool = True) -> Verdict | None:
         """Start the agreement on `step`. Returns the newest finished verdict that says stop, else None: on CPU
@@ -352,11 +393,17 @@ class StepAgreement:
         if not self.lagged:
             flags = [float(self.step_nonfinite and count_nonfinite), float(signum)]
             self.step_nonfinite = False
+            if self.streams:  # the streams' digest, and its negation: MAX of both says whether all are the same
+                streams = RandomStreams.now()
+                self.submitted_streams = (step, streams)
+                flags += [float(streams.digest()), -float(streams.digest())]
             if self.distributed:
-                self._host.copy_(torch.tensor(flags))
+                self._host.copy_(torch.tensor(flags, dtype=self._host.dtype))
                 dist.all_reduce(self._host, op=dist.ReduceOp.MAX)
                 flags = self._host.tolist()
-            return self._verdict(step, *flags)
+            if self.streams and self.submitted_streams is not None:
+                self.agreed_streams = (step, self.submitted_streams[1], flags[2] == -flags[3])
+            return self._verdict(step, *flags[:2])
         previous = self._collect()
         flags_on_device = torch.stack(
             [self.step_nonfinite * float(count_nonfinite), torch.full((), float(signum), device=self.device)]

@@ -19,7 +19,7 @@ from typing import Any
 
 from accelerate import Accelerator
 
-from ddp_accel import allocator, engines, loaders, run_end, run_start
+from ddp_accel import allocator, engines, loaders, rescue, run_end, run_start
 from ddp_accel.budget import BudgetGuard, BudgetPlan, command_started, epochs_text
 from ddp_accel.callbacks import Callback, Callbacks
 from ddp_accel.checkpoint import Checkpoints, every, model_fingerprint, optimizer_fingerprint
@@ -110,7 +110,7 @@ class TrainingRun:
         )
         self.ema, self.callbacks = features.ema, Callbacks(features.callbacks)
         self.checkpoints.contents = checkpoint_contents(task, self.prepared, self.scheduler, features.callbacks)
-        self.agreement = StepAgreement(accelerator)
+        self.agreement = StepAgreement(accelerator, streams=rescue.rescuable(accelerator, self.checkpoints.contents))
         self.step = TrainStep(
             accelerator, self.model, self.optimizer, task.loss_fn, config.max_grad_norm, self.agreement
         )
@@ -406,6 +406,18 @@ def train(
         except StopTraining as stop:
             run.stop(stop.verdict)
         except Exception as error:
+            if lost_peers(error):  # a survivor's save of the step reached, or the line saying why not
+                rescue.say(
+                    rescue.save_what_survived(
+                        run.accelerator,
+                        run.checkpoints.root,
+                        run.state,
+                        run.identity,
+                        run.checkpoints.contents,
+                        run.agreement,
+                        run.accumulation,
+                    )
+                )
             run.crashed(error)
             raise
         return run_end.commit(run)

@@ -301,3 +301,24 @@ def test_a_process_forked_from_ours_ends_on_sigterm_and_leaves_no_marker(tmp_pat
         child.join(10)
         assert child.exitcode == -signal.SIGTERM and signals.received is None
     assert not (tmp_path / PREEMPTED_MARKER).exists()
+
+
+@pytest.mark.multiprocess
+def test_a_killed_rank_costs_no_training_its_survivor_saves_the_step_it_reached(standard_reference, tmp_path):
+    # no periodic checkpoint to fall back on: the survivor (rank 0, a full DDP replica) saves the step it reached
+    # when its collective fails, for every rank; the restarted group resumes there and ends bitwise as uninterrupted
+    output_dir = tmp_path / "rescued"
+    command = [*COMMON, "--step-ms", "40", "--checkpointing-steps", "1000", "--resume-from-checkpoint", "latest"]
+    agent = torchrun(output_dir, *command, max_restarts=1)
+    log_file = output_dir.with_suffix(".log")
+    wait_for(lambda: "train:" in log_file.read_text(), alive=agent, what="the training")
+    time.sleep(1.5)  # some steps in
+    os.kill(next(pid for pid in wait_for(lambda: workers(agent)) if rank_of(pid) == 1), signal.SIGKILL)
+    code, log = finish(agent, output_dir)
+    assert code == 0, log[-3000:]
+    saved = [line for line in log.splitlines() if "saved the step it reached for the restart" in line]
+    assert len(saved) == 1, log[-3000:]
+    step = int(saved[0].rsplit("step_", 1)[1])
+    assert resumed_steps(log) == [step] and step > 0, log[-3000:]  # not from the start: nothing redone
+    assert "a survivor saves the step it reached" in log  # the banner said so
+    assert_same_weights(standard_reference, output_dir)

@@ -743,3 +743,33 @@ def test_the_curves_draw_the_losses_left_and_the_scores_right(tmp_path):
     assert train_left > 500 and eval_left > 500 and train_right > 500  # C0: train_loss left, eval_accuracy right
     plot_history([{k: v for k, v in record.items() if k != "eval_accuracy"} for record in history], tmp_path / "l.png")
     assert drawn_in(tmp_path / "l.png", True)[1] == 0  # no score: the right panel stays empty
+
+
+def test_a_survivor_saves_every_rank_s_place_only_where_one_replica_holds_it(tmp_path):
+    # the decisions of ddp_accel.rescue, the launched kill in tests/test_faults.py: which streams are every
+    # rank's, and what leaves the restart to the last checkpoint
+    from types import SimpleNamespace
+
+    from ddp_accel import rescue
+    from ddp_accel.checkpoint import Contents
+    from ddp_accel.state import RunIdentity, TrainState
+    from ddp_accel.stopping import RandomStreams
+
+    streams = RandomStreams.now()
+    agreement = SimpleNamespace(agreed_streams=(7, streams, True), submitted_streams=(7, streams))
+    assert rescue.streams_of(TrainState(step=7), agreement) is streams  # a failure inside step 8
+    agreement.submitted_streams = (8, "this rank's after step 8")  # its agreement failed: the step before agreed
+    assert rescue.streams_of(TrainState(step=8), agreement) == "this rank's after step 8"
+    agreement.agreed_streams = (7, streams, False)  # the ranks' streams differed
+    assert rescue.streams_of(TrainState(step=7), agreement) is None
+    assert rescue.streams_of(TrainState(step=8), agreement) is None
+
+    kind, cpu = "DistributedType.MULTI_CPU", torch.device("cpu")
+    ddp = SimpleNamespace(distributed_type=kind, num_processes=2, process_index=0, device=cpu)
+    assert rescue.why_not_rescued(ddp, Contents()) is None
+    assert "shard" in rescue.why_not_rescued(SimpleNamespace(**{**vars(ddp), "distributed_type": "FSDP"}), Contents())
+    assert "PowerSGD" in rescue.why_not_rescued(ddp, Contents(hooks=["a keeper"]))
+    agreement.agreed_streams = (7, streams, True)
+    mid_accumulation = TrainState(step=7, batches_in_epoch=15)
+    line = rescue.save_what_survived(ddp, tmp_path, mid_accumulation, RunIdentity(), Contents(), agreement, 2)
+    assert "inside a gradient accumulation" in line and not list(tmp_path.iterdir()), line

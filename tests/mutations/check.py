@@ -683,6 +683,21 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "work\n",
         "",
     ),
+    "a_lost_peer_s_survivor_saves_nothing": (
+        "ddp_accel/training.py",
+        "            if lost_peers(error):  # a survivor's save",
+        "            if False:  # a survivor's save",
+    ),
+    "a_survivor_writes_streams_the_ranks_did_not_share": (
+        "ddp_accel/rescue.py",
+        "        return agreed[1] if agreed[2] else None\n",
+        "        return agreed[1]\n",
+    ),
+    "a_survivor_saves_inside_an_accumulation": (
+        "ddp_accel/rescue.py",
+        "    if reason is None and state.batches_in_epoch % accumulation:",
+        "    if False:",
+    ),
     "async_staging_shares_addresses_across_objects": (
         "ddp_accel/async_save.py",
         "        self._storages = {}\n        self.writes.append(",

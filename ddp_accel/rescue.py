@@ -1,0 +1,159 @@
+"""A dead peer costs no training under DDP: the survivors save the step they reached before they exit.
+
+Under DDP every rank holds a full replica of the model, the optimizer and the schedule, and ranks that agree at
+every step (ddp_accel.stopping.StepAgreement) all stand at the same one when a collective fails because a peer is
+gone. The restarted group needs one more thing of each rank: its random streams. The agreement compares a digest of
+every rank's streams at each step (`StepAgreement(streams=True)`); where they were the same, the survivor's are
+every rank's, and its checkpoint is the whole job's. So a survivor writes `step_N` of the step it reached: the files
+Accelerate's `load_state` reads (the model's weights, the optimizer's and scheduler's states, every rank's random
+states) and ddp_accel's own (the callbacks' states, training_state.json), without a collective: the group is
+broken. It writes into `.rescue_step_N`, which the first survivor creates (a directory made atomically, also on a
+shared file system), and renames it into place once whole; a survivor killed meanwhile (the launcher's grace ends,
+TORCH_ELASTIC_SHUTDOWN_TIMEOUT) leaves the last complete checkpoint as `latest`.
+
+Where no rank holds another's state, the restart goes on from the last checkpoint, said in one line: FSDP (each
+rank holds its shard only), PowerSGD (each rank's error feedback), a failure inside a gradient accumulation (a
+part of the step's gradients is each rank's), random streams that were not the same on every rank.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddp_accel.checkpoint import Contents, complete, step_folder, training_state_json
+from ddp_accel.state import RunIdentity, TrainState
+from ddp_accel.stopping import RandomStreams, StepAgreement
+
+REPLICATED = ("MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_HPU")
+
+
+def why_not_rescued(accelerator: Any, contents: Contents) -> str | None:
+    """Why a survivor of this run cannot save every rank's place (None: it can)."""
+    kind = str(accelerator.distributed_type).split(".")[-1]
+    if accelerator.num_processes < 2:
+        return "one process"
+    if kind not in REPLICATED:
+        return f"{kind}: no rank holds another's shard"
+    if contents.hooks:
+        return "PowerSGD's error feedback is each rank's own"
+    if accelerator.device.type != "cpu":  # (the agreement there is read a step late, its streams not compared yet)
+        return "on a GPU the ranks' random streams are not compared per step"
+    return None
+
+
+def rescuable(accelerator: Any, contents: Contents) -> bool:
+    """Whether a survivor of this run can save every rank's place (the agreement then compares the streams)."""
+    return why_not_rescued(accelerator, contents) is None
+
+
+def describe(accelerator: Any, contents: Contents) -> str | None:
+    """The banner's line: what a lost peer costs this run."""
+    reason = why_not_rescued(accelerator, contents)
+    if reason == "one process":
+        return None
+    if reason is None:
+        return "a survivor saves the step it reached (every rank holds the whole state)"
+    return f"the restart resumes from the last checkpoint ({reason})"
+
+
+def streams_of(state: TrainState, agreement: StepAgreement) -> RandomStreams | None:
+    """Every rank's random streams after `state`'s step, where the ranks agreed they were the same: the agreed ones
+    of that step, or (the agreement of this very step failed) this rank's, when they were the same a step before."""
+    agreed, submitted = agreement.agreed_streams, agreement.submitted_streams
+    if agreed is not None and agreed[0] == state.step:
+        return agreed[1] if agreed[2] else None
+    if submitted is not None and submitted[0] == state.step and agreed is not None and agreed[0] == state.step - 1:
+        return submitted[1] if agreed[2] else None
+    return None
+
+
+def save_what_survived(
+    accelerator: Any,
+    root: Path,
+    state: TrainState,
+    identity: RunIdentity,
+    contents: Contents,
+    agreement: StepAgreement,
+    accumulation: int,
+) -> str:
+    """A survivor's checkpoint of the step it reached, when it can be every rank's; returns its line (also when
+    the save itself fails: the lost peer's error is the run's)."""
+    try:
+        return _save_what_survived(accelerator, root, state, identity, contents, agreement, accumulation)
+    except Exception as failed:
+        return f"process {accelerator.process_index}: the step it reached was not saved ({failed})"
+
+
+def _save_what_survived(
+    accelerator: Any,
+    root: Path,
+    state: TrainState,
+    identity: RunIdentity,
+    contents: Contents,
+    agreement: StepAgreement,
+    accumulation: int,
+) -> str:
+    rank = accelerator.process_index
+    reason = why_not_rescued(accelerator, contents)
+    streams = streams_of(state, agreement)
+    if reason is None and state.batches_in_epoch % accumulation:
+        reason = "the peer was lost inside a gradient accumulation"
+    if reason is None and streams is None:
+        reason = f"the ranks' random streams at step {state.step} were not the same"
+    if reason is None and state.step == 0:
+        reason = "nothing was trained yet"
+    if reason is not None:
+        return f"process {rank}: the restart resumes from the last checkpoint ({reason})"
+    assert streams is not None
+    final = step_folder(root, state.step)
+    if (final / "training_state.json").is_file():
+        return f"process {rank}: the step it reached ({state.step}) is saved already: {final}"
+    rescue = root / f".rescue_step_{state.step}"
+    try:
+        rescue.mkdir(parents=True)  # the first survivor's (atomic)
+    except FileExistsError:
+        return f"process {rank}: another survivor saves step {state.step}"
+    try:
+        write_replica(accelerator, rescue, contents, streams)
+        complete(rescue, final, json.dumps(training_state_json(state, identity), indent=2), None)
+    except BaseException:
+        shutil.rmtree(rescue, ignore_errors=True)
+        raise
+    return f"process {rank} saved the step it reached for the restart: {final}"
+
+
+def write_replica(accelerator: Any, folder: Path, contents: Contents, streams: RandomStreams) -> None:
+    """What Accelerate's save_state would write of every rank (the model as Accelerate keeps it, the optimizers,
+    schedulers and gradient scaler, one random_states_N.pkl per rank), and the callbacks' states."""
+    from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, SCALER_NAME, clean_state_dict_for_safetensors
+    from safetensors.torch import save_file
+
+    objects = contents.objects
+    for index, model in enumerate(objects.models):
+        name = SAFE_WEIGHTS_NAME if index == 0 else SAFE_WEIGHTS_NAME.replace(".", f"_{index}.")
+        weights = accelerator.get_state_dict(model, unwrap=False)
+        if isinstance(weights, collections.OrderedDict):
+            weights = clean_state_dict_for_safetensors(weights)
+        save_file(weights, str(folder / name), metadata={"format": "pt"})
+    for index, optimizer in enumerate(objects.optimizers):
+        name = f"{OPTIMIZER_NAME}.bin" if index == 0 else f"{OPTIMIZER_NAME}_{index}.bin"
+        torch.save(optimizer.state_dict(), folder / name)
+    for index, scheduler in enumerate(objects.schedulers):
+        torch.save(scheduler.state_dict(), folder / ("scheduler.bin" if index == 0 else f"scheduler_{index}.bin"))
+    if accelerator.scaler is not None:
+        torch.save(accelerator.scaler.state_dict(), folder / SCALER_NAME)
+    for rank in range(accelerator.num_processes):
+        torch.save(streams.accelerate_states(accelerator.step), folder / f"random_states_{rank}.pkl")
+    if contents.callbacks is not None:
+        contents.callbacks.save(folder)
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
