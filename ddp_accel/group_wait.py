@@ -53,15 +53,15 @@ def while_the_group_forms(timeout_s: float, output_dir: str | None) -> Iterator[
         end.setblocking(False)
     previous = signal.set_wakeup_fd(wake.fileno(), warn_on_full_buffer=False)
     started = time.monotonic()  # here: the thread may first run once torch's wait has begun
-    watch = (engine, woken, formed, started, timeout_s, output_dir or ".")
-    watcher = threading.Thread(target=_watch, args=watch, name="ddp_accel group", daemon=True)
+    watch = _Watch(engine, woken, formed, started, timeout_s, output_dir or ".")
+    watcher = threading.Thread(target=watch.run, name="ddp_accel group", daemon=True)
     watcher.start()
     try:
-        store = engine.store_to_reach()
-        if store is not None:  # rank 0's store first, in Python: torch's failed connect prints pages of C++ frames
-            with _signals_left_to_the_watcher():
+        with watch.acting_on_signals():
+            store = engine.store_to_reach()
+            if store is not None:  # rank 0's store first, in Python: torch's failed connect prints pages of C++ frames
                 until_it_answers(store, started + timeout_s, engine.never_formed_line(timeout_s))
-        yield
+            yield
     except Exception as error:
         if _timed_out(error, time.monotonic() - started, timeout_s):
             raise UserError(engine.never_formed_line(timeout_s), every_process=True) from None
@@ -72,22 +72,6 @@ def while_the_group_forms(timeout_s: float, output_dir: str | None) -> Iterator[
         watcher.join()
         for end in (woken, wake, formed, say_formed):
             end.close()
-
-
-@contextlib.contextmanager
-def _signals_left_to_the_watcher() -> Iterator[None]:
-    """Inside, this thread's handlers of the stop signals and Ctrl-C do nothing but wake the watcher (through the
-    wakeup descriptor), which acts on them as it does while torch's rendezvous blocks: one way to end, whichever
-    moment of the wait a signal comes. An ignored signal stays ignored."""
-    previous = {}
-    for signum in (*SIGNALS, signal.SIGINT):
-        if signal.getsignal(signum) != signal.SIG_IGN:
-            previous[signum] = signal.signal(signum, lambda received, frame: None)
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 def until_it_answers(store: tuple[str, int], deadline: float, never_formed: str) -> None:
@@ -104,31 +88,68 @@ def _timed_out(error: Exception, waited_s: float, timeout_s: float) -> bool:
     return waited_s >= 0.9 * timeout_s and ("timed out" in message or "timeout" in message or "connect" in message)
 
 
-def _watch(
-    engine: engines.Engine,
-    woken: socket.socket,
-    formed: socket.socket,
-    started: float,
-    timeout_s: float,
-    output_dir: str,
-) -> None:
-    report_at = started + min(FIRST_REPORT_S, timeout_s / 2)
-    bound = started + timeout_s + BOUND_GRACE_S
-    while True:
-        next_at = min(report_at, bound)
-        ready, _, _ = select.select([woken, formed], [], [], max(0.0, next_at - time.monotonic()))
-        if formed in ready:
+class _Watch:
+    """The thread beside the wait, and the one actor on a stop signal until the group formed: the main thread's
+    handlers do nothing meanwhile (else a signal between two C++ calls was acted on twice, by both, racing)."""
+
+    def __init__(
+        self,
+        engine: engines.Engine,
+        woken: socket.socket,
+        formed: socket.socket,
+        started: float,
+        timeout_s: float,
+        output_dir: str,
+    ):
+        self.engine, self.woken, self.formed, self.output_dir = engine, woken, formed, output_dir
+        self.started, self.timeout_s = started, timeout_s
+        self.signals_lock = threading.Lock()  # held while one of the two acts on signals or hands them back
+        self.watching = True
+
+    @contextlib.contextmanager
+    def acting_on_signals(self) -> Iterator[None]:
+        """Inside, the stop signals and Ctrl-C reach the thread only; at the end, a signal it has not read yet is
+        acted on here, then the handlers are the main thread's again. An ignored signal stays ignored."""
+        previous = {}
+        for signum in (*SIGNALS, signal.SIGINT):
+            if signal.getsignal(signum) != signal.SIG_IGN:
+                previous[signum] = signal.signal(signum, lambda received, frame: None)
+        try:
+            yield
+        finally:
+            with self.signals_lock:
+                self._act_on_signals_received()
+                for signum, handler in previous.items():
+                    signal.signal(signum, handler)
+                self.watching = False
+
+    def run(self) -> None:
+        report_at = self.started + min(FIRST_REPORT_S, self.timeout_s / 2)
+        bound = self.started + self.timeout_s + BOUND_GRACE_S
+        while True:
+            next_at = min(report_at, bound)
+            ready, _, _ = select.select([self.woken, self.formed], [], [], max(0.0, next_at - time.monotonic()))
+            if self.woken in ready:
+                with self.signals_lock:  # once handed back, the main thread's handlers act: the bytes are read only
+                    self._act_on_signals_received(act=self.watching)
+            if self.formed in ready:
+                return
+            if self.woken in ready:
+                continue
+            if time.monotonic() >= bound:
+                _never_formed(self.engine, self.timeout_s)
+            line = self.engine.waiting_line(time.monotonic() - self.started, self.timeout_s)
+            if line:
+                print(f"waiting: {line}", file=sys.stderr, flush=True)
+            report_at = time.monotonic() + REPORT_S
+
+    def _act_on_signals_received(self, act: bool = True) -> None:
+        try:
+            received = self.woken.recv(64)
+        except BlockingIOError:
             return
-        if woken in ready:
-            for signum in woken.recv(64):
-                _stop(signum, output_dir)
-            continue
-        if time.monotonic() >= bound:
-            _never_formed(engine, timeout_s)
-        line = engine.waiting_line(time.monotonic() - started, timeout_s)
-        if line:
-            print(f"waiting: {line}", file=sys.stderr, flush=True)
-        report_at = time.monotonic() + REPORT_S
+        for signum in received if act else b"":
+            _stop(signum, self.output_dir)
 
 
 def _never_formed(engine: engines.Engine, timeout_s: float) -> None:

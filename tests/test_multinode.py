@@ -1,6 +1,7 @@
 """accelerate_configs/multi_node.yaml as 2 machines on one host: two `accelerate launch --machine_rank 0|1` (or
 `ddp-accel launch`, which watches the wait for the other machines)."""
 
+import json
 import os
 import re
 import signal
@@ -209,6 +210,35 @@ def test_a_group_that_never_gets_its_last_rank_ends_at_the_bound_in_one_line_on_
     from ddp_accel import group_wait
 
     assert waited < 3 + group_wait.BOUND_GRACE_S + 15, waited  # (the imports: a few seconds on 2 loaded cores)
+
+
+SIGNALLED_WHILE_THE_GROUP_FORMS = """
+import os, signal, sys, time
+from ddp_accel import group_wait
+os.environ.update(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+signal.signal(signal.SIGTERM, lambda *_: (print("the script's handler ran", flush=True), os._exit(9)))
+with group_wait.while_the_group_forms(60, sys.argv[1]):
+    os.kill(os.getpid(), signal.SIGTERM)  # in Python, between two of torch's C++ calls
+    if sys.argv[2] == "during":
+        time.sleep(20)
+print("not ended", flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("moment", ["during", "at-the-end"])
+def test_a_signal_while_the_group_forms_is_acted_on_once_by_the_watcher(tmp_path, moment):
+    # the script's own handler and the watcher both acted on a signal that came while the main thread ran Python
+    # (a Ctrl-C exited 130 without its line, a preemption left a marker without its moment); one that came as the
+    # group formed was lost once the handlers were the script's again
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-c", SIGNALLED_WHILE_THE_GROUP_FORMS, str(tmp_path), moment]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0 and result.stdout == "", (result.stdout, result.stderr[-2000:])
+    marker = json.loads((tmp_path / "preempted.json").read_text())
+    assert marker["moment"] == "rendezvous" and marker["signal"] == "SIGTERM", marker
 
 
 BLOCKED_PAST_THE_BOUND = """

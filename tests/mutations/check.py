@@ -57,11 +57,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "step_agreement_all_reduce_skipped": (
         "ddp_accel/stopping.py",
-        "            if self.distributed:\n                self._host.copy_(torch.tensor(flags))\n"
+        "            if self.distributed:\n"
+        "                self._host.copy_(torch.tensor(flags, dtype=self._host.dtype))\n"
         "                dist.all_reduce(self._host, op=dist.ReduceOp.MAX)\n"
-        "                flags = self._host.tolist()\n"
-        "            return self._verdict(step, *flags)",
-        "            return self._verdict(step, *flags)",
+        "                flags = self._host.tolist()\n",
+        "",
     ),
     "renamed_before_training_state_is_written": (
         "ddp_accel/checkpoint.py",
@@ -586,6 +586,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "ddp_accel/group_wait.py",
         "        if store is not None:  # rank 0's store first",
         "        if False:  # rank 0's store first",
+    ),
+    "the_script_s_handlers_act_while_the_group_forms": (
+        "ddp_accel/group_wait.py",
+        "                previous[signum] = signal.signal(signum, lambda received, frame: None)",
+        "                previous[signum] = signal.getsignal(signum)",
+    ),
+    "a_signal_as_the_group_formed_lost": (
+        "ddp_accel/group_wait.py",
+        "                self._act_on_signals_received()\n                for signum, handler in previous.items():",
+        "                for signum, handler in previous.items():",
     ),
     "the_group_wait_unbounded": (
         "ddp_accel/group_wait.py",
