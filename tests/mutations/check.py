@@ -350,8 +350,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "signals_wait_for_the_rendezvous": (
         "ddp_accel/group_wait.py",
-        "                _stop(signum, output_dir)\n",
-        "                pass\n",
+        "            _stop(signum, self.output_dir)\n",
+        "            pass\n",
     ),
     "worker_outlives_a_dead_forkserver": (
         "ddp_accel/loaders.py",
