@@ -93,13 +93,20 @@ class IdDataset(Dataset):
 
 
 class CrashAt(Callback):
-    """A bug that strikes at the same step every time."""
+    """A bug that strikes inside the same step every time (in its forward, before its update: no rank completes
+    it, so a restart reaches it again)."""
 
     def __init__(self, step: int, rank: int):
-        self.step, self.rank = step, rank
+        self.step, self.rank, self.steps_done = step, rank, 0
+
+    def on_start(self, run) -> None:
+        self.steps_done = run.state.step
 
     def on_step_end(self, run) -> None:
-        if run.state.step == self.step and run.accelerator.process_index == self.rank:
+        self.steps_done = run.state.step
+
+    def check(self, process_index: int) -> None:
+        if self.steps_done + 1 == self.step and process_index == self.rank:
             raise RuntimeError(f"probe: a bug at step {self.step}")
 
 
@@ -141,7 +148,7 @@ def main(signals: StopSignals | None = None) -> None:
     parser.set_defaults(optimizer="adamw", weight_decay=0.01)  # torch's AdamW defaults
     parser.add_argument("--oom-above", type=int, help="a batch of more samples fails as out of memory does")
     parser.add_argument("--pid-dir", help="each process writes rank<R>.<pid> here at start (the fault tests' target)")
-    parser.add_argument("--crash-at-step", type=int, help="rank 1 (or the only one) raises after this step: a bug")
+    parser.add_argument("--crash-at-step", type=int, help="rank 1 (or the only one) raises inside this step: a bug")
     parser.add_argument(
         "--sigterm-at-batch", type=int, help="rank 0 sends itself SIGTERM while computing its Nth batch (a preemption)"
     )
@@ -179,11 +186,14 @@ def main(signals: StopSignals | None = None) -> None:
     train, val = loader(args.train_size, 1, shuffle=True), loader(args.val_size, 2)
     test = loader(args.test_size, 3) if args.test_size else None
     seen: list[list[int]] = []
+    crash = [CrashAt(args.crash_at_step, min(1, accelerator.num_processes - 1))] if args.crash_at_step else []
 
     def loss_fn(model, batch):
         ids, x, y = batch
         if args.oom_above and len(ids) > args.oom_above:  # what a GPU says when the batch does not fit
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (probe --oom-above)")
+        for bug in crash:
+            bug.check(accelerator.process_index)
         seen.append(ids.tolist())
         if len(seen) == args.sigterm_at_batch and accelerator.is_main_process:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -220,7 +230,6 @@ def main(signals: StopSignals | None = None) -> None:
         Path(args.pid_dir).mkdir(parents=True, exist_ok=True)
         Path(args.pid_dir, f"rank{accelerator.process_index}.{os.getpid()}").touch()
     identity = make_identity({key: getattr(args, key) for key in ("hidden", "complex", "sparse_embedding")})
-    crash = [CrashAt(args.crash_at_step, min(1, accelerator.num_processes - 1))] if args.crash_at_step else []
     callbacks = [*crash, LearningRates(config.output_dir)]
     run.fit(task, RunRecord(identity=identity), callbacks)
     Path(config.output_dir, f"seen_rank{accelerator.process_index}.json").write_text(json.dumps(seen))
