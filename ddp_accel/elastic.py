@@ -6,6 +6,10 @@ missing data, a checkpoint of another run or a loss that turns nan at the same s
 typo cost 4 attempts and 49 s with `--max_restarts 3`). The agent has no exit code for "do not retry"; a worker can
 stop it, though: SIGTERM to the agent makes it end its workers and exit at once, without another attempt (it prints
 torch's `SignalException: Process N got signal: 15` after our error line). Crashes still restart.
+
+A worker also ends with its agent (`end_with_the_launcher`): torch starts each worker in a session of its own, so
+a launcher killed outright (SIGKILL, `kill -9 -- -PGID` of a stuck job) would leave its ranks training on, holding
+the output dir.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,6 +73,31 @@ def agent_pid() -> int | None:
     """This worker's agent: its parent, when the parent runs torch elastic (not a shell, srun or a notebook)."""
     command = " ".join(parent_command())
     return os.getppid() if any(name in command for name in AGENT_COMMANDS) else None
+
+
+def end_with_the_launcher(poll_s: float = 0.5) -> threading.Event | None:
+    """Under torch elastic's agent, watch it: once it is gone (this process was given another parent), this one
+    stops as a SIGTERM stops it (the ranks agree on a step, save it and exit; the same command resumes there).
+    Returns the event that ends the watch (None: not under an agent)."""
+    agent = agent_pid()
+    if agent is None:
+        return None
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(poll_s):
+            if os.getppid() != agent:
+                print(
+                    f"warning: rank {process_rank()}: its launcher (pid {agent}) is gone; stopping at the next step "
+                    "with a checkpoint",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    threading.Thread(target=watch, name="ddp_accel-launcher-watch", daemon=True).start()
+    return done
 
 
 def wait_for_a_stop_signal(seconds: float) -> bool:

@@ -32,6 +32,7 @@ from ddp_accel.config import TrainConfig
 from ddp_accel.elastic import (
     START_TIME,
     child_processes,
+    end_with_the_launcher,
     parent_command,
     process_rank,
     report_to_launcher,
@@ -666,8 +667,10 @@ def run_main(main: Callable[..., Any]) -> None:
     start_wanted_worker_server()  # first: a fork while this process runs one thread of Python
     signals = StopSignals()
     note_command_start(started_as_script=getattr(main, "__module__", None) == "__main__")  # --time-budget's clock
+    launcher_watch = None
     try:
         signals.install()  # a signal that came during the imports is handled here: Preempted (nothing trained yet)
+        launcher_watch = end_with_the_launcher()
         main(signals) if inspect.signature(main).parameters else main()
         signals.enter(Phase.DONE)
         outcome = Outcome("completed", 0)
@@ -691,6 +694,8 @@ def run_main(main: Callable[..., Any]) -> None:
             raise
         signals.enter(Phase.DONE)
         outcome = _failed(error, signals)
+    if launcher_watch is not None:
+        launcher_watch.set()
     record_outcome(outcome)
     if engines.current().outlives_the_script:  # a Ray worker: its helpers serve the process, which goes on
         kill_leftover_workers()

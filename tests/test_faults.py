@@ -322,3 +322,38 @@ def test_a_killed_rank_costs_no_training_its_survivor_saves_the_step_it_reached(
     assert resumed_steps(log) == [step] and step > 0, log[-3000:]  # not from the start: nothing redone
     assert "a survivor saves the step it reached" in log  # the banner said so
     assert_same_weights(standard_reference, output_dir)
+
+
+@pytest.mark.multiprocess
+def test_a_killed_launcher_ends_its_workers_with_a_checkpoint_the_same_command_resumes(standard_reference, tmp_path):
+    # torch starts each worker in a session of its own: a SIGKILL of torchrun alone would leave both ranks training
+    # on, holding the output dir; they notice they lost their parent, agree on a step, save it and end
+    output_dir = tmp_path / "orphaned"
+    command = [*COMMON, "--step-ms", "40", "--resume-from-checkpoint", "latest"]
+    agent = torchrun(output_dir, *command)
+    log_file = output_dir.with_suffix(".log")
+    wait_for(lambda: "train:" in log_file.read_text(), alive=agent, what="the training")
+    time.sleep(1.0)  # some steps in
+    ranks = wait_for(lambda: workers(agent) if len(workers(agent)) == 2 else None)
+    agent.kill()
+    agent.wait()
+    killed = time.monotonic()
+
+    def running(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    wait_for(lambda: not any(running(pid) for pid in ranks), timeout=60, what="the workers to end")
+    ended_s = time.monotonic() - killed
+    log = log_file.read_text()
+    marker = read_marker(output_dir)
+    assert marker is not None and marker["phase"] == "train", log[-3000:]
+    assert "its launcher (pid" in log, log[-3000:]
+    assert marker["step"] in checkpoint_steps(output_dir)
+    code, log = finish(torchrun(output_dir, *command), output_dir)
+    assert code == 0, log[-3000:]
+    assert resumed_steps(log) == [marker["step"]], log[-3000:]
+    assert_same_weights(standard_reference, output_dir)
+    print(f"\nlauncher killed -> workers ended with step_{marker['step']} saved in {ended_s:.1f} s", file=sys.stderr)

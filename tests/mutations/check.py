@@ -698,6 +698,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            if lost_peers(error):  # a survivor's save",
         "            if False:  # a survivor's save",
     ),
+    "orphaned_workers_train_on": (
+        "ddp_accel/runtime.py",
+        "        launcher_watch = end_with_the_launcher()\n",
+        "        launcher_watch = None\n",
+    ),
     "a_survivor_writes_streams_the_ranks_did_not_share": (
         "ddp_accel/rescue.py",
         "        return agreed[1] if agreed[2] else None\n",
