@@ -1,7 +1,7 @@
 """The stateful callbacks' part of a checkpoint, by name: `callback_states.pt` maps each callback's `state_key`
 to its `state_dict()`, so that adding or removing a callback never hands another one the wrong state.
 
-Checkpoints of ddp_accel af45933 and earlier hold the states by position instead (Accelerate's
+Checkpoints of earlier versions hold the states by position instead (Accelerate's
 `custom_checkpoint_N.pkl`, in the order the stateful callbacks were given): they are read in that order, and a
 count that differs is refused as it was then.
 """

@@ -191,8 +191,8 @@ def init_elastic_process_group(cpu: bool, timeout_s: int) -> None:
 
     The workers of every restart share the agent's TCPStore, and the process group's keys (each rank's
     gloo address) do not depend on the attempt. A restarted rank can then read the address of a rank
-    that was killed and fail with "Gloo connectFullMesh failed ... Connection refused" (seen here in all
-    5 runs that SIGKILLed both workers, before this). Accelerate uses a process group that exists.
+    that was killed and fail with "Gloo connectFullMesh failed ... Connection refused" (what a restart after
+    a SIGKILL of every worker meets). Accelerate uses a process group that exists.
     """
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
@@ -553,8 +553,8 @@ def wait_for_the_other_forks(local_rank: int, local_world_size: int, timeout_s: 
 
     The agent's store server thread, in the kernel, looks up the name of every worker that connects
     (`getnameinfo`, which holds glibc's resolver lock). A worker forked at that moment inherits the lock held and
-    hangs at its first name lookup, for good (2 launches in about 230 here, the second worker each time, while the
-    first connected; none in 710 since). No worker connecting before the last fork leaves no lookup to fork into.
+    hangs at its first name lookup, for good. No worker connecting before the last fork leaves no lookup to fork
+    into.
     Returns whether this process waited (False: not a fork of its parent, or a lone worker); after `timeout_s`
     it says so and goes on."""
     if local_world_size <= 1:

@@ -136,7 +136,7 @@ class TrainState:
         return {**asdict(self), "samples_in_epoch": self.samples_in_epoch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Unknown keys are ignored. Checkpoints written before this object (ddp_accel 729a739) hold step, epoch,
+        """Unknown keys are ignored. Checkpoints of the first versions hold only step, epoch,
         batches_in_epoch, samples_in_epoch, global_batch, world_size and model_fingerprint; the rest keeps its
         default, and a global batch they lack is derived from the samples seen."""
         known = {f.name for f in fields(self)}
