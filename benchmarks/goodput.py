@@ -1,0 +1,272 @@
+"""Goodput under failures: the same job run fault-free and while a seeded chaos loop SIGKILLs a random rank every
+T seconds on average, under `torchrun --max_restarts`; goodput = fault-free wall time / faulted wall time.
+
+    python benchmarks/goodput.py --mean-s 60 30 --seed 0
+    python benchmarks/goodput.py --jobs template-ddp --trees . ../base --mean-s 60   # another checkout beside
+
+For each failure: the steps redone (0 when a survivor saved the step reached and the restart resumed there; else
+the steps since the checkpoint resumed from, estimated at the fault-free pace), and the time from the kill to: the
+survivor's line (detection, and its save), the restarted process's banner (process start, imports, rendezvous),
+its `resumed from` line (checkpoint load); for the last failure also to its first completed step (the final
+attempt's metrics.json), beside the fault-free command's own time to its first step. The final weights are
+compared with the fault-free run's, bitwise. A markdown table goes to stdout and benchmarks/results/goodput.md, a
+plot of goodput against T to benchmarks/results/goodput.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+BIN = Path(sys.executable).parent
+
+TEMPLATE = ["scripts/template.py", "--epochs", "150", "--batch-size", "32", "--checkpointing-steps", "400"]
+RESNET20 = ["scripts/imagenet.py", "--dummy", "-a", "cifar_resnet20", "--image-size", "32", "-b", "32", "-j", "0"]
+RESNET20 += ["--dummy-classes", "10", "--epochs", "6", "--checkpointing-steps", "100"]
+FSDP = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}  # what accelerate launch gives an FSDP2 config
+# name -> (processes, extra environment, the command after torchrun's options)
+JOBS: dict[str, tuple[int, dict[str, str], list[str]]] = {
+    "template-ddp": (2, {}, TEMPLATE),
+    "template-1-process": (1, {}, TEMPLATE),
+    "template-fsdp": (2, FSDP, TEMPLATE),
+    "resnet20-ddp": (2, {}, RESNET20),
+}
+SURVIVOR = re.compile(r"saved the step it reached for the restart: .*step_(\d+)")
+DETECTED = re.compile(r"saved the step it reached|lost contact|resumes from the last checkpoint")
+RESUMED = re.compile(r"resumed from \S+: step (\d+)")
+
+
+@dataclasses.dataclass
+class Failure:
+    at: float  # time.time() of the kill
+    latest_step: int | None  # the newest complete checkpoint then
+    latest_at: float | None  # when it was renamed into place
+    events: dict[str, float] = dataclasses.field(default_factory=dict)  # name -> seconds after the kill
+    resumed_step: int | None = None
+    rescued_step: int | None = None
+
+
+class Log:
+    """The job's output file, each new line (or progress-bar update) with the time it was first seen."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.lines = path, 0, []
+
+    def poll(self) -> None:
+        with open(self.path, "rb") as file:
+            file.seek(self.offset)
+            chunk = file.read()
+        complete = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
+        if complete < 0:
+            return
+        self.offset += complete + 1
+        now = time.time()
+        for line in re.split(rb"[\r\n]", chunk[: complete + 1]):
+            if line.strip():
+                self.lines.append((now, line.decode(errors="replace")))
+
+
+def checkpoints(output_dir: Path) -> list[tuple[int, float]]:
+    """(step, when it was renamed into place) of each complete checkpoint."""
+    found = []
+    for path in (output_dir / "checkpoints").glob("step_*"):
+        try:
+            found.append((int(path.name.split("_")[1]), path.stat().st_mtime))
+        except (ValueError, OSError):
+            continue
+    return sorted(found)
+
+
+def workers(agent: subprocess.Popen, script: str) -> list[int]:
+    """The agent's worker processes (its children running the script)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == agent.pid and fields[0] != "Z" and script in (entry / "cmdline").read_text():
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return sorted(found)
+
+
+def run_job(tree: Path, job: str, output_dir: Path, mean_s: float | None, seed: int) -> dict:
+    """One launch of `job` from `tree`, SIGKILLing a random rank every `mean_s` seconds on average (None: none)."""
+    processes, env_extra, command = JOBS[job]
+    argv = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(processes), "--max_restarts", "100"]
+    argv += ["--monitor_interval", "0.1", *command, "--output-dir", str(output_dir), "--resume-from-checkpoint"]
+    argv += ["latest"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tree), **env_extra}
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    log_path = output_dir.with_suffix(".log")
+    rng, failures = random.Random(seed), []
+    with open(log_path, "w") as log_file:
+        started = time.time()
+        agent = subprocess.Popen(argv, cwd=tree, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        log = Log(log_path)
+        next_kill = started + rng.expovariate(1 / mean_s) if mean_s else float("inf")
+        while agent.poll() is None:
+            log.poll()
+            if time.time() >= next_kill:
+                ranks = workers(agent, command[0])
+                if len(ranks) == processes:  # not while the agent starts the group again
+                    done = checkpoints(output_dir)
+                    os.kill(rng.choice(ranks), signal.SIGKILL)
+                    failures.append(Failure(time.time(), *(done[-1] if done else (None, None))))
+                    print(f"  {job}: killed a rank {time.time() - started:.0f} s in", file=sys.stderr, flush=True)
+                next_kill = time.time() + rng.expovariate(1 / mean_s)
+            time.sleep(0.02)
+        log.poll()
+        wall_s = time.time() - started
+    if agent.returncode != 0:
+        raise SystemExit(f"{job}: exit {agent.returncode}; see {log_path}")
+    for index, failure in enumerate(failures):
+        until = failures[index + 1].at if index + 1 < len(failures) else float("inf")
+        for seen, line in log.lines:
+            if not failure.at <= seen < until:
+                continue
+            after = seen - failure.at
+            if DETECTED.search(line):
+                failure.events.setdefault("detected", after)
+            if (match := SURVIVOR.search(line)) is not None:
+                failure.rescued_step = int(match.group(1))
+            if line.startswith("== "):
+                failure.events.setdefault("banner", after)
+            if (match := RESUMED.search(line)) is not None and failure.resumed_step is None:
+                failure.resumed_step, failure.events["resumed"] = int(match.group(1)), after
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    if failures:
+        failures[-1].events["first_step"] = metrics["first_step_at"] - failures[-1].at
+    return {"wall_s": wall_s, "failures": failures, "metrics": metrics, "started": started}
+
+
+def steps_redone(failure: Failure, steps_per_s: float) -> float | None:
+    """0 when the restart resumed at the survivor's save; else the steps since the checkpoint it resumed from, at
+    the fault-free pace (None: no resume seen before the next failure)."""
+    if failure.resumed_step is None:
+        return None
+    if failure.rescued_step is not None and failure.resumed_step == failure.rescued_step:
+        return 0.0
+    if failure.latest_at is None:  # from scratch: every step since its start
+        return None
+    return max(0.0, (failure.at - failure.latest_at) * steps_per_s)
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    first, second = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    return first.keys() == second.keys() and all(first[key].equal(second[key]) for key in first)
+
+
+def median(values: list[float]) -> float | None:
+    values = sorted(values)
+    return values[len(values) // 2] if values else None
+
+
+def row(tree: str, job: str, mean_s: float, clean: dict, faulted: dict, bitwise: bool) -> dict:
+    steps_per_s = clean["metrics"]["steps"] / clean["metrics"]["wall_time_s"]
+    failures = faulted["failures"]
+    redone = [value for failure in failures if (value := steps_redone(failure, steps_per_s)) is not None]
+    events = {
+        name: median([failure.events[name] for failure in failures if name in failure.events])
+        for name in ("detected", "banner", "resumed", "first_step")
+    }
+    cold = clean["metrics"]["first_step_at"] - clean["started"]
+    return {
+        "tree": tree,
+        "job": job,
+        "mean_s": mean_s,
+        "failures": len(failures),
+        "clean_s": clean["wall_s"],
+        "faulted_s": faulted["wall_s"],
+        "goodput": clean["wall_s"] / faulted["wall_s"],
+        "redone": sum(redone) / len(redone) if redone else None,
+        "rescued": sum(failure.rescued_step is not None for failure in failures),
+        **events,
+        "cold_first_step": cold,
+        "bitwise": bitwise,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    def figure(value: float | None, digits: int = 1) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    lines = [
+        "| tree | job | T (s) | failures | fault-free s | faulted s | goodput | steps redone / failure | rescued "
+        "| kill -> survivor's line | -> banner | -> resumed | -> first step (last) | cold first step | bitwise |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['tree']} | {r['job']} | {r['mean_s']:.0f} | {r['failures']} | {r['clean_s']:.0f} | "
+            f"{r['faulted_s']:.0f} | {r['goodput']:.2f} | {figure(r['redone'])} | {r['rescued']}/{r['failures']} | "
+            f"{figure(r['detected'], 2)} | {figure(r['banner'])} | {figure(r['resumed'])} | "
+            f"{figure(r['first_step'])} | {r['cold_first_step']:.1f} | {'yes' if r['bitwise'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for key in sorted({(r["tree"], r["job"]) for r in rows}):
+        points = sorted((r["mean_s"], r["goodput"]) for r in rows if (r["tree"], r["job"]) == key)
+        axes.plot([x for x, _ in points], [y for _, y in points], marker="o", label=" ".join(key))
+    axes.set_xlabel("mean time between failures (s)")
+    axes.set_ylabel("goodput (fault-free / faulted wall time)")
+    axes.set_ylim(0, 1.05)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", nargs="+", choices=list(JOBS), default=list(JOBS))
+    parser.add_argument("--mean-s", nargs="+", type=float, default=[60.0], help="mean seconds between kills")
+    parser.add_argument("--seed", type=int, default=0, help="the kills' times and victims")
+    parser.add_argument("--trees", nargs="+", type=Path, default=[ROOT], help="the checkouts to run, in turn")
+    parser.add_argument("--results", type=Path, default=HERE / "results" / "goodput.md")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="goodput_") as scratch:
+        for job in args.jobs:
+            for index, tree in enumerate(tree.resolve() for tree in args.trees):
+                label = "this" if tree == ROOT else tree.name
+                folder = Path(scratch) / f"{job}_{index}"
+                print(f"{job} ({label}): fault-free", file=sys.stderr, flush=True)
+                clean = run_job(tree, job, folder / "clean", None, args.seed)
+                for mean_s in args.mean_s:
+                    print(f"{job} ({label}): a rank killed every {mean_s:.0f} s on average", file=sys.stderr)
+                    faulted = run_job(tree, job, folder / f"every_{mean_s:.0f}", mean_s, args.seed)
+                    bitwise = same_weights(folder / "clean", folder / f"every_{mean_s:.0f}")
+                    rows.append(row(label, job, mean_s, clean, faulted, bitwise))
+                    print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+    text = table(rows)
+    print(text)
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["python benchmarks/goodput.py", *sys.argv[1:]])
+    args.results.write_text(f"`{command}` (seed {args.seed})\n\n{text}\n")
+    plot(rows, args.results.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
