@@ -32,7 +32,7 @@ from accelerate.utils import DistributedType
 from ddp_accel import loaders
 from ddp_accel.batch_size import buffers_and_generators_kept, distributed
 from ddp_accel.callbacks import Callback
-from ddp_accel.cli import format_duration
+from ddp_accel.config import format_duration
 from ddp_accel.context import RunContext
 from ddp_accel.errors import UserError
 

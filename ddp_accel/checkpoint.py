@@ -22,7 +22,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from ddp_accel import comm_hooks
+from ddp_accel import comm_hooks, engines
 from ddp_accel.async_save import (
     AcceleratorObjects,
     CheckpointWriter,
@@ -37,6 +37,7 @@ from ddp_accel.config import TrainConfig
 from ddp_accel.errors import UserError
 from ddp_accel.files import finite_or_null, writing
 from ddp_accel.identity import compare_identity
+from ddp_accel.interval import AutoInterval, launch_started_at
 from ddp_accel.sharding import before_save
 from ddp_accel.state import Rebase, RunIdentity, TrainState
 
@@ -531,6 +532,7 @@ class Checkpoints:
         self.on_saved: list[Callable[[Path, float], None]] = []
         self.writer: CheckpointWriter | None = None  # --async-checkpoint: saves written in the background
         self.in_flight: tuple[Path, float] | None = None  # the background save: its folder and the step's stall
+        self.auto: AutoInterval | None = None  # --checkpointing-steps auto
 
     @classmethod
     def of_run(cls, accelerator: Accelerator, config: TrainConfig, listing: Listing) -> Checkpoints:
@@ -542,8 +544,15 @@ class Checkpoints:
             checkpoints.writer = CheckpointWriter(sharded=accelerator.distributed_type == DistributedType.FSDP)
         return checkpoints
 
+    def choose_interval(self, mtbf_s: float | None, covered: bool) -> None:
+        """--checkpointing-steps auto: saves at the interval AutoInterval chooses (`covered`: a survivor's save
+        covers the failure of some ranks)."""
+        if self.every == "auto":
+            restarts = engines.current().restarts
+            self.auto = AutoInterval(mtbf_s, covered, restarts, launch_started_at(), self.accelerator.device)
+
     def due_at_step(self, step: int) -> bool:
-        return every(step, self.every)
+        return self.auto.due(step) if self.auto is not None else every(step, self.every)
 
     def due_at_epoch_end(self) -> bool:
         return self.every == "epoch"
@@ -583,10 +592,13 @@ class Checkpoints:
         started = time.perf_counter()
         with self.activity(f"the checkpoint of step {state.step}", kind):
             path = self.save(state, identity, background)
+        stall = time.perf_counter() - started
         if background:
-            self.in_flight = (path, time.perf_counter() - started)
+            self.in_flight = (path, stall)
         else:
-            self._saved(path, time.perf_counter() - started)
+            self._saved(path, stall)
+        if self.auto is not None:
+            self.auto.saved(state.step, stall)
         return path
 
     def finish_writes(self) -> None:

@@ -17,6 +17,7 @@ from ddp_accel.config import (
     checkpointing_steps,
     duration,
     fold,
+    format_duration,
     fraction,
     nonnegative,
     nonnegative_int,
@@ -104,15 +105,3 @@ class ArgumentParser(argparse.ArgumentParser):
         name, sep, value = arg.partition("=")
         dashed = "--" + name[2:].replace("_", "-")
         return dashed + sep + value if dashed in known and name not in known else arg
-
-
-def format_duration(seconds: float) -> str:
-    """`14 min 5 s`, `1 h 2 min`, `45 s`: what a user reads in a banner."""
-    if seconds < 9.95:
-        return f"{seconds:.2f} s" if seconds < 0.995 else f"{seconds:.1f} s"
-    seconds = round(seconds)
-    hours, rest = divmod(seconds, 3600)
-    minutes, seconds = divmod(rest, 60)
-    if hours:
-        return f"{hours} h {minutes} min" + (f" {seconds} s" if seconds else "")
-    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"

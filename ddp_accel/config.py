@@ -27,12 +27,12 @@ def step_range(text: str) -> tuple[int, int]:
 
 
 def checkpointing_steps(value: str) -> int | str:
-    if value == "epoch":
+    if value in ("epoch", "auto"):
         return value
     try:
         steps = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of steps or 'epoch', got {value!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number of steps, 'epoch' or 'auto', got {value!r}") from None
     if steps <= 0:
         raise argparse.ArgumentTypeError("must be a positive number of steps")
     return steps
@@ -113,6 +113,18 @@ def duration(text: str) -> float:
     return total
 
 
+def format_duration(seconds: float) -> str:
+    """`14 min 5 s`, `1 h 2 min`, `45 s`: what a user reads in a banner."""
+    if seconds < 9.95:
+        return f"{seconds:.2f} s" if seconds < 0.995 else f"{seconds:.1f} s"
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    if hours:
+        return f"{hours} h {minutes} min" + (f" {seconds} s" if seconds else "")
+    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
+
+
 OPTIMIZERS = ("sgd", "adamw", "adam", "rmsprop")
 # options a resume may change (the weights and the optimizer's state fit them): said in one line when they do.
 # What shapes the model, the data or the optimizer's state is the run's identity instead, and refused.
@@ -184,7 +196,19 @@ class TrainConfig:
         "batch is kept by accumulating more",
     )
     max_grad_norm: float | None = option(None, "clip gradients to this norm", type=positive)
-    checkpointing_steps: int | str | None = option(None, "N or 'epoch'", type=checkpointing_steps)
+    checkpointing_steps: int | str | None = option(
+        None,
+        "N, 'epoch', or 'auto': the interval that loses the least time to failures and saves, from a save's "
+        "measured stall and the time between interruptions (--mtbf)",
+        type=checkpointing_steps,
+    )
+    mtbf: float | None = option(
+        None,
+        "--checkpointing-steps auto: the mean time between interruptions of a job like this one (e.g. 12h; "
+        "default 24h), updated with this launch's restarts",
+        type=duration,
+        metavar="DURATION",
+    )
     checkpoint_limit: int | None = option(None, "keep only the newest K", type=positive_int)
     async_checkpoint: bool = option(
         False,

@@ -75,6 +75,7 @@ def print_run_banner(run: StartingRun) -> None:
         **({"time_budget": budget} if budget else {}),
         **({"allocator": kept} if (kept := allocator.describe()) else {}),
         **({"a_lost_peer": lost} if (lost := rescue.describe(run.accelerator, run.checkpoints.contents)) else {}),
+        **({"checkpointing": run.checkpoints.auto.describe()} if run.checkpoints.auto else {}),
     )
 
 

@@ -110,7 +110,9 @@ class TrainingRun:
         )
         self.ema, self.callbacks = features.ema, Callbacks(features.callbacks)
         self.checkpoints.contents = checkpoint_contents(task, self.prepared, self.scheduler, features.callbacks)
-        self.agreement = StepAgreement(accelerator, streams=rescue.rescuable(accelerator, self.checkpoints.contents))
+        covered = rescue.rescuable(accelerator, self.checkpoints.contents)  # a survivor saves every rank's step
+        self.agreement = StepAgreement(accelerator, streams=covered)
+        self.checkpoints.choose_interval(config.mtbf, covered)
         self.step = TrainStep(
             accelerator, self.model, self.optimizer, task.loss_fn, config.max_grad_norm, self.agreement
         )
@@ -296,13 +298,6 @@ class TrainingRun:
             time.sleep(1.0)
         raise Preempted(facts, by_peer=self.signals.received is None)
 
-    def crashed(self, error: Exception) -> None:
-        """A crash (not a user error, not a lost peer) that repeats from the same start at the same step is
-        deterministic: a UserError, so that the launcher does not restart it again."""
-        if not isinstance(error, UserError) and not lost_peers(error):
-            rank, resumed_from = self.accelerator.process_index, self.resumed_from
-            self.folder.refuse_a_repeated_crash(rank, resumed_from, self.state.step, error)
-
 
 def skipping(accelerator: Accelerator, loader: Any, batches: int, epoch: int) -> Any:
     """`loader` from its batch `batches` on, in `epoch`'s order: the new loader's own epoch is set (Accelerate
@@ -418,7 +413,9 @@ def train(
                         run.accumulation,
                     )
                 )
-            run.crashed(error)
+            elif not isinstance(error, UserError):  # a crash that repeats from the same start at the same step is
+                # deterministic: a UserError then, so that the launcher does not restart it again
+                run.folder.refuse_a_repeated_crash(run.accelerator.process_index, run.resumed_from, state.step, error)
             raise
         return run_end.commit(run)
 

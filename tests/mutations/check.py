@@ -698,6 +698,21 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            if lost_peers(error):  # a survivor's save",
         "            if False:  # a survivor's save",
     ),
+    "auto_interval_chosen_by_each_rank_alone": (
+        "ddp_accel/interval.py",
+        "            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)\n",
+        "",
+    ),
+    "auto_interval_counts_the_failures_a_survivor_covers": (
+        "ddp_accel/interval.py",
+        "needing_a_checkpoint_s = mtbf_s / UNCOVERED_SHARE if self.covered else mtbf_s",
+        "needing_a_checkpoint_s = mtbf_s",
+    ),
+    "auto_interval_times_each_question_as_a_step": (
+        "ddp_accel/interval.py",
+        "        if step != self._last_step:  # asked more than once a step",
+        "        if True:  # asked more than once a step",
+    ),
     "orphaned_workers_train_on": (
         "ddp_accel/runtime.py",
         "        launcher_watch = end_with_the_launcher()\n",
