@@ -1,8 +1,9 @@
-"""Goodput under failures: the same job run fault-free and while a seeded chaos loop SIGKILLs a random rank every
-T seconds on average, under `torchrun --max_restarts`; goodput = fault-free wall time / faulted wall time.
+"""Goodput under failures: the same job run fault-free and while a chaos loop SIGKILLs a random rank every T seconds
+(each kill time drawn within T/4 of its slot, seeded), under `torchrun --max_restarts`; goodput = fault-free wall
+time / faulted wall time. Each checkout first runs the job briefly once, unmeasured (the files' first reads).
 
-    python benchmarks/goodput.py --mean-s 60 30 --seed 0
-    python benchmarks/goodput.py --jobs template-ddp --trees . ../base --mean-s 60   # another checkout beside
+    python benchmarks/goodput.py --every-s 60 30 --seed 0
+    python benchmarks/goodput.py --jobs template-ddp --trees . ../base --every-s 60   # another checkout beside
 
 For each failure: the steps redone (0 when a survivor saved the step reached and the restart resumed there; else
 the steps since the checkpoint resumed from, estimated at the fault-free pace), and the time from the kill to: the
@@ -34,9 +35,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BIN = Path(sys.executable).parent
 
-TEMPLATE = ["scripts/template.py", "--epochs", "150", "--batch-size", "32", "--checkpointing-steps", "400"]
+TEMPLATE = ["scripts/template.py", "--epochs", "300", "--batch-size", "32", "--checkpointing-steps", "400"]
 RESNET20 = ["scripts/imagenet.py", "--dummy", "-a", "cifar_resnet20", "--image-size", "32", "-b", "32", "-j", "0"]
-RESNET20 += ["--dummy-classes", "10", "--epochs", "6", "--checkpointing-steps", "100"]
+RESNET20 += ["--dummy-classes", "10", "--epochs", "10", "--checkpointing-steps", "100"]
 FSDP = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}  # what accelerate launch gives an FSDP2 config
 # name -> (processes, extra environment, the command after torchrun's options)
 JOBS: dict[str, tuple[int, dict[str, str], list[str]]] = {
@@ -104,9 +105,12 @@ def workers(agent: subprocess.Popen, script: str) -> list[int]:
     return sorted(found)
 
 
-def run_job(tree: Path, job: str, output_dir: Path, mean_s: float | None, seed: int) -> dict:
-    """One launch of `job` from `tree`, SIGKILLing a random rank every `mean_s` seconds on average (None: none)."""
+def run_job(
+    tree: Path, job: str, output_dir: Path, mean_s: float | None, seed: int, extra: tuple[str, ...] = ()
+) -> dict:
+    """One launch of `job` from `tree`, SIGKILLing a random rank every `mean_s` seconds (None: none)."""
     processes, env_extra, command = JOBS[job]
+    command = [*command, *extra]
     argv = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(processes), "--max_restarts", "100"]
     argv += ["--monitor_interval", "0.1", *command, "--output-dir", str(output_dir), "--resume-from-checkpoint"]
     argv += ["latest"]
@@ -118,7 +122,8 @@ def run_job(tree: Path, job: str, output_dir: Path, mean_s: float | None, seed: 
         started = time.time()
         agent = subprocess.Popen(argv, cwd=tree, env=env, stdout=log_file, stderr=subprocess.STDOUT)
         log = Log(log_path)
-        next_kill = started + rng.expovariate(1 / mean_s) if mean_s else float("inf")
+        slot = 1
+        next_kill = started + mean_s * (slot + rng.uniform(-0.25, 0.25)) if mean_s else float("inf")
         while agent.poll() is None:
             log.poll()
             if time.time() >= next_kill:
@@ -128,7 +133,10 @@ def run_job(tree: Path, job: str, output_dir: Path, mean_s: float | None, seed: 
                     os.kill(rng.choice(ranks), signal.SIGKILL)
                     failures.append(Failure(time.time(), *(done[-1] if done else (None, None))))
                     print(f"  {job}: killed a rank {time.time() - started:.0f} s in", file=sys.stderr, flush=True)
-                next_kill = time.time() + rng.expovariate(1 / mean_s)
+                    slot += 1
+                    next_kill = started + mean_s * (slot + rng.uniform(-0.25, 0.25))
+                else:
+                    next_kill = time.time() + 0.5  # the group is starting again: a moment later
             time.sleep(0.02)
         log.poll()
         wall_s = time.time() - started
@@ -230,7 +238,7 @@ def plot(rows: list[dict], path: Path) -> None:
     for key in sorted({(r["tree"], r["job"]) for r in rows}):
         points = sorted((r["mean_s"], r["goodput"]) for r in rows if (r["tree"], r["job"]) == key)
         axes.plot([x for x, _ in points], [y for _, y in points], marker="o", label=" ".join(key))
-    axes.set_xlabel("mean time between failures (s)")
+    axes.set_xlabel("time between failures (s)")
     axes.set_ylabel("goodput (fault-free / faulted wall time)")
     axes.set_ylim(0, 1.05)
     axes.grid(alpha=0.3)
@@ -241,7 +249,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", nargs="+", choices=list(JOBS), default=list(JOBS))
-    parser.add_argument("--mean-s", nargs="+", type=float, default=[60.0], help="mean seconds between kills")
+    parser.add_argument("--every-s", nargs="+", type=float, default=[60.0], help="seconds between kills")
     parser.add_argument("--seed", type=int, default=0, help="the kills' times and victims")
     parser.add_argument("--trees", nargs="+", type=Path, default=[ROOT], help="the checkouts to run, in turn")
     parser.add_argument("--results", type=Path, default=HERE / "results" / "goodput.md")
@@ -252,10 +260,11 @@ def main() -> None:
             for index, tree in enumerate(tree.resolve() for tree in args.trees):
                 label = "this" if tree == ROOT else tree.name
                 folder = Path(scratch) / f"{job}_{index}"
+                run_job(tree, job, folder / "warm-up", None, args.seed, ("--max-steps", "20"))
                 print(f"{job} ({label}): fault-free", file=sys.stderr, flush=True)
                 clean = run_job(tree, job, folder / "clean", None, args.seed)
-                for mean_s in args.mean_s:
-                    print(f"{job} ({label}): a rank killed every {mean_s:.0f} s on average", file=sys.stderr)
+                for mean_s in args.every_s:
+                    print(f"{job} ({label}): a rank killed every {mean_s:.0f} s", file=sys.stderr, flush=True)
                     faulted = run_job(tree, job, folder / f"every_{mean_s:.0f}", mean_s, args.seed)
                     bitwise = same_weights(folder / "clean", folder / f"every_{mean_s:.0f}")
                     rows.append(row(label, job, mean_s, clean, faulted, bitwise))
