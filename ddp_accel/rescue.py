@@ -13,7 +13,9 @@ TORCH_ELASTIC_SHUTDOWN_TIMEOUT) leaves the last complete checkpoint as `latest`.
 
 Where no rank holds another's state, the restart goes on from the last checkpoint, said in one line: FSDP (each
 rank holds its shard only), PowerSGD (each rank's error feedback), a failure inside a gradient accumulation (a
-part of the step's gradients is each rank's), random streams that were not the same on every rank.
+part of the step's gradients is each rank's), random streams that were not the same on every rank, and a lost
+process 0 of a model with BatchNorm statistics (each rank updates its own with its batch; a checkpoint keeps
+process 0's, which DDP broadcasts at each forward).
 """
 
 from __future__ import annotations
@@ -32,6 +34,19 @@ from ddp_accel.state import RunIdentity, TrainState
 from ddp_accel.stopping import RandomStreams, StepAgreement
 
 REPLICATED = ("MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_HPU")
+
+
+def ranks_own_buffers(contents: Contents) -> bool:
+    """Whether the models hold buffers each rank updates with its own batch (BatchNorm's running statistics): DDP
+    broadcasts process 0's at each forward and a checkpoint keeps process 0's, so only process 0 holds them.
+    SyncBatchNorm's statistics are every rank's."""
+    for model in contents.objects.models:
+        for module in model.modules():
+            if isinstance(module, torch.nn.SyncBatchNorm):
+                continue
+            if any(buffer.is_floating_point() for buffer in module.buffers(recurse=False)):
+                return True
+    return False
 
 
 def why_not_rescued(accelerator: Any, contents: Contents) -> str | None:
@@ -58,6 +73,11 @@ def describe(accelerator: Any, contents: Contents) -> str | None:
     reason = why_not_rescued(accelerator, contents)
     if reason == "one process":
         return None
+    if reason is None and ranks_own_buffers(contents):
+        return (
+            "process 0 saves the step it reached when another process is lost (it holds the BatchNorm statistics); "
+            "a lost process 0 costs the steps since the last checkpoint"
+        )
     if reason is None:
         return "a survivor saves the step it reached (every rank holds the whole state)"
     return f"the restart resumes from the last checkpoint ({reason})"
@@ -109,6 +129,8 @@ def _save_what_survived(
         reason = f"the ranks' random streams at step {state.step} were not the same"
     if reason is None and state.step == 0:
         reason = "nothing was trained yet"
+    if reason is None and rank != 0 and ranks_own_buffers(contents):
+        reason = "process 0 was lost, and the BatchNorm statistics a checkpoint keeps were its own"
     if reason is not None:
         return f"process {rank}: the restart resumes from the last checkpoint ({reason})"
     assert streams is not None

@@ -357,3 +357,41 @@ def test_a_killed_launcher_ends_its_workers_with_a_checkpoint_the_same_command_r
     assert resumed_steps(log) == [marker["step"]], log[-3000:]
     assert_same_weights(standard_reference, output_dir)
     print(f"\nlauncher killed -> workers ended with step_{marker['step']} saved in {ended_s:.1f} s", file=sys.stderr)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_killed_right_after_an_evaluation_is_saved_by_its_survivor_and_resumed_bitwise(
+    standard_reference, tmp_path
+):
+    # between the step's agreement and the failure, an evaluation and a new epoch's loader ran: the survivor's
+    # save of the step resumes as a checkpoint of the step would
+    output_dir = tmp_path / "after_eval"
+    command = [*COMMON, "--step-ms", "300", "--checkpointing-steps", "1000", "--resume-from-checkpoint", "latest"]
+    agent = torchrun(output_dir, *command, max_restarts=1)
+    log_file = output_dir.with_suffix(".log")
+    wait_for(lambda: "step 32: eval_loss" in log_file.read_text(), alive=agent, what="the first evaluation")
+    os.kill(next(pid for pid in workers(agent) if rank_of(pid) == 1), signal.SIGKILL)  # in step 33's forward
+    code, log = finish(agent, output_dir)
+    assert code == 0, log[-3000:]
+    assert resumed_steps(log) == [32], log[-3000:]
+    assert_same_weights(standard_reference, output_dir)
+
+
+@pytest.mark.multiprocess
+def test_a_lost_rank_0_of_a_batchnorm_model_resumes_from_the_last_checkpoint_as_the_banner_says(tmp_path):
+    # each rank updates its BatchNorm statistics with its own batch and a checkpoint keeps rank 0's: a survivor
+    # other than rank 0 cannot save them, so the restart resumes from the last checkpoint, bitwise all the same
+    reference, output_dir = tmp_path / "reference", tmp_path / "rank0_lost"
+    command = [*COMMON, "--batchnorm", "--step-ms", "40", "--resume-from-checkpoint", "latest"]
+    code, log = finish(torchrun(reference, *command), reference)
+    assert code == 0, log[-3000:]
+    agent = torchrun(output_dir, *command, max_restarts=1)
+    wait_for(lambda: 10 in checkpoint_steps(output_dir), alive=agent, what="the checkpoint of step 10")
+    os.kill(next(pid for pid in workers(agent) if rank_of(pid) == 0), signal.SIGKILL)
+    code, log = finish(agent, output_dir)
+    assert code == 0, log[-3000:]
+    assert "process 0 saves the step it reached when another process is lost" in log, log[-3000:]  # the banner
+    assert "process 0 was lost, and the BatchNorm statistics" in log, log[-3000:]
+    assert "saved the step it reached for the restart" not in log, log[-3000:]
+    assert resumed_steps(log) and resumed_steps(log)[0] % 5 == 0, log[-3000:]  # a periodic checkpoint
+    assert_same_weights(reference, output_dir)

@@ -773,3 +773,17 @@ def test_a_survivor_saves_every_rank_s_place_only_where_one_replica_holds_it(tmp
     mid_accumulation = TrainState(step=7, batches_in_epoch=15)
     line = rescue.save_what_survived(ddp, tmp_path, mid_accumulation, RunIdentity(), Contents(), agreement, 2)
     assert "inside a gradient accumulation" in line and not list(tmp_path.iterdir()), line
+    # BatchNorm statistics are each rank's own (a checkpoint keeps rank 0's); SyncBatchNorm's are every rank's
+    from ddp_accel.async_save import AcceleratorObjects
+
+    def holding(*layers):
+        return Contents(objects=AcceleratorObjects(models=[torch.nn.Sequential(torch.nn.Linear(4, 4), *layers)]))
+
+    assert not rescue.ranks_own_buffers(holding()) and not rescue.ranks_own_buffers(holding(torch.nn.SyncBatchNorm(4)))
+    assert rescue.ranks_own_buffers(holding(torch.nn.BatchNorm1d(4)))
+    rank_1 = SimpleNamespace(**{**vars(ddp), "process_index": 1})
+    line = rescue.save_what_survived(
+        rank_1, tmp_path, TrainState(step=7), RunIdentity(), holding(torch.nn.BatchNorm1d(4)), agreement, 1
+    )
+    assert "process 0 was lost" in line and not list(tmp_path.iterdir()), line
+    assert "process 0 saves the step" in rescue.describe(ddp, holding(torch.nn.BatchNorm1d(4)))

@@ -713,6 +713,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        if step != self._last_step:  # asked more than once a step",
         "        if True:  # asked more than once a step",
     ),
+    "a_survivor_saves_its_own_batchnorm_statistics": (
+        "ddp_accel/rescue.py",
+        "    if reason is None and rank != 0 and ranks_own_buffers(contents):\n",
+        "    if False:\n",
+    ),
     "orphaned_workers_train_on": (
         "ddp_accel/runtime.py",
         "        launcher_watch = end_with_the_launcher()\n",
