@@ -15,21 +15,16 @@ if TYPE_CHECKING:
     from ddp_accel.callbacks import Callback
     from ddp_accel.cli import ArgumentParser
     from ddp_accel.config import TrainConfig, add_training_args
+    from ddp_accel.elastic import process_rank
+    from ddp_accel.endings import run_main
     from ddp_accel.errors import UserError
     from ddp_accel.evaluation import check_trained_with, evaluate, load_saved_weights, load_weights_file
     from ddp_accel.files import write_json
     from ddp_accel.identity import make_identity
     from ddp_accel.metrics import classification_metrics, classification_names, classification_values
+    from ddp_accel.notebook import launched
     from ddp_accel.optim import Optimizers, SparseAdamW, make_optimizer
-    from ddp_accel.runtime import (
-        build_accelerator,
-        check_memory,
-        launched,
-        make_accelerator,
-        print_banner,
-        process_rank,
-        run_main,
-    )
+    from ddp_accel.runtime import build_accelerator, check_memory, make_accelerator, print_banner
     from ddp_accel.stopping import Preempted, StopSignals
     from ddp_accel.sync_bn import convert_sync_batchnorm
     from ddp_accel.task import RunRecord, Task
@@ -58,15 +53,15 @@ _EXPORTS = {
     "convert_sync_batchnorm": "ddp_accel.sync_bn",
     "evaluate": "ddp_accel.evaluation",
     "fit": "ddp_accel.training",
-    "launched": "ddp_accel.runtime",
+    "launched": "ddp_accel.notebook",
     "load_saved_weights": "ddp_accel.evaluation",
     "load_weights_file": "ddp_accel.evaluation",
     "make_accelerator": "ddp_accel.runtime",
     "make_identity": "ddp_accel.identity",
     "make_optimizer": "ddp_accel.optim",
     "print_banner": "ddp_accel.runtime",
-    "process_rank": "ddp_accel.runtime",
-    "run_main": "ddp_accel.runtime",
+    "process_rank": "ddp_accel.elastic",
+    "run_main": "ddp_accel.endings",
     "write_json": "ddp_accel.files",
 }
 

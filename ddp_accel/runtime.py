@@ -1,21 +1,13 @@
-"""Accelerator construction, the topology banner, guards and clean shutdown."""
+"""The Accelerator every script uses (`build_accelerator`, `open_run`) and what is checked around it: the launcher's
+variables, the topology, the FSDP config, memory, the precision a CPU runs fast; the banner that says it all."""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import functools
-import gc
-import inspect
 import os
 import platform
 import re
-import signal
 import sys
-import threading
-import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,36 +15,21 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator, InitProcessGroupKwargs
 from accelerate.utils import DataLoaderConfiguration, DistributedType, ProjectConfiguration, set_seed
-from accelerate.utils.memory import should_reduce_batch_size
 
 from ddp_accel import comm_hooks, engines
-from ddp_accel.budget import note_command_start
 from ddp_accel.comm_hooks import PLAIN_DDP, DdpOptions
 from ddp_accel.config import TrainConfig
 from ddp_accel.elastic import (
-    START_TIME,
-    child_processes,
-    end_with_the_launcher,
     parent_command,
     process_rank,
-    report_to_launcher,
-    stat_fields,
-    stop_restarts,
 )
-from ddp_accel.engines import Outcome, record_outcome
 from ddp_accel.errors import UserError
-from ddp_accel.files import is_error
 from ddp_accel.group_wait import while_the_group_forms
-from ddp_accel.loaders import end_worker_processes, kill_leftover_workers
+from ddp_accel.notebook import check_no_inherited_process_group
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.sharding import adopt_fsdp_on_cpu, cpu_fsdp_plugin, fsdp_asked, fsdp_plugin
-from ddp_accel.startup import imports_done, start_wanted_worker_server
+from ddp_accel.startup import imports_done
 from ddp_accel.stopping import (
-    PEER_STOPPED_EXIT_CODE,
-    PREEMPTED_EXIT_CODE,
-    EndedForAPeer,
-    Phase,
-    Preempted,
     StopSignals,
 )
 from ddp_accel.tracking import check_trackers, make_trackers, tracker_names
@@ -427,322 +404,3 @@ def exported_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn
     if shards_weights(accelerator):
         return model
     return accelerator.unwrap_model(model, keep_torch_compile=False)
-
-
-def shutdown(clean: bool) -> None:
-    """Tear down the process group after every DDP/gloo object is gone.
-
-    The gloo teardown abort (`terminate called without an active exception`, ~1 run in 5) comes from
-    DDP reducers and gloo work objects destroyed at interpreter exit, after their process group.
-    `run_main` calls this once the script's main() has returned, so its locals (the prepared model,
-    optimizer and loaders) are already released; garbage collection then destroys what reference
-    cycles still hold before the group goes away. Without a group there is nothing to protect, and a full
-    collection in a long-lived caller (a notebook, a test session) costs ~0.3 s a run.
-    """
-    if dist.is_available() and dist.is_initialized():
-        gc.collect()
-        if clean:
-            dist.barrier()  # nobody destroys the group while a peer still uses it
-        dist.destroy_process_group()
-
-
-INHERITED_GROUP = (
-    "torch.distributed was initialised in the notebook's kernel before this launch (a cell made an Accelerator or "
-    "called init_process_group), and the launched processes inherited its process group. Restart the kernel, and "
-    "make the Accelerator inside the training function only"
-)
-
-
-def check_no_inherited_process_group() -> None:
-    """A process group that exists before this process made one was forked from a notebook's kernel: using it
-    (or destroying it) aborts the worker (`terminate called ... std::system_error`, exit -6)."""
-    if not dist.is_available() or not dist.is_initialized():
-        return
-    launched = os.environ.get("WORLD_SIZE")
-    if launched is not None and "TORCHELASTIC_RUN_ID" in os.environ and dist.get_world_size() != int(launched):
-        raise UserError(INHERITED_GROUP)
-
-
-# notebook_launcher's agent (torch elastic, in the kernel) forks the workers with its own handler of the stop signals
-# installed, which raises SignalException (recognised by its module and name; another handler is left alone). A
-# signal that arrives while a fork runs is handled inside an at-fork hook (logging's lock release), where CPython
-# prints the exception as "ignored" and drops it: the stop button was lost and the training ran to its end. So while
-# a fork runs that handler only records the signal, which is sent again once the fork is done, outside the hooks.
-_handlers_during_fork: dict[int, Any] = {}
-_signals_during_fork: list[int] = []
-
-
-def _torch_elastic_signals() -> list[signal.Signals]:
-    """The signals torch elastic's agent handles (its own variable, and its default)."""
-    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(",")
-    return [getattr(signal, name.strip()) for name in names if isinstance(getattr(signal, name.strip(), None), int)]
-
-
-def _raises_for_torch_elastic(handler: Any) -> bool:
-    return (
-        getattr(handler, "__module__", None) == "torch.distributed.elastic.multiprocessing.api"
-        and getattr(handler, "__name__", None) == "_terminate_process_handler"
-    )
-
-
-def _record_a_signal_during_fork(signum: int, frame: Any) -> None:
-    _signals_during_fork.append(signum)
-
-
-def _hold_stop_signals_while_forking() -> None:
-    if threading.current_thread() is not threading.main_thread():
-        return  # only the main thread handles signals: a fork from another thread drops none
-    for signum in _torch_elastic_signals():
-        handler = signal.getsignal(signum)
-        if _raises_for_torch_elastic(handler):
-            _handlers_during_fork[signum] = handler
-            signal.signal(signum, _record_a_signal_during_fork)
-
-
-def _restore_stop_handlers() -> None:
-    for signum, handler in _handlers_during_fork.items():
-        signal.signal(signum, handler)
-    _handlers_during_fork.clear()
-
-
-def _send_again_what_came_while_forking() -> None:
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if _signals_during_fork:  # from another thread, a moment later: out of the hooks, where it would be dropped again
-        threading.Timer(0.01, _send_recorded_signals, args=(os.getpid(),)).start()
-    _restore_stop_handlers()  # last: the recorder still catches what comes while the thread starts
-
-
-def _send_recorded_signals(pid: int) -> None:
-    sent: set[int] = set()
-    while _signals_during_fork:
-        signum = _signals_during_fork.pop(0)
-        if signum not in sent:
-            sent.add(signum)
-            os.kill(pid, signum)
-
-
-def _forget_the_parents_signals() -> None:
-    _restore_stop_handlers()  # the child's own handlers back; a signal the parent got is not the child's
-    _signals_during_fork.clear()
-
-
-@functools.cache  # once per process: at-fork hooks cannot be removed
-def hold_stop_signals_during_forks() -> None:
-    """In the process that runs notebook_launcher (the kernel), from the first `launched` function on."""
-    os.register_at_fork(
-        before=_hold_stop_signals_while_forking,
-        after_in_parent=_send_again_what_came_while_forking,
-        after_in_child=_forget_the_parents_signals,
-    )
-
-
-def _forks_since(parent: int, command: bytes, started: int) -> int:
-    """Live children of `parent` that run `command` (forks of it: a fork keeps its parent's command line) and
-    started no earlier than `started` (not a kernel's earlier children)."""
-    return sum(
-        fields[0] != "Z" and int(fields[START_TIME]) >= started and own == command
-        for fields, own in child_processes(parent)
-    )
-
-
-def wait_for_the_other_forks(local_rank: int, local_world_size: int, timeout_s: float = 30.0) -> bool:
-    """A worker forked by a launcher that runs in its own process (notebook_launcher: torch elastic's agent in the
-    kernel) waits, before any network work, until the launcher has forked the workers after it (torch forks local
-    ranks in order: rank r waits for `local_world_size - r` forks, itself included, that started no earlier).
-
-    The agent's store server thread, in the kernel, looks up the name of every worker that connects
-    (`getnameinfo`, which holds glibc's resolver lock). A worker forked at that moment inherits the lock held and
-    hangs at its first name lookup, for good. No worker connecting before the last fork leaves no lookup to fork
-    into.
-    Returns whether this process waited (False: not a fork of its parent, or a lone worker); after `timeout_s`
-    it says so and goes on."""
-    if local_world_size <= 1:
-        return False
-    parent = os.getppid()
-    try:
-        command = Path("/proc/self/cmdline").read_bytes()
-        if Path(f"/proc/{parent}/cmdline").read_bytes() != command:
-            return False  # spawned or exec'd: a fresh process inherits no lock
-        started = int(stat_fields("self")[START_TIME])
-    except (OSError, ValueError, IndexError):
-        return False
-    deadline = time.monotonic() + timeout_s
-    while _forks_since(parent, command, started) < local_world_size - local_rank:
-        if time.monotonic() > deadline:
-            print(
-                f"warning: local rank {local_rank} waited {timeout_s:.0f} s for the launcher to fork the workers "
-                f"after it (of {local_world_size}); starting without them",
-                file=sys.stderr,
-                flush=True,
-            )
-            break
-        time.sleep(0.005)
-    return True
-
-
-def launched(function: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a training function for `notebook_launcher`/`debug_launcher`: it runs, its locals are released,
-    then the distributed shutdown `run_main` does for scripts (no gloo teardown abort in the workers). A process
-    group inherited from the kernel is named as the cause, not left to abort the worker; no worker starts before
-    the launcher has forked them all (`wait_for_the_other_forks`); from here on, a stop signal that reaches this
-    process while its launcher forks a worker is not lost (`hold_stop_signals_during_forks`)."""
-    hold_stop_signals_during_forks()
-
-    @functools.wraps(function)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if dist.is_available() and dist.is_initialized() and "TORCHELASTIC_RUN_ID" in os.environ:
-            raise UserError(INHERITED_GROUP)  # before any process group work: touching the kernel's aborts
-        if "TORCHELASTIC_RUN_ID" in os.environ:  # notebook_launcher's agent runs in the kernel; debug_launcher none
-            wait_for_the_other_forks(
-                int(os.environ.get("LOCAL_RANK", "0") or 0), int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-            )
-        try:
-            result = function(*args, **kwargs)
-        except BaseException:
-            shutdown(clean=False)
-            raise
-        shutdown(clean=True)
-        return result
-
-    return run
-
-
-def lost_peers(error: BaseException) -> bool:
-    """A collective failed because another process is gone (it ended with its own error, or was killed)."""
-    return isinstance(error, getattr(dist, "DistError", ())) or bool(
-        re.search(
-            r"Connection closed by peer|Connection reset by peer|Broken pipe|NCCL communicator was aborted"
-            r"|Timed out waiting",
-            str(error),
-        )
-    )
-
-
-def _interrupted(signals: StopSignals) -> int:
-    """Ctrl-C: one line (rank 0) with where to continue from; exit status 130."""
-    signals.enter(Phase.DONE)
-    if process_rank() == 0:
-        print(f"\ninterrupted (Ctrl-C). {signals.resume_hint}", file=sys.stderr, flush=True)
-    return 130
-
-
-def _while_interrupted(error: BaseException) -> bool:
-    """The error was raised while a KeyboardInterrupt was being handled (its context chain holds one)."""
-    seen: set[int] = set()
-    context: BaseException | None = error
-    while context is not None and id(context) not in seen:
-        if isinstance(context, KeyboardInterrupt):
-            return True
-        seen.add(id(context))
-        context = context.__context__
-    return False
-
-
-def _one_line(error: UserError) -> str:
-    """A UserError raised in a DataLoader worker reaches us wrapped in the worker's traceback: keep its message."""
-    message = str(error)
-    if "Original Traceback" in message:
-        message = message.strip().splitlines()[-1].split("UserError: ", 1)[-1]
-    return message
-
-
-OUT_OF_MEMORY_ADVICE = (
-    "the batch does not fit; --auto-batch-size finds the largest per-process batch that does and keeps the global "
-    "batch by accumulating gradients (or lower --batch-size and raise --gradient-accumulation-steps; "
-    "--mixed-precision bf16 halves the activations)"
-)
-
-
-def _first_sentence(error: BaseException) -> str:
-    return str(error).strip().split(". ")[0].rstrip(".") or type(error).__name__
-
-
-def run_main(main: Callable[..., Any]) -> None:
-    """Run a script's main(): user errors as one line (exit 2), a preemption after its checkpoint (exit 0), a clean
-    distributed shutdown (exit 0). The process's StopSignals watch SIGTERM/SIGUSR1/SIGHUP from here to the exit; a main
-    that takes one argument receives them (to pass to fit). How it ended is recorded (engines.last_outcome) for a
-    launcher that ran the script in its own process."""
-    imports_done()  # the collector paused for the imports runs again, what they made frozen before the fork
-    start_wanted_worker_server()  # first: a fork while this process runs one thread of Python
-    signals = StopSignals()
-    note_command_start(started_as_script=getattr(main, "__module__", None) == "__main__")  # --time-budget's clock
-    launcher_watch = None
-    try:
-        signals.install()  # a signal that came during the imports is handled here: Preempted (nothing trained yet)
-        launcher_watch = end_with_the_launcher()
-        main(signals) if inspect.signature(main).parameters else main()
-        signals.enter(Phase.DONE)
-        outcome = Outcome("completed", 0)
-    except UserError as error:
-        outcome = _user_error(error, signals)
-    except Preempted as preempted:  # every rank saved its part of the checkpoint (or nothing was trained yet)
-        signals.enter(Phase.DONE)
-        if process_rank() == 0 or preempted.facts.before_training:  # any rank may be the one signalled
-            print(preempted.message, file=sys.stderr, flush=True)
-        code = PEER_STOPPED_EXIT_CODE if preempted.by_peer else PREEMPTED_EXIT_CODE
-        outcome = Outcome("preempted", code, preempted.message, stop=dataclasses.asdict(preempted.facts))
-        preempted.__traceback__ = None
-    except EndedForAPeer as ended:  # the launcher ends the group: the failed process's line is the one to read
-        signals.enter(Phase.DONE)
-        outcome = Outcome("ended_for_a_peer", ended.code)
-        ended.__traceback__ = None
-    except KeyboardInterrupt:
-        outcome = Outcome("interrupted", _interrupted(signals))
-    except BaseException as error:
-        if not is_error(error):  # SystemExit and the like: as they are
-            raise
-        signals.enter(Phase.DONE)
-        outcome = _failed(error, signals)
-    if launcher_watch is not None:
-        launcher_watch.set()
-    record_outcome(outcome)
-    if engines.current().outlives_the_script:  # a Ray worker: its helpers serve the process, which goes on
-        kill_leftover_workers()
-    else:
-        end_worker_processes()  # so that the command returns with nothing left in its process group
-    shutdown(clean=outcome.code in (0, PEER_STOPPED_EXIT_CODE))
-    signals.uninstall()
-    note_command_start(None)  # a later fit() in this process (a notebook) counts from its own start
-    sys.exit(outcome.code)
-
-
-def _user_error(error: UserError, signals: StopSignals) -> Outcome:
-    signals.enter(Phase.DONE)
-    message = f"error: {_one_line(error)}"
-    if process_rank() == 0 or error.every_process:
-        print(message, file=sys.stderr, flush=True)
-    report_to_launcher(message)
-    stop_restarts()  # a user error fails the same way at every restart of the launcher
-    error.__traceback__ = None  # drop frames holding models before teardown
-    return Outcome("user_error", 2, message)
-
-
-def _failed(error: BaseException, signals: StopSignals) -> Outcome:
-    """A crash: one line where the cause is known (a file, memory, a lost peer), else the traceback."""
-    if _while_interrupted(error):  # a library's cleanup failed on the way out of a Ctrl-C (a worker pool's join)
-        return Outcome("interrupted", _interrupted(signals))
-    if isinstance(error, OSError) and error.filename is not None:  # read-only, full, a file for a folder...
-        message = f"error: cannot write or read {error.filename}: {error.strerror}"
-        if process_rank() == 0:
-            print(message, file=sys.stderr, flush=True)
-        report_to_launcher(message)
-        stop_restarts()
-        return Outcome("user_error", 2, message)
-    if should_reduce_batch_size(error):  # a CUDA/cuDNN/CPU allocator's out of memory: what to change
-        message = f"error: process {process_rank()} ran out of memory ({_first_sentence(error)}): "
-        message += OUT_OF_MEMORY_ADVICE
-        print(message, file=sys.stderr, flush=True)
-    elif lost_peers(error):
-        message = (
-            f"error: process {process_rank()} lost contact with the others: another process ended (its own message "
-            f"says why), or no answer came within the collective timeout (--timeout-s): a machine or the network "
-            f"between them is gone ({type(error).__name__})"
-        )
-        print(message, file=sys.stderr, flush=True)
-        return Outcome("crashed", 1, message)
-    else:
-        traceback.print_exc()
-        message = f"{type(error).__name__}: {error}"
-    report_to_launcher(message)
-    return Outcome("crashed", 1, message)

@@ -25,6 +25,7 @@ from ddp_accel.callbacks import Callback, Callbacks
 from ddp_accel.checkpoint import Checkpoints, every, model_fingerprint, optimizer_fingerprint
 from ddp_accel.config import TrainConfig
 from ddp_accel.context import RunContext
+from ddp_accel.endings import lost_peers
 from ddp_accel.errors import UserError
 from ddp_accel.evaluation import evaluate
 from ddp_accel.meters import EvalHistory, numbers
@@ -38,7 +39,7 @@ from ddp_accel.run_setup import (
     progress_watchdog,
     standard_callbacks,
 )
-from ddp_accel.runtime import exported_model, lost_peers, open_run
+from ddp_accel.runtime import exported_model, open_run
 from ddp_accel.state import RunIdentity, TrainState
 from ddp_accel.stopping import Phase, Preempted, SaveGrace, StepAgreement, StopFacts, StopSignals, Verdict
 from ddp_accel.task import RunRecord, Task

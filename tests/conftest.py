@@ -85,9 +85,9 @@ def _the_session_keeps_its_forkserver(monkeypatch):
     """This process outlives each script it runs (run_main in-process), as a notebook's does: its forkserver serves
     the next run (started again per run, it cost the in-process tier a second each; and one ended is not started
     again in a process). A command's own ending is proven in launched tests."""
-    from ddp_accel import loaders, runtime
+    from ddp_accel import endings, loaders
 
-    monkeypatch.setattr(runtime, "end_worker_processes", loaders.kill_leftover_workers)
+    monkeypatch.setattr(endings, "end_worker_processes", loaders.kill_leftover_workers)
 
 
 @pytest.fixture(autouse=True)

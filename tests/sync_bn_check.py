@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_accel.runtime import shutdown
+from ddp_accel.endings import shutdown
 from ddp_accel.sync_bn import convert_sync_batchnorm
 
 

@@ -103,7 +103,7 @@ def test_a_torch_elastic_worker_knows_when_another_worker_of_its_attempt_reporte
 def test_a_stop_signal_from_a_launcher_ending_the_group_for_a_failed_peer_leaves_no_marker(monkeypatch, tmp_path):
     # after the imports (the guard's subprocess test is test_launchers.py's): a rank still starting when another
     # failed; a preempted.json would have a job script requeue the failure
-    from ddp_accel.runtime import run_main
+    from ddp_accel.endings import run_main
     from ddp_accel.stopping import PREEMPTED_MARKER
 
     env = torch_elastic_worker(tmp_path, local_rank=1)
@@ -152,15 +152,15 @@ def test_the_start_up_guard_leaves_a_scripts_thread_alone():
 def test_a_script_ends_the_processes_helpers_unless_the_process_outlives_it(monkeypatch):
     # a command's own process: the forkserver and the resource tracker end with the script (nothing is left when the
     # command returns); a Ray worker or a driver's check goes on after the script: their helpers are the process's
-    from ddp_accel import runtime
+    from ddp_accel import endings
 
     ended: list[str] = []
-    monkeypatch.setattr(runtime, "end_worker_processes", lambda: ended.append("workers and helpers"))
-    monkeypatch.setattr(runtime, "kill_leftover_workers", lambda: ended.append("workers"))
+    monkeypatch.setattr(endings, "end_worker_processes", lambda: ended.append("workers and helpers"))
+    monkeypatch.setattr(endings, "kill_leftover_workers", lambda: ended.append("workers"))
 
     def run() -> None:
         with contextlib.suppress(SystemExit):
-            runtime.run_main(lambda: None)
+            endings.run_main(lambda: None)
 
     run()
     with engines.use(engines.RayWorker(workers=2)):

@@ -230,7 +230,7 @@ def test_a_trained_output_dir_is_not_overwritten_by_accident(tmp_path):
     assert not (tmp_path / "checkpoints").exists()  # the old run's checkpoints cannot be resumed by mistake
 
 
-# The two ways a user error ends a launched process (an error found while the run starts, runtime.py; a bad option,
+# The two ways a user error ends a launched process (an error found while the run starts, endings.py; a bad option,
 # cli.py), each under one of the two torch elastic launchers: both launchers print the same error file
 @multiprocess
 def test_a_user_error_under_a_launcher_is_one_line_and_appears_in_the_launchers_report(tmp_path):

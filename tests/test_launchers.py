@@ -17,7 +17,7 @@ import torch
 from helpers import ROOT, SHORT_PROBE_ARGS, check_ok, free_port, launch, metrics_of, torch_elastic_worker, weights
 
 from ddp_accel import launched
-from ddp_accel.runtime import wait_for_the_other_forks
+from ddp_accel.notebook import wait_for_the_other_forks
 
 ARGS = SHORT_PROBE_ARGS  # conftest's `short_job` is its run under accelerate launch
 
@@ -211,7 +211,7 @@ FORK_WITH_A_STOP_SIGNAL = """
 import os, signal, time
 # registered before ddp_accel's hooks, so it runs inside them: a stop signal that arrives while the fork runs
 os.register_at_fork(after_in_parent=lambda: os.kill(os.getpid(), signal.SIGINT))
-from ddp_accel.runtime import launched
+from ddp_accel.notebook import launched
 launched(print)  # the kernel's training function, wrapped: the hooks are registered
 from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
 signal.signal(signal.SIGINT, _terminate_process_handler)  # what torch elastic's agent installs before it forks

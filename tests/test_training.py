@@ -21,7 +21,7 @@ from helpers import (
 )
 from probe import ComplexLinear
 
-from ddp_accel.runtime import OUT_OF_MEMORY_ADVICE
+from ddp_accel.endings import OUT_OF_MEMORY_ADVICE
 
 PROBE = "tests/probe.py"
 inprocess, multiprocess = pytest.mark.inprocess, pytest.mark.multiprocess

@@ -103,7 +103,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "pass",
     ),
     "user_error_burns_the_restarts": (
-        "ddp_accel/runtime.py",
+        "ddp_accel/endings.py",
         "    stop_restarts()  # a user error fails the same way at every restart of the launcher\n",
         "",
     ),
@@ -177,7 +177,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    @property\n    def even_placement(self) -> bool:\n        return True",
     ),
     "a_preemption_reported_as_completed": (
-        "ddp_accel/runtime.py",
+        "ddp_accel/endings.py",
         'outcome = Outcome("preempted", code, preempted.message',
         'outcome = Outcome("completed", code, preempted.message',
     ),
@@ -228,7 +228,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        gc.enable()\n",
     ),
     "run_main_leaves_the_collector_paused": (
-        "ddp_accel/runtime.py",
+        "ddp_accel/endings.py",
         "    imports_done()  # the collector paused for the imports runs again, what they made frozen before the fork",
         "    pass  # the collector paused for the imports runs again, what they made frozen before the fork",
     ),
@@ -384,7 +384,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        pass  # CPU steps",
     ),
     "stop_signals_not_held_while_a_notebook_forks": (
-        "ddp_accel/runtime.py",
+        "ddp_accel/notebook.py",
         "    hold_stop_signals_during_forks()\n\n    @functools.wraps(function)",
         "\n    @functools.wraps(function)",
     ),
@@ -410,7 +410,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "RunFolder(self.config.output_dir), callbacks)",
     ),
     "a_ray_worker_ends_the_processes_helpers": (
-        "ddp_accel/runtime.py",
+        "ddp_accel/endings.py",
         "    if engines.current().outlives_the_script:",
         "    if False:",
     ),
@@ -719,7 +719,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    if False:\n",
     ),
     "orphaned_workers_train_on": (
-        "ddp_accel/runtime.py",
+        "ddp_accel/endings.py",
         "        launcher_watch = end_with_the_launcher()\n",
         "        launcher_watch = None\n",
     ),
