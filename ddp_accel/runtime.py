@@ -4,6 +4,7 @@ variables, the topology, the FSDP config, memory, the precision a CPU runs fast;
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 import platform
 import re
@@ -74,6 +75,7 @@ def build_accelerator(
     check_launch_environment()
     check_fsdp_config(cpu)
     check_no_inherited_process_group()
+    mark_lomo_absent()
     with while_the_group_forms(timeout_s, output_dir):  # an env:// rendezvous: silent, deaf to signals
         init_elastic_process_group(cpu, timeout_s)
         mixed_precision, _ = resolve_mixed_precision(mixed_precision, cpu)
@@ -100,6 +102,15 @@ def build_accelerator(
     check_topology(accelerator)
     set_seed(seed)
     return accelerator
+
+
+def mark_lomo_absent() -> None:
+    """Accelerate asks whether the LOMO optimizers are installed at every optimizer.step(), twice
+    (`importlib.util.find_spec("lomo_optim")`: a search of every sys.path entry, ~7% of a 2 ms step). Where the
+    package is absent, a None in sys.modules, Python's own mark of a module that is not there, answers the same at
+    once; an installed lomo_optim is left alone (so is one installed later in a notebook's kernel: delete the mark)."""
+    if "lomo_optim" not in sys.modules and importlib.util.find_spec("lomo_optim") is None:
+        sys.modules["lomo_optim"] = None  # type: ignore[assignment]
 
 
 def make_accelerator(

@@ -493,3 +493,32 @@ def test_before_the_first_step_of_a_resume_the_checkpoints_are_listed_once_and_e
     check_ok(run_script(PROBE, *args, "--epochs", 2, "--time-budget", "1h", "--resume-from-checkpoint", "latest"))
     assert before_step_1["listed"] == {str(tmp_path / "run" / "checkpoints"): 1}, before_step_1
     assert before_step_1["read"] == {"step_2": 1, "step_4": 1}, before_step_1
+
+
+@pytest.mark.inprocess
+def test_an_absent_lomo_is_answered_without_a_search_at_each_step_and_an_installed_one_is_left_alone(
+    monkeypatch, tmp_path
+):
+    # Accelerate asks importlib for lomo_optim twice at every optimizer.step(): a search of every sys.path entry
+    import importlib.machinery
+
+    from accelerate.utils import is_lomo_available
+
+    from ddp_accel import runtime
+
+    monkeypatch.delitem(sys.modules, "lomo_optim", raising=False)
+    check_ok(run_script("tests/probe.py", "--output-dir", tmp_path / "run", "--max-steps", "2"))
+    assert "lomo_optim" in sys.modules and sys.modules["lomo_optim"] is None  # marked by the Accelerator's making
+    searches = []
+    real = importlib.machinery.PathFinder.find_spec
+    monkeypatch.setattr(
+        importlib.machinery.PathFinder, "find_spec", lambda *a, **k: searches.append(a) or real(*a, **k)
+    )
+    assert not is_lomo_available() and not searches
+    installed = tmp_path / "site" / "lomo_optim"
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(installed.parent))
+    monkeypatch.delitem(sys.modules, "lomo_optim")
+    runtime.mark_lomo_absent()
+    assert "lomo_optim" not in sys.modules  # there: not marked

@@ -718,6 +718,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    if reason is None and rank != 0 and ranks_own_buffers(contents):\n",
         "    if False:\n",
     ),
+    "lomo_searched_for_at_every_step": (
+        "ddp_accel/runtime.py",
+        "    check_no_inherited_process_group()\n    mark_lomo_absent()\n",
+        "    check_no_inherited_process_group()\n",
+    ),
     "orphaned_workers_train_on": (
         "ddp_accel/endings.py",
         "        launcher_watch = end_with_the_launcher()\n",
