@@ -131,6 +131,9 @@ def _save_what_survived(
         reason = "nothing was trained yet"
     if reason is None and rank != 0 and ranks_own_buffers(contents):
         reason = "process 0 was lost, and the BatchNorm statistics a checkpoint keeps were its own"
+    buffers = buffers_of(state, agreement) if reason is None else None
+    if reason is None and agreement.buffers and buffers is None:
+        reason = f"the models' buffers at step {state.step} were not kept"
     if reason is not None:
         return f"process {rank}: the restart resumes from the last checkpoint ({reason})"
     assert streams is not None
@@ -143,7 +146,7 @@ def _save_what_survived(
     except FileExistsError:
         return f"process {rank}: another survivor saves step {state.step}"
     try:
-        write_replica(accelerator, rescue, contents, streams)
+        write_replica(accelerator, rescue, contents, streams, buffers or {})
         complete(rescue, final, json.dumps(training_state_json(state, identity), indent=2), None)
     except BaseException:
         shutil.rmtree(rescue, ignore_errors=True)
@@ -151,9 +154,22 @@ def _save_what_survived(
     return f"process {rank} saved the step it reached for the restart: {final}"
 
 
-def write_replica(accelerator: Any, folder: Path, contents: Contents, streams: RandomStreams) -> None:
-    """What Accelerate's save_state would write of every rank (the model as Accelerate keeps it, the optimizers,
-    schedulers and gradient scaler, one random_states_N.pkl per rank), and the callbacks' states."""
+def buffers_of(state: TrainState, agreement: StepAgreement) -> dict[tuple[int, str], torch.Tensor] | None:
+    """The models' buffers as `state`'s step left them (copied at its agreement), or None."""
+    kept = agreement.submitted_buffers
+    return kept[1] if kept is not None and kept[0] == state.step else None
+
+
+def write_replica(
+    accelerator: Any,
+    folder: Path,
+    contents: Contents,
+    streams: RandomStreams,
+    buffers: dict[tuple[int, str], torch.Tensor],
+) -> None:
+    """What Accelerate's save_state would write of every rank (the model as Accelerate keeps it, its buffers as
+    the step left them, the optimizers, schedulers and gradient scaler, one random_states_N.pkl per rank), and the
+    callbacks' states."""
     from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, SCALER_NAME, clean_state_dict_for_safetensors
     from safetensors.torch import save_file
 
@@ -161,6 +177,7 @@ def write_replica(accelerator: Any, folder: Path, contents: Contents, streams: R
     for index, model in enumerate(objects.models):
         name = SAFE_WEIGHTS_NAME if index == 0 else SAFE_WEIGHTS_NAME.replace(".", f"_{index}.")
         weights = accelerator.get_state_dict(model, unwrap=False)
+        weights.update({name: kept for (owner, name), kept in buffers.items() if owner == index and name in weights})
         if isinstance(weights, collections.OrderedDict):
             weights = clean_state_dict_for_safetensors(weights)
         save_file(weights, str(folder / name), metadata={"format": "pt"})

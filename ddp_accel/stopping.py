@@ -358,6 +358,10 @@ class StepAgreement:
         # and the one being agreed on (a collective that fails leaves it here)
         self.agreed_streams: tuple[int, RandomStreams, bool] | None = None
         self.submitted_streams: tuple[int, RandomStreams] | None = None
+        # the models' buffers to copy at each agreement (`keep_buffers`): the next step's forward changes them (a
+        # BatchNorm's statistics and count) before a collective can fail; (step, (model, name) -> copy), the newest
+        self.buffers: list[tuple[tuple[int, str], torch.Tensor]] = []
+        self.submitted_buffers: tuple[int, dict[tuple[int, str], torch.Tensor]] | None = None
 
     def step_done(self, step: int, signum: int | None, wait: bool = False) -> Verdict | None:
         """After optimizer step `step`: a verdict when the ranks agree to stop. `wait`: this step's verdict
@@ -396,6 +400,8 @@ class StepAgreement:
             if self.streams:  # the streams' digest, and its negation: MAX of both says whether all are the same
                 streams = RandomStreams.now()
                 self.submitted_streams = (step, streams)
+                if self.buffers:
+                    self.submitted_buffers = (step, {key: buffer.clone() for key, buffer in self.buffers})
                 flags += [float(streams.digest()), -float(streams.digest())]
             if self.distributed:
                 self._host.copy_(torch.tensor(flags, dtype=self._host.dtype))
@@ -416,6 +422,14 @@ class StepAgreement:
         event.record()
         self._pending = (step, event)
         return previous
+
+    def keep_buffers(self, models: list[torch.nn.Module]) -> None:
+        """With the streams compared: also copy these models' buffers at each agreement, by (the model's index, the
+        buffer's state-dict name): what a survivor saves of the step (ddp_accel.rescue)."""
+        if self.streams:
+            self.buffers = [
+                ((index, name), buffer) for index, model in enumerate(models) for name, buffer in model.named_buffers()
+            ]
 
     def flush(self) -> Verdict | None:
         """Wait for the newest submitted step's verdict (before a checkpoint or an evaluation)."""

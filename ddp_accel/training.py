@@ -113,6 +113,7 @@ class TrainingRun:
         self.checkpoints.contents = checkpoint_contents(task, self.prepared, self.scheduler, features.callbacks)
         covered = rescue.rescuable(accelerator, self.checkpoints.contents)  # a survivor saves every rank's step
         self.agreement = StepAgreement(accelerator, streams=covered)
+        self.agreement.keep_buffers(self.checkpoints.contents.objects.models)
         self.checkpoints.choose_interval(config.mtbf, covered)
         self.step = TrainStep(
             accelerator, self.model, self.optimizer, task.loss_fn, config.max_grad_norm, self.agreement

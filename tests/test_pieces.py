@@ -756,7 +756,9 @@ def test_a_survivor_saves_every_rank_s_place_only_where_one_replica_holds_it(tmp
     from ddp_accel.stopping import RandomStreams
 
     streams = RandomStreams.now()
-    agreement = SimpleNamespace(agreed_streams=(7, streams, True), submitted_streams=(7, streams))
+    agreement = SimpleNamespace(
+        agreed_streams=(7, streams, True), submitted_streams=(7, streams), buffers=[], submitted_buffers=None
+    )
     assert rescue.streams_of(TrainState(step=7), agreement) is streams  # a failure inside step 8
     agreement.submitted_streams = (8, "this rank's after step 8")  # its agreement failed: the step before agreed
     assert rescue.streams_of(TrainState(step=8), agreement) == "this rank's after step 8"

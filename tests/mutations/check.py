@@ -723,6 +723,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    check_no_inherited_process_group()\n    mark_lomo_absent()\n",
         "    check_no_inherited_process_group()\n",
     ),
+    "a_survivor_saves_the_buffers_the_next_step_changed": (
+        "ddp_accel/rescue.py",
+        "if owner == index and name in weights})",
+        "if False})",
+    ),
     "orphaned_workers_train_on": (
         "ddp_accel/endings.py",
         "        launcher_watch = end_with_the_launcher()\n",
