@@ -105,21 +105,6 @@ def save_what_survived(
 ) -> str:
     """A survivor's checkpoint of the step it reached, when it can be every rank's; returns its line (also when
     the save itself fails: the lost peer's error is the run's)."""
-    try:
-        return _save_what_survived(accelerator, root, state, identity, contents, agreement, accumulation)
-    except Exception as failed:
-        return f"process {accelerator.process_index}: the step it reached was not saved ({failed})"
-
-
-def _save_what_survived(
-    accelerator: Any,
-    root: Path,
-    state: TrainState,
-    identity: RunIdentity,
-    contents: Contents,
-    agreement: StepAgreement,
-    accumulation: int,
-) -> str:
     rank = accelerator.process_index
     reason = why_not_rescued(accelerator, contents)
     streams = streams_of(state, agreement)
@@ -145,12 +130,16 @@ def _save_what_survived(
         rescue.mkdir(parents=True)  # the first survivor's (atomic)
     except FileExistsError:
         return f"process {rank}: another survivor saves step {state.step}"
+    except OSError as failed:
+        return f"process {rank}: the step it reached was not saved ({failed})"
     try:
         write_replica(accelerator, rescue, contents, streams, buffers or {})
         complete(rescue, final, json.dumps(training_state_json(state, identity), indent=2), None)
-    except BaseException:
+    except BaseException as failed:
         shutil.rmtree(rescue, ignore_errors=True)
-        raise
+        if not isinstance(failed, Exception):  # the launcher's kill, a Ctrl-C: as they are
+            raise
+        return f"process {rank}: the step it reached was not saved ({failed})"
     return f"process {rank} saved the step it reached for the restart: {final}"
 
 
