@@ -133,6 +133,19 @@ class Listing:
             self._complete = complete_checkpoints(self.root, self.state)
         return list(self._complete)
 
+    def saved_plan(self, value: str | None) -> tuple[dict[str, Any] | None, Path | None]:
+        """The --time-budget plan recorded by the checkpoint `value` names (None when it has none), and that
+        checkpoint when it was trained without a plan. (None, None) when there is no checkpoint or it cannot be
+        read (the resume says why)."""
+        path = resolve_resume(value, self.root, listing=self)  # (its integrity is checked at the resume)
+        if path is None:
+            return None, None
+        try:
+            plan = self.state(path).get("time_budget")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None, None
+        return (plan, None) if plan else (None, path)
+
 
 def training_progress(path: Path, read: Reader | None = None) -> tuple[float, float]:
     """(epoch, samples seen in it) of a checkpoint; one whose training_state.json cannot be read sorts as the
@@ -509,47 +522,55 @@ SaveActivity = Callable[[str, "str | None"], "contextlib.AbstractContextManager[
 class Checkpoints:
     """The checkpoints of one run, in OUTPUT_DIR/checkpoints: when to save (`maybe_save`: every N optimizer steps
     or at each epoch's end), where (`step_folder`) and what (the full `save_state`, the callbacks' states by key,
-    training_state.json), which are complete, which is latest, rotation (keep the newest `limit`), the saved
-    --time-budget plan, and loading under the run's identity. Every rank holds one and calls its collective
-    methods (save, resolve, load) together. `activity`: what a save runs under (the run's watchdog); `on_saved`:
-    told (path, seconds) after every save."""
+    training_state.json), which are complete, which is latest, rotation (keep the newest `limit`), and loading
+    under the run's identity. Every rank holds one and calls its collective methods (save, resolve, load) together.
+    `folder`: the checkpoints folder, or its Listing (the folder as read, shared with the run's folder checks).
+    `activity`: what a save runs under (the run's watchdog); `on_saved`: told (path, seconds) after every save.
+    `of_run` builds a run's from its options."""
 
     def __init__(
         self,
         accelerator: Accelerator,
-        root: Path,
+        folder: Path | Listing,
         every: int | str | None = None,
         limit: int | None = None,
         contents: Contents | None = None,
-        listing: Listing | None = None,
+        activity: SaveActivity | None = None,
+        on_saved: Callable[[Path, float], None] | None = None,
     ):
-        self.accelerator, self.root, self.every, self.limit = accelerator, root, every, limit
-        self.listing = listing or Listing(root)  # the folder as read; refreshed by each save
+        self.listing = folder if isinstance(folder, Listing) else Listing(folder)  # refreshed by each save
+        self.accelerator, self.root, self.every, self.limit = accelerator, self.listing.root, every, limit
         self.contents = contents or Contents(callbacks=CallbackStates([]))
         self.leftover = 0  # samples of the epoch the resume sees again (its skip rounded down to this global batch)
         self.rebase: Rebase | None = None  # the resume's, once resumed
-        self.activity: SaveActivity = lambda what, kind: contextlib.nullcontext()
-        self.on_saved: list[Callable[[Path, float], None]] = []
+        self.activity: SaveActivity = activity or (lambda what, kind: contextlib.nullcontext())
+        self.on_saved: list[Callable[[Path, float], None]] = [on_saved] if on_saved else []
         self.writer: CheckpointWriter | None = None  # --async-checkpoint: saves written in the background
         self.in_flight: tuple[Path, float] | None = None  # the background save: its folder and the step's stall
         self.auto: AutoInterval | None = None  # --checkpointing-steps auto
 
     @classmethod
-    def of_run(cls, accelerator: Accelerator, config: TrainConfig, listing: Listing) -> Checkpoints:
-        """A run's, in `listing`'s folder: --checkpointing-steps, --checkpoint-limit, --async-checkpoint (a writer
-        of its own)."""
+    def of_run(
+        cls,
+        accelerator: Accelerator,
+        config: TrainConfig,
+        listing: Listing,
+        contents: Contents,
+        covered: bool,
+        activity: SaveActivity,
+        on_saved: Callable[[Path, float], None],
+    ) -> Checkpoints:
+        """A run's, in `listing`'s folder, saving `contents`: --checkpointing-steps (`auto`: at the interval
+        AutoInterval chooses; `covered`: a survivor's save covers the failure of some ranks), --checkpoint-limit,
+        --async-checkpoint (a writer of its own)."""
         every, limit = config.checkpointing_steps, config.checkpoint_limit
-        checkpoints = cls(accelerator, listing.root, every, limit, listing=listing)
+        checkpoints = cls(accelerator, listing, every, limit, contents, activity, on_saved)
         if config.async_checkpoint:
             checkpoints.writer = CheckpointWriter(sharded=accelerator.distributed_type == DistributedType.FSDP)
-        return checkpoints
-
-    def choose_interval(self, mtbf_s: float | None, covered: bool) -> None:
-        """--checkpointing-steps auto: saves at the interval AutoInterval chooses (`covered`: a survivor's save
-        covers the failure of some ranks)."""
-        if self.every == "auto":
+        if every == "auto":
             restarts = engines.current().restarts
-            self.auto = AutoInterval(mtbf_s, covered, restarts, launch_started_at(), self.accelerator.device)
+            checkpoints.auto = AutoInterval(config.mtbf, covered, restarts, launch_started_at(), accelerator.device)
+        return checkpoints
 
     def due_at_step(self, step: int) -> bool:
         return self.auto.due(step) if self.auto is not None else every(step, self.every)
@@ -645,19 +666,6 @@ class Checkpoints:
 
     def load(self, path: Path, state: TrainState, identity: RunIdentity) -> list[str]:
         return load_checkpoint(self.accelerator, path, identity, state, self.contents, self.listing.state)
-
-    def saved_plan(self, value: str | None) -> tuple[dict[str, Any] | None, Path | None]:
-        """The --time-budget plan recorded by the checkpoint `value` names (None when it has none), and that
-        checkpoint when it was trained without a plan. (None, None) when there is no checkpoint or it cannot be
-        read (the resume says why)."""
-        path = resolve_resume(value, self.root, listing=self.listing)  # (its integrity is checked at the resume)
-        if path is None:
-            return None, None
-        try:
-            plan = self.listing.state(path).get("time_budget")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return None, None
-        return (plan, None) if plan else (None, path)
 
     def resume(
         self,

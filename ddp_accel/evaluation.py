@@ -27,9 +27,10 @@ from ddp_accel.checkpoint import (
 )
 from ddp_accel.errors import UserError
 from ddp_accel.identity import compare_identity
+from ddp_accel.meters import EvalHistory, numbers
 from ddp_accel.sharding import before_prepare
-from ddp_accel.state import RunIdentity
-from ddp_accel.task import EvalFn, MetricsFn
+from ddp_accel.state import RunIdentity, TrainState
+from ddp_accel.task import EvalFn, MetricsFn, Task
 
 
 def mean_metrics(outputs: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -65,6 +66,45 @@ def evaluate(
     metrics = (metrics_fn or mean_metrics)(merged)
     metrics["samples"] = len(next(iter(merged.values()))) if merged else 0
     return {f"{prefix}_{key}": value for key, value in metrics.items()}
+
+
+def metrics_text(metrics: dict[str, Any]) -> str:
+    return ", ".join(f"{key} {value:.4g}" for key, value in numbers(metrics).items())
+
+
+class Evaluations:
+    """A run's evaluations of its model: on a loader (every batch after `before_batch`, the run's stop check), an
+    evaluation at a step recorded (the state's metrics, its line, history.json), and the test set."""
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        model: torch.nn.Module,
+        task: Task,
+        history: EvalHistory,
+        steps_per_epoch: int,
+        before_batch: Callable[[], None],
+    ):
+        self.accelerator, self.model, self.task, self.history = accelerator, model, task, history
+        self.steps_per_epoch, self.before_batch = steps_per_epoch, before_batch
+
+    def __call__(self, loader: Any, prefix: str) -> dict[str, Any]:
+        eval_fn, metrics_fn = self.task.eval_fn, self.task.metrics_fn
+        assert eval_fn is not None, "an eval or test loader needs an eval_fn"
+        return evaluate(self.accelerator, self.model, loader, eval_fn, metrics_fn, prefix, self.before_batch)
+
+    def record(self, state: TrainState, metrics: dict[str, Any]) -> None:
+        """`metrics`, evaluated at the state's step: the state's last evaluation, one line, history.json."""
+        state.eval_pending, state.last_eval_step, state.eval_metrics = False, state.step, metrics
+        self.accelerator.print(f"step {state.step}: {metrics_text(metrics)}")
+        samples = state.samples_trained
+        epoch = samples / state.epoch_samples if state.epoch_samples else state.step / self.steps_per_epoch
+        self.history.record(self.accelerator, state.step, samples, epoch, state.last_loss, metrics)
+
+    def test(self, loader: Any) -> dict[str, Any]:
+        metrics = self(loader, "test")
+        self.accelerator.print(f"test: {metrics_text(metrics)}")
+        return metrics
 
 
 @dataclass(frozen=True)

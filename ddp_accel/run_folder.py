@@ -157,9 +157,12 @@ class RunFolder:
         return committed, message
 
     # --- while the run trains (main process) ---
-    def lock(self) -> None:
-        """Hold the folder until `release` (the process's exit releases it too)."""
+    def lock(self, clear: bool = False) -> None:
+        """Hold the folder until `release` (the process's exit releases it too); `clear`: the previous run's files
+        go (clear_previous_run)."""
         self._lock = lock_output_dir(self.path)
+        if clear:
+            self.clear_previous_run()
 
     def release(self) -> None:
         """The run is over: the folder to the next run, which checks it again."""

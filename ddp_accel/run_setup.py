@@ -14,17 +14,17 @@ from accelerate.utils import DistributedType
 
 from ddp_accel.async_save import AcceleratorObjects
 from ddp_accel.batch_size import find_micro_batch, with_batch_size
-from ddp_accel.budget import BudgetPlan, RunShape, Timing, plan_run
+from ddp_accel.budget import BudgetGuard, BudgetPlan, RunShape, Timing, budget_line, epochs_text, plan_run
 from ddp_accel.callback_state import CallbackStates
 from ddp_accel.callbacks import BestModel, Callback, EarlyStopping, ProgressBar, Trackers
-from ddp_accel.checkpoint import Checkpoints, Contents
+from ddp_accel.checkpoint import Contents
 from ddp_accel.comm_hooks import PowerSGD, check_model, register_powersgd
 from ddp_accel.config import TrainConfig, check_evaluation, check_strategy
 from ddp_accel.ema import WeightAverage
 from ddp_accel.loaders import exit_now
 from ddp_accel.profiling import ProfilerWindow
 from ddp_accel.run_folder import RunFolder
-from ddp_accel.runtime import ddp_options, shards_weights
+from ddp_accel.runtime import ddp_options, shards_weights, topology
 from ddp_accel.schedules import PlateauFeed, make_schedule
 from ddp_accel.sharding import before_prepare
 from ddp_accel.stopping import StepAgreement, StopSignals
@@ -83,6 +83,16 @@ class Prepared:
         if not padding:
             return {}
         return {"epoch_padding": f"{padding} samples seen twice per epoch (the last round of {per_round})"}
+
+    def figures(self, accelerator: Accelerator, config: TrainConfig) -> dict[str, Any]:
+        """metrics.json's figures of what trained: where the schedule ended (a plateau's decays), the topology, the
+        batch --auto-batch-size chose."""
+        asked = {"auto_batch_size": f"{config.batch_size} asked, {self.micro_batch} fits"}
+        return {
+            "final_lr": self.optimizer.param_groups[0]["lr"],
+            **topology(accelerator, self.micro_batch, self.accumulation),
+            **(asked if config.auto_batch_size else {}),
+        }
 
 
 def prepare_task(accelerator: Accelerator, config: TrainConfig, task: Task) -> Prepared:
@@ -189,18 +199,65 @@ def standard_callbacks(
     return Features(ema, [ProgressBar(), Trackers(), *average, BestModel(best_metric, ema), *profiler, *given, *early])
 
 
+@dataclass(frozen=True)
+class RunLength:
+    """How long the run trains: its epochs and optimizer steps, and --time-budget's plan that chose them."""
+
+    epochs: int
+    total_steps: int
+    started: float  # when the command started: --time-budget's clock
+    budget: BudgetPlan | None = None
+    budget_kept: bool = False  # the plan the run made at its start, kept by a resume
+
+    def banner(self) -> str | None:
+        if self.budget is None:
+            return None
+        return self.budget.describe() + (" (the run's plan, kept: a resume plans nothing)" if self.budget_kept else "")
+
+    def guard(self) -> tuple[str, list[Callback]]:
+        """The progress bar's note on the epochs, and the callback that keeps the budget (a resume's too)."""
+        if self.budget is None:
+            return "", []
+        return f" ({epochs_text(self.epochs)}: --time-budget's plan)", [BudgetGuard(self.budget, self.started)]
+
+    def figures(self, now: float) -> dict[str, Any]:
+        """metrics.json's time_budget: the plan and the command's time."""
+        if self.budget is None:
+            return {}
+        return {"time_budget": {**self.budget.state_dict(), "command_s": round(now - self.started, 1)}}
+
+    def end_line(self, now: float, resumed: bool) -> str | None:
+        return budget_line(self.budget, now - self.started, resumed) if self.budget is not None else None
+
+
+def run_length(
+    accelerator: Accelerator,
+    config: TrainConfig,
+    task: Task,
+    prepared: Prepared,
+    folder: RunFolder,
+    started: float,
+) -> RunLength:
+    """--epochs and --max-steps, or --time-budget's plan (at most --epochs)."""
+    budget, kept = None, False
+    if config.time_budget:
+        budget, kept = plan_time_budget(accelerator, config, task, prepared, folder, started)
+    epochs = budget.epochs if budget else config.epochs
+    total_steps = int(min(epochs * prepared.steps_per_epoch, config.max_steps or math.inf))
+    return RunLength(epochs, total_steps, started, budget, kept)
+
+
 def plan_time_budget(
     accelerator: Accelerator,
     config: TrainConfig,
     task: Task,
     prepared: Prepared,
-    checkpoints: Checkpoints,
     folder: RunFolder,
     started: float,
 ) -> tuple[BudgetPlan, bool]:
     """--time-budget: the plan the run made at its start (kept by a resume, or a rerun of the complete run), else
     a new one from batches timed here on the prepared objects. Returns (plan, kept?)."""
-    kept_state, trained_without = checkpoints.saved_plan(config.resume_from_checkpoint)
+    kept_state, trained_without = folder.listing.saved_plan(config.resume_from_checkpoint)
     if kept_state is None and trained_without is None and config.resume_from_checkpoint == "latest":
         kept_state = (folder.read_committed() or {}).get("time_budget")  # a rerun of the complete run
     try:

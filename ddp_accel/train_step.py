@@ -31,7 +31,7 @@ class TrainStep:
         self.accelerator, self.model, self.optimizer, self.loss_fn = accelerator, model, optimizer, loss_fn
         self.max_grad_norm, self.agreement = max_grad_norm, agreement
         self.meter, self.window = ThroughputMeter(), LossWindow(accelerator.device)
-        self.tick = time.perf_counter()  # when the current step began waiting for its batch
+        self.tick = self.created = time.perf_counter()  # when the current step began waiting for its batch
 
     def restart_clock(self) -> None:
         """The next batch's wait starts now (not during an evaluation, a checkpoint or a worker start)."""
@@ -53,6 +53,14 @@ class TrainStep:
         self.meter.add(find_batch_size(batch) * accelerator.num_processes, done - self.tick, started - self.tick)
         self.tick = done
         return accelerator.sync_gradients
+
+    def summary(self) -> dict[str, Any]:
+        """metrics.json's figures of the loop: the optimizer steps skipped, the throughput, the wall time."""
+        return {
+            "skipped_optimizer_steps": self.agreement.skipped_steps,
+            **self.meter.summary(),
+            "wall_time_s": time.perf_counter() - self.created,
+        }
 
     def logs(self, scheduler: Any) -> dict[str, Any]:
         """The loss averaged over all processes, the throughput of the last log window (global samples), the

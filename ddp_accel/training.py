@@ -20,28 +20,28 @@ from typing import Any
 from accelerate import Accelerator
 
 from ddp_accel import allocator, engines, loaders, rescue, run_end, run_start
-from ddp_accel.budget import BudgetGuard, BudgetPlan, command_started, epochs_text
+from ddp_accel.budget import command_started
 from ddp_accel.callbacks import Callback, Callbacks
 from ddp_accel.checkpoint import Checkpoints, every, model_fingerprint, optimizer_fingerprint
 from ddp_accel.config import TrainConfig
 from ddp_accel.context import RunContext
 from ddp_accel.endings import lost_peers
 from ddp_accel.errors import UserError
-from ddp_accel.evaluation import evaluate
-from ddp_accel.meters import EvalHistory, numbers
+from ddp_accel.evaluation import Evaluations
+from ddp_accel.meters import EvalHistory
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.run_setup import (
     build_scheduler,
     check_options_against_task,
     checkpoint_contents,
-    plan_time_budget,
     prepare_task,
     progress_watchdog,
+    run_length,
     standard_callbacks,
 )
 from ddp_accel.runtime import exported_model, open_run
 from ddp_accel.state import RunIdentity, TrainState
-from ddp_accel.stopping import Phase, Preempted, SaveGrace, StepAgreement, StopFacts, StopSignals, Verdict
+from ddp_accel.stopping import Phase, SaveGrace, StepAgreement, StopFacts, StopSignals, Verdict
 from ddp_accel.task import RunRecord, Task
 from ddp_accel.train_step import TrainStep
 
@@ -54,7 +54,13 @@ class StopTraining(Exception):
         self.verdict = verdict
 
 
-class TrainingRun:
+def stop_on(verdict: Verdict | None) -> None:
+    """The ranks' verdict at an agreement: stop when there is one."""
+    if verdict:
+        raise StopTraining(verdict)
+
+
+class TrainingRun(contextlib.AbstractContextManager["TrainingRun"]):
     """One call of fit(): the prepared objects, where training is (`state`) and who the run is (`identity`), its
     folder, checkpoints and callbacks, and the steps of the loop. fit() reads as the loop; the steps are here."""
 
@@ -74,27 +80,20 @@ class TrainingRun:
             model_fingerprint(task.model), record.identity, optimizer_fingerprint(task.optimizer)
         )
         self.prepared = prepared = prepare_task(accelerator, config, task)
-        self.model, self.optimizer, self.train_loader = prepared.model, prepared.optimizer, prepared.train_loader
-        self.eval_loader, self.test_loader = prepared.eval_loader, prepared.test_loader
-        self.micro_batch, self.accumulation = prepared.micro_batch, prepared.accumulation
-        self.steps_per_epoch = prepared.steps_per_epoch
+        self.model, self.optimizer = prepared.model, prepared.optimizer
+        self.eval_loader = prepared.eval_loader
         self.state = TrainState(
-            global_batch=self.micro_batch * accelerator.num_processes,
+            global_batch=prepared.micro_batch * accelerator.num_processes,
             world_size=accelerator.num_processes,
             epoch_samples=prepared.epoch_samples,
         )
         self.best_metric = config.best_metric or task.best_metric  # --best-metric, else the script's
         check_options_against_task(accelerator, config, task, self.best_metric)
-        self.checkpoints = Checkpoints.of_run(accelerator, config, self.folder.listing)
-        self.started = command_started(time.time())  # --time-budget's clock
-        self.budget: BudgetPlan | None = None
-        self.budget_kept = False
-        if config.time_budget:
-            plan = plan_time_budget(accelerator, config, task, prepared, self.checkpoints, self.folder, self.started)
-            self.budget, self.budget_kept = plan
-            self.state.time_budget = self.budget.state_dict()
-        self.epochs = self.budget.epochs if self.budget else config.epochs  # (the budget's plan: at most --epochs)
-        self.total_steps = int(min(self.epochs * self.steps_per_epoch, config.max_steps or math.inf))
+        started = command_started(time.time())
+        self.length = run_length(accelerator, config, task, prepared, self.folder, started)
+        if self.length.budget:
+            self.state.time_budget = self.length.budget.state_dict()
+        self.epochs, self.total_steps = self.length.epochs, self.length.total_steps
         self.assemble(list(callbacks))
 
     def assemble(self, callbacks: list[Callback]) -> None:
@@ -102,30 +101,32 @@ class TrainingRun:
         the step, the agreement, the watchdog, and what the callbacks see."""
         accelerator, config, task = self.accelerator, self.config, self.task
         self.scheduler, feed = build_scheduler(
-            accelerator, config, task, self.optimizer, self.total_steps, self.steps_per_epoch, self.best_metric
+            accelerator, config, task, self.optimizer, self.total_steps, self.prepared.steps_per_epoch, self.best_metric
         )
-        chosen_by = f" ({epochs_text(self.epochs)}: --time-budget's plan)" if self.budget else ""
-        guard = [BudgetGuard(self.budget, self.started)] if self.budget else []  # (a resume's too)
+        chosen_by, guard = self.length.guard()
         features = standard_callbacks(
             config, self.best_metric, self.total_steps, chosen_by, [*feed, *guard, *callbacks]
         )
         self.ema, self.callbacks = features.ema, Callbacks(features.callbacks)
-        self.checkpoints.contents = checkpoint_contents(task, self.prepared, self.scheduler, features.callbacks)
-        covered = rescue.rescuable(accelerator, self.checkpoints.contents)  # a survivor saves every rank's step
+        contents = checkpoint_contents(task, self.prepared, self.scheduler, features.callbacks)
+        covered = rescue.rescuable(accelerator, contents)  # a survivor saves every rank's step
         self.agreement = StepAgreement(accelerator, streams=covered)
-        self.agreement.keep_buffers(self.checkpoints.contents.objects.models)
-        self.checkpoints.choose_interval(config.mtbf, covered)
+        self.agreement.keep_buffers(contents.objects.models)
         self.step = TrainStep(
             accelerator, self.model, self.optimizer, task.loss_fn, config.max_grad_norm, self.agreement
         )
+        self.watchdog = progress_watchdog(self.folder, accelerator.process_index, config, self.signals)
+        activity = self.watchdog.activity
+        self.checkpoints = Checkpoints.of_run(
+            accelerator, config, self.folder.listing, contents, covered, activity, self.after_save
+        )
         self.history = EvalHistory(self.folder.path / "history.json")
+        self.evaluations = Evaluations(
+            accelerator, self.model, task, self.history, self.prepared.steps_per_epoch, self.stop_check
+        )
         self.test_metrics: dict[str, Any] = {}
         self.resumed_from: Path | None = None
-        self.wall_start = time.perf_counter()
         self.grace = SaveGrace(accelerator.is_main_process)
-        self.watchdog = progress_watchdog(self.folder, accelerator.process_index, config, self.signals)
-        self.checkpoints.activity = lambda what, kind: self.watchdog.activity(what, kind=kind)
-        self.checkpoints.on_saved.append(self.after_save)
         self.hyperparameters = dataclasses.replace(config, epochs=self.epochs).hyperparameters()
         self.context = RunContext(
             accelerator,
@@ -136,12 +137,9 @@ class TrainingRun:
             self.total_steps,
             self.hyperparameters,
             lambda: exported_model(accelerator, self.model),
-            lambda prefix: self.run_evaluation(self.eval_loader, prefix),
+            lambda prefix: self.evaluations(self.eval_loader, prefix),
             self.watchdog.activity,
         )
-
-    def __enter__(self) -> TrainingRun:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.watchdog.stop()
@@ -152,20 +150,24 @@ class TrainingRun:
     # --- start: every check first, then the first writes ---
     def start(self) -> dict[str, Any] | None:
         """Resume (or not), check the output dir; returns the committed metrics when the run is already complete."""
-        allocator.keep_freed_memory(self.accelerator.device.type)  # CPU steps reuse the previous step's memory
-        run_start.print_run_banner(self)
-        complete = run_start.committed_run(self)
+        accelerator, config = self.accelerator, self.config
+        allocator.keep_freed_memory(accelerator.device.type)  # CPU steps reuse the previous step's memory
+        run_start.print_run_banner(
+            accelerator, config, self.record, self.prepared, self.total_steps, self.checkpoints, self.length.banner()
+        )
+        complete = run_start.committed_run(
+            accelerator, config, self.folder, self.identity, self.total_steps, self.prepared, self.state
+        )
         if complete is not None:
+            engines.note_metrics(complete)
+            self.signals.enter(Phase.DONE)
             return complete
-        config = self.config
         if not self.folder.checked:  # fit called without make_accelerator, or `latest`: it needs the checkpoints
             has_checkpoints = bool(self.checkpoints.complete())
             self.folder.check(config.resume_from_checkpoint, config.overwrite_output_dir, has_checkpoints)
-        run_start.resume(self)
-        if self.accelerator.is_main_process:
-            self.folder.lock()
-            if config.overwrite_output_dir and self.resumed_from is None:
-                self.folder.clear_previous_run()
+        self.resume()
+        if accelerator.is_main_process:  # the first writes
+            self.folder.lock(clear=config.overwrite_output_dir and self.resumed_from is None)
         if self.resumed_from is not None:
             # history.json up to the place the checkpoint saved (before a resize rounded it down to this command's
             # batches), and the last stop's save time against the launcher's grace
@@ -176,20 +178,22 @@ class TrainingRun:
         self.watchdog.start()
         return None
 
-    # --- the loop's steps ---
-    @contextmanager
-    def epoch_batches(self, epoch: int) -> Iterator[Iterator[Any]]:
-        """This epoch's batches on this rank (after the ones a resume skips), each timed."""
-        loader = self.train_loader
-        loader.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        if loader.generator is not None:  # worker seeds (augmentations) that depend only on (seed, epoch)
-            loader.generator.manual_seed(self.config.seed * 100_003 + epoch)
-        skip = self.state.batches_in_epoch if epoch == self.state.epoch else 0
-        self.state.epoch, self.state.batches_in_epoch = epoch, skip
-        with loaders.batches(skipping(self.accelerator, loader, skip, epoch) if skip else loader) as batches:
-            self.step.restart_clock()
-            yield batches
+    def resume(self) -> None:
+        """--resume-from-checkpoint (if any) into the prepared objects, the callbacks and `state`."""
+        accelerator, state = self.accelerator, self.state
+        path = run_start.load_checkpoint(
+            accelerator, self.config, self.checkpoints, state, self.identity, self.prepared, self.total_steps
+        )
+        if path is not None:
+            self.resumed_from = self.context.resumed_from = path
+            self.signals.resume_hint = run_start.resume_hint(path)
+            rebase = self.checkpoints.rebase
+            if rebase is not None and rebase.recounted:  # what counts steps moves to the same place in the data
+                run_start.move_the_schedule(accelerator, self.scheduler, state.step, rebase)
+                self.callbacks.call("on_rebase", self.context, rebase)
+        run_start.switch_best_metric(accelerator, state, self.best_metric)
 
+    # --- the loop's steps ---
     def train_step(self, batch: Any) -> bool:
         """One micro-batch; True when it ended an optimizer step."""
         ended = self.step(batch)
@@ -209,9 +213,7 @@ class TrainingRun:
         # before the stop agreement: what the callbacks update per step (the EMA) belongs to the step, and a
         # stop saves the step whole
         self.callbacks.call("on_step_end", self.context)
-        verdict = self.agreement.step_done(state.step, self.signals.received, wait=eval_due or checkpoint_due)
-        if verdict:
-            raise StopTraining(verdict)
+        stop_on(self.agreement.step_done(state.step, self.signals.received, wait=eval_due or checkpoint_due))
         if every(state.step, config.log_steps) or state.step == self.total_steps:
             self.log_window()
         if eval_due:
@@ -220,9 +222,7 @@ class TrainingRun:
         self.step.restart_clock()
 
     def end_of_epoch(self, epoch: int) -> None:
-        verdict = self.agreement.flush()
-        if verdict:
-            raise StopTraining(verdict)
+        stop_on(self.agreement.flush())
         self.state.epoch, self.state.batches_in_epoch = epoch + 1, 0
         # evaluated before the epoch's checkpoint: it carries this evaluation and the best metric with it
         due = (epoch + 1) == self.epochs or (epoch + 1) % self.config.eval_every_epochs == 0
@@ -242,41 +242,27 @@ class TrainingRun:
     def stop_check(self) -> None:
         """Before each evaluation batch, on every rank: stop when any rank received a preemption signal."""
         self.watchdog.beat(f"an evaluation batch at step {self.state.step}")
-        verdict = self.agreement.preempted(self.state.step, self.signals.received)
-        if verdict:
-            raise StopTraining(verdict)
-
-    def run_evaluation(self, loader: Any, prefix: str) -> dict[str, Any]:
-        task = self.task
-        assert task.eval_fn is not None, "an eval or test loader needs an eval_fn"
-        return evaluate(self.accelerator, self.model, loader, task.eval_fn, task.metrics_fn, prefix, self.stop_check)
+        stop_on(self.agreement.preempted(self.state.step, self.signals.received))
 
     def evaluate_now(self) -> None:
         """Evaluate at this step; a stop in the middle leaves `eval_pending`, so the resumed run evaluates first."""
         state, phase = self.state, self.signals.phase
         state.eval_pending = True
         self.signals.enter(Phase.EVAL if phase is Phase.TRAIN else phase)
-        metrics = self.run_evaluation(self.eval_loader, "eval")
+        metrics = self.evaluations(self.eval_loader, "eval")
         metrics.update(self.callbacks.extra_evaluation(self.context))  # the averaged weights, on the same data
         self.signals.enter(phase)
-        state.eval_pending, state.last_eval_step, state.eval_metrics = False, state.step, metrics
-        self.accelerator.print(f"step {state.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in numbers(metrics).items()))
-        samples = state.samples_trained
-        epoch = samples / state.epoch_samples if state.epoch_samples else state.step / self.steps_per_epoch
-        self.history.record(self.accelerator, state.step, samples, epoch, state.last_loss, metrics)
+        self.evaluations.record(state, metrics)
         self.callbacks.call("on_evaluate", self.context, metrics)
 
     def final_evaluations(self) -> None:
         """The last evaluation (unless the last step was just evaluated) and the test set, before the commit."""
         self.signals.enter(Phase.FINAL)
-        verdict = self.agreement.flush()
-        if verdict:
-            raise StopTraining(verdict)
+        stop_on(self.agreement.flush())
         if self.eval_loader is not None and self.state.step != self.state.last_eval_step:
             self.evaluate_now()
-        if self.test_loader is not None:
-            self.test_metrics = self.run_evaluation(self.test_loader, "test")
-            self.accelerator.print("test: " + ", ".join(f"{k} {v:.4g}" for k, v in numbers(self.test_metrics).items()))
+        if self.prepared.test_loader is not None:
+            self.test_metrics = self.evaluations.test(self.prepared.test_loader)
 
     # --- checkpoints and stops ---
     def after_save(self, path: Path, seconds: float) -> None:
@@ -286,19 +272,50 @@ class TrainingRun:
 
     def stop(self, verdict: Verdict) -> None:
         """Every rank: a loss that is not finite ends the run (no checkpoint of a broken model); a preemption
-        checkpoints the step reached (unless it was just saved), leaves the marker and raises Preempted."""
+        checkpoints the step reached and raises Preempted."""
         self.checkpoints.finish_writes()  # the write in flight (--async-checkpoint) completes first
         if verdict.nonfinite:
             raise UserError(nonfinite_message(verdict.step, self.state, self.folder, self.best_metric))
-        started, phase = time.perf_counter(), self.signals.phase
-        path = self.checkpoints.save_reached(self.state, self.identity)
-        facts = StopFacts(phase, verdict.signal, self.state.step, str(path), round(time.perf_counter() - started, 2))
-        if self.accelerator.is_main_process:
-            facts.write(self.folder.path)
-        self.accelerator.wait_for_everyone()  # no process exits (and makes a launcher kill the rest) before the marker
-        if self.signals.received is None:  # the signal reached a peer: it may still be on its way to this process
-            time.sleep(1.0)
-        raise Preempted(facts, by_peer=self.signals.received is None)
+        run_end.stop_here(
+            self.accelerator, verdict, self.signals, self.checkpoints, self.state, self.identity, self.folder
+        )
+
+    # --- the end ---
+    def finish(self) -> dict[str, Any]:
+        """Every rank: the final artifacts, then the last lines. Signals received now are noted, not acted on: the
+        commit is short, and a run stopped in it would have to redo it. Returns metrics.json."""
+        self.signals.enter(Phase.COMMIT)
+        self.watchdog.stop()  # it watches training and evaluation; the commit writes files once
+        trained = {
+            **self.step.summary(),
+            **self.length.figures(time.time()),
+            **self.prepared.figures(self.accelerator, self.config),
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+        }
+        metrics = run_end.final_metrics(
+            self.state, self.test_metrics, trained, self.best_metric, self.record, self.identity
+        )
+        final = run_end.FinalArtifacts(self.model, self.ema, self.history, self.record, self.hyperparameters)
+        curves = run_end.commit(self.accelerator, self.folder, metrics, final)
+        engines.note_metrics(metrics)
+        self.callbacks.call("on_end", self.context, metrics)
+        self.signals.enter(Phase.DONE)
+        self.accelerator.print(run_end.summary_line(metrics, self.folder.path, curves))
+        if line := self.length.end_line(time.time(), self.resumed_from is not None):
+            self.accelerator.print(line)
+        return metrics
+
+
+@contextmanager
+def epoch_batches(accelerator: Accelerator, loader: Any, seed: int, state: TrainState, epoch: int) -> Iterator[Any]:
+    """This epoch's batches on this rank (after the ones a resume skips)."""
+    loader.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+    if loader.generator is not None:  # worker seeds (augmentations) that depend only on (seed, epoch)
+        loader.generator.manual_seed(seed * 100_003 + epoch)
+    skip = state.batches_in_epoch if epoch == state.epoch else 0
+    state.epoch, state.batches_in_epoch = epoch, skip
+    with loaders.batches(skipping(accelerator, loader, skip, epoch) if skip else loader) as batches:
+        yield batches
 
 
 def skipping(accelerator: Accelerator, loader: Any, batches: int, epoch: int) -> Any:
@@ -379,7 +396,6 @@ def train(
     with run.signals if signals is None else contextlib.nullcontext(), run:
         committed = run.start()
         if committed is not None:
-            engines.note_metrics(committed)
             return committed
         state = run.state
         try:
@@ -389,7 +405,10 @@ def train(
             for epoch in range(state.epoch, run.epochs):  # (--time-budget may have chosen fewer than --epochs)
                 if state.step >= run.total_steps or state.ended:
                     break
-                with run.epoch_batches(epoch) as batches:
+                with epoch_batches(
+                    run.accelerator, run.prepared.train_loader, run.config.seed, state, epoch
+                ) as batches:
+                    run.step.restart_clock()  # each batch timed from here
                     for batch in batches:
                         # --max-steps reached, or early stopping, mid-epoch: no end-of-epoch work
                         if state.step >= run.total_steps or state.ended:
@@ -403,23 +422,25 @@ def train(
         except StopTraining as stop:
             run.stop(stop.verdict)
         except Exception as error:
-            if lost_peers(error):  # a survivor's save of the step reached, or the line saying why not
-                rescue.say(
-                    rescue.save_what_survived(
-                        run.accelerator,
-                        run.checkpoints.root,
-                        run.state,
-                        run.identity,
-                        run.checkpoints.contents,
-                        run.agreement,
-                        run.accumulation,
-                    )
-                )
-            elif not isinstance(error, UserError):  # a crash that repeats from the same start at the same step is
-                # deterministic: a UserError then, so that the launcher does not restart it again
-                run.folder.refuse_a_repeated_crash(run.accelerator.process_index, run.resumed_from, state.step, error)
+            after_a_crash(run, error)
             raise
-        return run_end.commit(run)
+        return run.finish()
+
+
+def after_a_crash(run: TrainingRun, error: Exception) -> None:
+    """A peer lost: the survivors save the step reached (or a line says why not). Any other crash but a UserError
+    is noted, and refused when it repeats from the same start at the same step: it is deterministic, and a
+    UserError then keeps the launcher from restarting it again."""
+    if lost_peers(error):
+        root, contents = run.checkpoints.root, run.checkpoints.contents
+        accumulation = run.prepared.accumulation
+        saved = rescue.save_what_survived(
+            run.accelerator, root, run.state, run.identity, contents, run.agreement, accumulation
+        )
+        rescue.say(saved)
+    elif not isinstance(error, UserError):
+        rank, step = run.accelerator.process_index, run.state.step
+        run.folder.refuse_a_repeated_crash(rank, run.resumed_from, step, error)
 
 
 def nonfinite_message(step: int, state: TrainState, folder: RunFolder, best_metric: str | None) -> str:

@@ -37,7 +37,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "set_epoch_not_called": (
         "ddp_accel/training.py",
-        "        loader.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank\n",
+        "    loader.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank\n",
         "",
     ),
     "nb_weights_count_held_out": (
@@ -137,12 +137,10 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     "ema_updated_after_the_stop_agreement": (
         "ddp_accel/training.py",
         '        self.callbacks.call("on_step_end", self.context)\n'
-        "        verdict = self.agreement.step_done(state.step, self.signals.received, "
-        "wait=eval_due or checkpoint_due)\n"
-        "        if verdict:\n            raise StopTraining(verdict)\n",
-        "        verdict = self.agreement.step_done(state.step, self.signals.received, "
-        "wait=eval_due or checkpoint_due)\n"
-        "        if verdict:\n            raise StopTraining(verdict)\n"
+        "        stop_on(self.agreement.step_done(state.step, self.signals.received, "
+        "wait=eval_due or checkpoint_due))\n",
+        "        stop_on(self.agreement.step_done(state.step, self.signals.received, "
+        "wait=eval_due or checkpoint_due))\n"
         '        self.callbacks.call("on_step_end", self.context)\n',
     ),
     "schedule_left_at_the_saved_step": (
@@ -360,8 +358,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "changed_options_taken_without_a_word": (
         "ddp_accel/run_start.py",
-        "    if changed:\n        run.accelerator.print(",
-        "    if False:\n        run.accelerator.print(",
+        "    if changed:\n        accelerator.print(",
+        "    if False:\n        accelerator.print(",
     ),
     "start_up_guard_in_a_scripts_thread": (
         "ddp_accel/startup.py",
@@ -380,7 +378,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "allocator_left_to_its_defaults": (
         "ddp_accel/training.py",
-        "        allocator.keep_freed_memory(self.accelerator.device.type)  # CPU steps",
+        "        allocator.keep_freed_memory(accelerator.device.type)  # CPU steps",
         "        pass  # CPU steps",
     ),
     "stop_signals_not_held_while_a_notebook_forks": (
@@ -534,8 +532,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "curves_drawn_whatever_the_variable": (
         "ddp_accel/run_end.py",
-        "curves = bool(run.history.records) and curves_wanted()",
-        "curves = bool(run.history.records)",
+        "curves = bool(final.history.records) and curves_wanted()",
+        "curves = bool(final.history.records)",
     ),
     "garbage_collected_after_the_size_that_fit": (
         "ddp_accel/batch_size.py",
@@ -638,9 +636,9 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        if False:",
     ),
     "a_resumed_run_unguarded_by_its_budget": (
-        "ddp_accel/training.py",
-        "if self.budget else []  # (a resume's too)",
-        "if self.budget and not self.budget_kept else []  # (a resume's too)",
+        "ddp_accel/run_setup.py",
+        "[BudgetGuard(self.budget, self.started)]",
+        "([] if self.budget_kept else [BudgetGuard(self.budget, self.started)])",
     ),
     "a_sharded_save_s_failure_escapes_the_one_line": (
         "ddp_accel/files.py",
@@ -669,7 +667,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "a_resume_remembers_the_options_of_the_first_command": (
         "ddp_accel/run_start.py",
-        "    run.state.training_options = now\n",
+        "    state.training_options = now\n",
         "",
     ),
     "the_wait_reported_at_its_first_interval_again_and_again": (
@@ -695,8 +693,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "a_lost_peer_s_survivor_saves_nothing": (
         "ddp_accel/training.py",
-        "            if lost_peers(error):  # a survivor's save",
-        "            if False:  # a survivor's save",
+        "    if lost_peers(error):\n        root, contents",
+        "    if False:\n        root, contents",
     ),
     "auto_interval_chosen_by_each_rank_alone": (
         "ddp_accel/interval.py",
