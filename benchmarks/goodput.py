@@ -38,6 +38,9 @@ BIN = Path(sys.executable).parent
 TEMPLATE = ["scripts/template.py", "--epochs", "300", "--batch-size", "32", "--checkpointing-steps", "400"]
 RESNET20 = ["scripts/imagenet.py", "--dummy", "-a", "cifar_resnet20", "--image-size", "32", "-b", "32", "-j", "0"]
 RESNET20 += ["--dummy-classes", "10", "--epochs", "10", "--checkpointing-steps", "100"]
+# a model of >= 100M parameters: VGG-16 (138M), its classifier most of them; small images keep the steps short
+VGG16 = ["scripts/imagenet.py", "--dummy", "-a", "vgg16", "--image-size", "32", "-b", "8", "-j", "0"]
+VGG16 += ["--dummy-classes", "10", "--epochs", "4", "--checkpointing-steps", "50"]
 FSDP = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}  # what accelerate launch gives an FSDP2 config
 # name -> (processes, extra environment, the command after torchrun's options)
 JOBS: dict[str, tuple[int, dict[str, str], list[str]]] = {
@@ -45,6 +48,7 @@ JOBS: dict[str, tuple[int, dict[str, str], list[str]]] = {
     "template-1-process": (1, {}, TEMPLATE),
     "template-fsdp": (2, FSDP, TEMPLATE),
     "resnet20-ddp": (2, {}, RESNET20),
+    "vgg16-ddp": (2, {}, VGG16),
 }
 SURVIVOR = re.compile(r"saved the step it reached for the restart: .*step_(\d+)")
 DETECTED = re.compile(r"saved the step it reached|lost contact|resumes from the last checkpoint")

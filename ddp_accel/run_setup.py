@@ -84,7 +84,7 @@ class Prepared:
             return {}
         return {"epoch_padding": f"{padding} samples seen twice per epoch (the last round of {per_round})"}
 
-    def figures(self, accelerator: Accelerator, config: TrainConfig) -> dict[str, Any]:
+    def trained_metrics(self, accelerator: Accelerator, config: TrainConfig) -> dict[str, Any]:
         """metrics.json's figures of what trained: where the schedule ended (a plateau's decays), the topology, the
         batch --auto-batch-size chose."""
         asked = {"auto_batch_size": f"{config.batch_size} asked, {self.micro_batch} fits"}
@@ -220,7 +220,7 @@ class RunLength:
             return "", []
         return f" ({epochs_text(self.epochs)}: --time-budget's plan)", [BudgetGuard(self.budget, self.started)]
 
-    def figures(self, now: float) -> dict[str, Any]:
+    def budget_metrics(self, now: float) -> dict[str, Any]:
         """metrics.json's time_budget: the plan and the command's time."""
         if self.budget is None:
             return {}

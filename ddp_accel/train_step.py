@@ -54,7 +54,7 @@ class TrainStep:
         self.tick = done
         return accelerator.sync_gradients
 
-    def summary(self) -> dict[str, Any]:
+    def loop_metrics(self) -> dict[str, Any]:
         """metrics.json's figures of the loop: the optimizer steps skipped, the throughput, the wall time."""
         return {
             "skipped_optimizer_steps": self.agreement.skipped_steps,

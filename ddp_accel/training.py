@@ -287,9 +287,9 @@ class TrainingRun(contextlib.AbstractContextManager["TrainingRun"]):
         self.signals.enter(Phase.COMMIT)
         self.watchdog.stop()  # it watches training and evaluation; the commit writes files once
         trained = {
-            **self.step.summary(),
-            **self.length.figures(time.time()),
-            **self.prepared.figures(self.accelerator, self.config),
+            **self.step.loop_metrics(),
+            **self.length.budget_metrics(time.time()),
+            **self.prepared.trained_metrics(self.accelerator, self.config),
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
         }
         metrics = run_end.final_metrics(
