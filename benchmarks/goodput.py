@@ -40,7 +40,7 @@ RESNET20 = ["scripts/imagenet.py", "--dummy", "-a", "cifar_resnet20", "--image-s
 RESNET20 += ["--dummy-classes", "10", "--epochs", "10", "--checkpointing-steps", "100"]
 # a model of >= 100M parameters: VGG-16 (138M), its classifier most of them; small images keep the steps short
 VGG16 = ["scripts/imagenet.py", "--dummy", "-a", "vgg16", "--image-size", "32", "-b", "8", "-j", "0"]
-VGG16 += ["--dummy-classes", "10", "--epochs", "4", "--checkpointing-steps", "50"]
+VGG16 += ["--dummy-classes", "10", "--epochs", "2", "--checkpointing-steps", "40"]
 FSDP = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}  # what accelerate launch gives an FSDP2 config
 # name -> (processes, extra environment, the command after torchrun's options)
 JOBS: dict[str, tuple[int, dict[str, str], list[str]]] = {
