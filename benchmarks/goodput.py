@@ -1,6 +1,7 @@
 """Goodput under failures: the same job run fault-free and while a chaos loop SIGKILLs a random rank every T seconds
-(each kill time drawn within T/4 of its slot, seeded), under `torchrun --max_restarts`; goodput = fault-free wall
-time / faulted wall time. Each checkout first runs the job briefly once, unmeasured (the files' first reads).
+(each kill time drawn within T/4 of its slot, seeded; none once the job said `done:`), under `torchrun
+--max_restarts`; goodput = fault-free wall time / faulted wall time. Each checkout first runs the job briefly once,
+unmeasured (the files' first reads).
 
     python benchmarks/goodput.py --every-s 60 30 --seed 0
     python benchmarks/goodput.py --jobs template-ddp --trees . ../base --every-s 60   # another checkout beside
@@ -70,6 +71,7 @@ class Log:
 
     def __init__(self, path: Path):
         self.path, self.offset, self.lines = path, 0, []
+        self.committed = False  # the job's `done:` line seen: its work is over, its processes are exiting
 
     def poll(self) -> None:
         with open(self.path, "rb") as file:
@@ -83,6 +85,7 @@ class Log:
         for line in re.split(rb"[\r\n]", chunk[: complete + 1]):
             if line.strip():
                 self.lines.append((now, line.decode(errors="replace")))
+                self.committed = self.committed or line.startswith(b"done: ")
 
 
 def checkpoints(output_dir: Path) -> list[tuple[int, float]]:
@@ -130,6 +133,8 @@ def run_job(
         next_kill = started + mean_s * (slot + rng.uniform(-0.25, 0.25)) if mean_s else float("inf")
         while agent.poll() is None:
             log.poll()
+            if log.committed:  # a kill while the processes exit after the commit is no failure of training
+                next_kill = float("inf")
             if time.time() >= next_kill:
                 ranks = workers(agent, command[0])
                 if len(ranks) == processes:  # not while the agent starts the group again
