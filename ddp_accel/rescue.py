@@ -14,8 +14,9 @@ TORCH_ELASTIC_SHUTDOWN_TIMEOUT) leaves the last complete checkpoint as `latest`.
 Where no rank holds another's state, the restart goes on from the last checkpoint, said in one line: FSDP (each
 rank holds its shard only), PowerSGD (each rank's error feedback), a failure inside a gradient accumulation (a
 part of the step's gradients is each rank's), random streams that were not the same on every rank, and a lost
-process 0 of a model with BatchNorm statistics (each rank updates its own with its batch; a checkpoint keeps
-process 0's, which DDP broadcasts at each forward).
+process 0 of a model with floating-point buffers other than norm layers' statistics (a rank may update them with
+its batch; a checkpoint keeps process 0's). A norm layer's running statistics are each rank's too, but process 0's
+travel in each step's agreement, so any survivor holds them.
 """
 
 from __future__ import annotations
@@ -31,21 +32,25 @@ import torch
 
 from ddp_accel.checkpoint import Contents, complete, step_folder, training_state_json
 from ddp_accel.state import RunIdentity, TrainState
-from ddp_accel.stopping import RandomStreams, StepAgreement
+from ddp_accel.stopping import RandomStreams, StepAgreement, running_statistics
 
 REPLICATED = ("MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_HPU")
 
 
 def ranks_own_buffers(contents: Contents) -> bool:
-    """Whether the models hold buffers each rank updates with its own batch (BatchNorm's running statistics): DDP
-    broadcasts process 0's at each forward and a checkpoint keeps process 0's, so only process 0 holds them.
-    SyncBatchNorm's statistics are every rank's."""
-    for model in contents.objects.models:
-        for module in model.modules():
+    """Whether the models hold floating-point buffers a rank may update with its own batch that only process 0's
+    are kept of (a checkpoint keeps process 0's; DDP broadcasts them at each forward). The norm layers' running
+    statistics are not: process 0's travel in each step's agreement (`running_statistics`); SyncBatchNorm's are
+    every rank's."""
+    models = contents.objects.models
+    shared = running_statistics(models)
+    for index, model in enumerate(models):
+        for prefix, module in model.named_modules():
             if isinstance(module, torch.nn.SyncBatchNorm):
                 continue
-            if any(buffer.is_floating_point() for buffer in module.buffers(recurse=False)):
-                return True
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer.is_floating_point() and (index, f"{prefix}.{name}" if prefix else name) not in shared:
+                    return True
     return False
 
 
@@ -75,7 +80,7 @@ def describe(accelerator: Any, contents: Contents) -> str | None:
         return None
     if reason is None and ranks_own_buffers(contents):
         return (
-            "process 0 saves the step it reached when another process is lost (it holds the BatchNorm statistics); "
+            "process 0 saves the step it reached when another process is lost (it holds the models' buffers); "
             "a lost process 0 costs the steps since the last checkpoint"
         )
     if reason is None:
@@ -115,7 +120,7 @@ def save_what_survived(
     if reason is None and state.step == 0:
         reason = "nothing was trained yet"
     if reason is None and rank != 0 and ranks_own_buffers(contents):
-        reason = "process 0 was lost, and the BatchNorm statistics a checkpoint keeps were its own"
+        reason = "process 0 was lost, and the models' buffers a checkpoint keeps were its own"
     buffers = buffers_of(state, agreement) if reason is None else None
     if reason is None and agreement.buffers and buffers is None:
         reason = f"the models' buffers at step {state.step} were not kept"

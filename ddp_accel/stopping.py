@@ -335,6 +335,28 @@ class RandomStreams:
         return {"step": step, **states}
 
 
+NORM_LAYERS = (
+    torch.nn.BatchNorm1d,
+    torch.nn.BatchNorm2d,
+    torch.nn.BatchNorm3d,
+    torch.nn.InstanceNorm1d,
+    torch.nn.InstanceNorm2d,
+    torch.nn.InstanceNorm3d,
+)
+
+
+def running_statistics(models: list[torch.nn.Module]) -> set[tuple[int, str]]:
+    """(the model's index, the buffer's state-dict name) of the norm layers' running statistics each rank updates
+    with its own batch (SyncBatchNorm's are every rank's already)."""
+    found = set()
+    for index, model in enumerate(models):
+        for prefix, module in model.named_modules():
+            if isinstance(module, NORM_LAYERS):
+                for name, _ in module.named_buffers(recurse=False):
+                    found.add((index, f"{prefix}.{name}" if prefix else name))
+    return found
+
+
 class StepAgreement:
     """Per optimizer step: every rank's (loss not finite, preempted) flags, combined with one MAX all-reduce.
 
@@ -359,8 +381,11 @@ class StepAgreement:
         self.agreed_streams: tuple[int, RandomStreams, bool] | None = None
         self.submitted_streams: tuple[int, RandomStreams] | None = None
         # the models' buffers to copy at each agreement (`keep_buffers`): the next step's forward changes them (a
-        # BatchNorm's statistics and count) before a collective can fail; (step, (model, name) -> copy), the newest
+        # BatchNorm's statistics and count) before a collective can fail; (step, (model, name) -> copy), the newest.
+        # The norm layers' statistics are each rank's own: process 0's (what a checkpoint keeps) travel in the
+        # agreement's all-reduce, so every rank holds them
         self.buffers: list[tuple[tuple[int, str], torch.Tensor]] = []
+        self.shared_buffers: list[tuple[tuple[int, str], torch.Tensor]] = []
         self.submitted_buffers: tuple[int, dict[tuple[int, str], torch.Tensor]] | None = None
 
     def step_done(self, step: int, signum: int | None, wait: bool = False) -> Verdict | None:
@@ -384,11 +409,12 @@ class StepAgreement:
     def preempted(self, step: int, signum: int | None) -> Verdict | None:
         """Outside the training step (an evaluation batch): whether any rank received a signal, agreed now."""
         self.flush()
-        flags = [0.0, float(signum or 0)] + [0.0] * (len(self._host) - 2)  # (no streams compared here)
+        flags = [0.0, float(signum or 0)] + [0.0] * (2 if self.streams else 0)  # (no streams compared here)
         if self.distributed:
-            self._host.copy_(torch.tensor(flags, dtype=self._host.dtype))
-            dist.all_reduce(self._host, op=dist.ReduceOp.MAX)
-            flags = self._host.tolist()
+            head = self._host[: len(flags)]
+            head.copy_(torch.tensor(flags, dtype=self._host.dtype))
+            dist.all_reduce(head, op=dist.ReduceOp.MAX)
+            flags = head.tolist()
         return self._verdict(step, *flags[:2])
 
     def submit(self, step: int, signum: int, count_nonfinite: bool = True) -> Verdict | None:
@@ -397,16 +423,22 @@ class StepAgreement:
         if not self.lagged:
             flags = [float(self.step_nonfinite and count_nonfinite), float(signum)]
             self.step_nonfinite = False
+            kept: dict[tuple[int, str], torch.Tensor] | None = None
             if self.streams:  # the streams' digest, and its negation: MAX of both says whether all are the same
                 streams = RandomStreams.now()
                 self.submitted_streams = (step, streams)
-                if self.buffers:
-                    self.submitted_buffers = (step, {key: buffer.clone() for key, buffer in self.buffers})
+                kept = {key: buffer.clone() for key, buffer in self.buffers} if self.buffers else None
+                if kept is not None and self.accelerator.process_index == 0:  # process 0's are the checkpoint's
+                    self.submitted_buffers = (step, kept)
                 flags += [float(streams.digest()), -float(streams.digest())]
             if self.distributed:
-                self._host.copy_(torch.tensor(flags, dtype=self._host.dtype))
+                self._host[: len(flags)].copy_(torch.tensor(flags, dtype=self._host.dtype))
+                if len(self._host) > len(flags):
+                    self._fill_shared_buffers(self._host[len(flags) :])
                 dist.all_reduce(self._host, op=dist.ReduceOp.MAX)
-                flags = self._host.tolist()
+                if kept is not None and self.accelerator.process_index != 0:
+                    self.submitted_buffers = (step, {**kept, **self._shared_buffers(self._host[len(flags) :])})
+                flags = self._host[: len(flags)].tolist()
             if self.streams and self.submitted_streams is not None:
                 self.agreed_streams = (step, self.submitted_streams[1], flags[2] == -flags[3])
             return self._verdict(step, *flags[:2])
@@ -425,11 +457,30 @@ class StepAgreement:
 
     def keep_buffers(self, models: list[torch.nn.Module]) -> None:
         """With the streams compared: also copy these models' buffers at each agreement, by (the model's index, the
-        buffer's state-dict name): what a survivor saves of the step (ddp_accel.rescue)."""
+        buffer's state-dict name): what a survivor saves of the step (ddp_accel.rescue). The norm layers' running
+        statistics are process 0's on every rank after the agreement."""
         if self.streams:
             self.buffers = [
                 ((index, name), buffer) for index, model in enumerate(models) for name, buffer in model.named_buffers()
             ]
+            shared = running_statistics(models)
+            self.shared_buffers = [(key, buffer) for key, buffer in self.buffers if key in shared]
+            size = sum(buffer.numel() for _, buffer in self.shared_buffers)
+            self._host = torch.zeros(4 + size, dtype=torch.float64)
+
+    def _fill_shared_buffers(self, into: torch.Tensor) -> None:
+        """Process 0's statistics (exact in a float64), -inf from every other rank: the MAX is process 0's."""
+        if self.accelerator.process_index == 0:
+            torch.cat([buffer.detach().reshape(-1).to(torch.float64) for _, buffer in self.shared_buffers], out=into)
+        else:
+            into.fill_(-math.inf)
+
+    def _shared_buffers(self, values: torch.Tensor) -> dict[tuple[int, str], torch.Tensor]:
+        found, start = {}, 0
+        for key, buffer in self.shared_buffers:
+            found[key] = values[start : start + buffer.numel()].reshape(buffer.shape).to(buffer.dtype, copy=True)
+            start += buffer.numel()
+        return found
 
     def flush(self) -> Verdict | None:
         """Wait for the newest submitted step's verdict (before a checkpoint or an evaluation)."""

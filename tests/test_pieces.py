@@ -39,9 +39,11 @@ def accelerator():
 
 
 # --- the agreement on stopping (one process: no all-reduce, the flags themselves) ---
-def fake_accelerator(scale: float | None = None):
+def fake_accelerator(scale: float | None = None, process_index: int = 0):
     scaler = SimpleNamespace(get_scale=lambda: scale) if scale is not None else None
-    return SimpleNamespace(device=torch.device("cpu"), process_index=0, optimizer_step_was_skipped=False, scaler=scaler)
+    return SimpleNamespace(
+        device=torch.device("cpu"), process_index=process_index, optimizer_step_was_skipped=False, scaler=scaler
+    )
 
 
 def test_the_agreement_says_stop_for_a_nonfinite_loss_or_a_signal_and_nothing_otherwise():
@@ -66,6 +68,45 @@ def test_under_fp16_an_overflow_is_the_scalers_business_until_the_scale_falls_be
     agreement = StepAgreement(fake_accelerator(scale=0.5))
     agreement.observe(torch.tensor(math.inf))
     assert agreement.step_done(1, None).nonfinite
+
+
+def test_after_each_step_every_rank_holds_process_0s_batchnorm_statistics(monkeypatch):
+    # each rank updates its norm layers' running statistics with its own batch, and a checkpoint keeps process
+    # 0's: they travel in the step's agreement (a MAX all-reduce, -inf from the other ranks), so a survivor of a
+    # lost process 0 can save them. The all-reduce here is two ranks' MAX, done in one process
+    from ddp_accel import stopping
+
+    def trained(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.BatchNorm1d(4))
+        model(torch.randn(8, 3))
+        return model
+
+    models = [trained(0), trained(1)]  # each rank's statistics of its own batch
+    agreements = []
+    for rank, model in enumerate(models):
+        agreement = StepAgreement(fake_accelerator(process_index=rank))
+        agreement.streams = agreement.distributed = True  # (as with two processes)
+        agreement.keep_buffers([model])
+        agreements.append(agreement)
+    sent: list[torch.Tensor] = []
+
+    def all_reduce(tensor: torch.Tensor, op) -> None:
+        sent.append(tensor.clone())
+        if len(sent) == 2:
+            tensor.copy_(torch.maximum(*sent))
+
+    monkeypatch.setattr(stopping.dist, "all_reduce", all_reduce)
+    assert agreements[0].step_done(7, None) is None and agreements[1].step_done(7, None) is None
+    step, kept = agreements[1].submitted_buffers
+    process_0 = dict(models[0].named_buffers())
+    assert step == 7 and kept.keys() == {(0, name) for name in process_0}
+    for name, buffer in process_0.items():
+        assert kept[(0, name)].dtype == buffer.dtype and kept[(0, name)].equal(buffer), name
+    assert not kept[(0, "1.running_mean")].equal(models[1][1].running_mean)  # (the ranks' own differed)
+    assert agreements[1].agreed_streams[2]  # the flags and the streams' digest travel as before
+    models[0][1].running_mean.add_(1.0)  # the next step's forward: the kept copies stay the step's
+    assert not kept[(0, "1.running_mean")].equal(models[0][1].running_mean)
 
 
 # --- the checkpoints: policy, what is complete, latest, rotation, loading under the run's identity ---
@@ -781,11 +822,20 @@ def test_a_survivor_saves_every_rank_s_place_only_where_one_replica_holds_it(tmp
     def holding(*layers):
         return Contents(objects=AcceleratorObjects(models=[torch.nn.Sequential(torch.nn.Linear(4, 4), *layers)]))
 
+    # norm layers' statistics travel in the agreement (every rank holds process 0's); another floating-point
+    # buffer a module may update with its batch is process 0's only
+    class Tracker(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("seen_mean", torch.zeros(4))
+
     assert not rescue.ranks_own_buffers(holding()) and not rescue.ranks_own_buffers(holding(torch.nn.SyncBatchNorm(4)))
-    assert rescue.ranks_own_buffers(holding(torch.nn.BatchNorm1d(4)))
+    assert not rescue.ranks_own_buffers(holding(torch.nn.BatchNorm1d(4), torch.nn.InstanceNorm1d(4, affine=True)))
+    assert rescue.ranks_own_buffers(holding(torch.nn.BatchNorm1d(4), Tracker()))
     rank_1 = SimpleNamespace(**{**vars(ddp), "process_index": 1})
     line = rescue.save_what_survived(
-        rank_1, tmp_path, TrainState(step=7), RunIdentity(), holding(torch.nn.BatchNorm1d(4)), agreement, 1
+        rank_1, tmp_path, TrainState(step=7), RunIdentity(), holding(Tracker()), agreement, 1
     )
     assert "process 0 was lost" in line and not list(tmp_path.iterdir()), line
-    assert "process 0 saves the step" in rescue.describe(ddp, holding(torch.nn.BatchNorm1d(4)))
+    assert "process 0 saves the step" in rescue.describe(ddp, holding(Tracker()))
+    assert "a survivor saves the step" in rescue.describe(ddp, holding(torch.nn.BatchNorm1d(4)))

@@ -57,10 +57,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "step_agreement_all_reduce_skipped": (
         "ddp_accel/stopping.py",
-        "            if self.distributed:\n"
-        "                self._host.copy_(torch.tensor(flags, dtype=self._host.dtype))\n"
-        "                dist.all_reduce(self._host, op=dist.ReduceOp.MAX)\n"
-        "                flags = self._host.tolist()\n",
+        "                dist.all_reduce(self._host, op=dist.ReduceOp.MAX)\n",
         "",
     ),
     "renamed_before_training_state_is_written": (
@@ -711,7 +708,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        if step != self._last_step:  # asked more than once a step",
         "        if True:  # asked more than once a step",
     ),
-    "a_survivor_saves_its_own_batchnorm_statistics": (
+    "a_survivor_saves_buffers_only_process_0_held": (
         "ddp_accel/rescue.py",
         "    if reason is None and rank != 0 and ranks_own_buffers(contents):\n",
         "    if False:\n",
@@ -725,6 +722,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "ddp_accel/rescue.py",
         "if owner == index and name in weights})",
         "if False})",
+    ),
+    "a_survivor_keeps_its_own_norm_statistics": (
+        "ddp_accel/stopping.py",
+        "self.submitted_buffers = (step, {**kept, **self._shared_buffers(self._host[len(flags) :])})",
+        "self.submitted_buffers = (step, kept)",
     ),
     "orphaned_workers_train_on": (
         "ddp_accel/endings.py",
