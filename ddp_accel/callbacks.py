@@ -104,7 +104,9 @@ class ProgressBar(Callback):
 
     def __init__(self) -> None:
         self.bar: tqdm | None = None
-        self.interactive = sys.stderr.isatty()
+        # a terminal on either stream: a one-process `accelerate launch` (1.16 and later) pipes the script's stderr
+        # through itself onto the terminal, where stdout still is
+        self.interactive = sys.stderr.isatty() or sys.stdout.isatty()
 
     def on_start(self, run: RunContext) -> None:
         self.bar = tqdm(

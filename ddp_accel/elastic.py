@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ddp_accel import engines
+
 # the processes that run torch elastic's agent in-process, by their command line
 AGENT_COMMANDS = ("torchrun", "torch.distributed.run", "torch/distributed/run.py", "accelerate")
 
@@ -35,14 +37,6 @@ def restarts_left() -> int:
         return int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) - int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     except (KeyError, ValueError):
         return 0
-
-
-def parent_command() -> list[str]:
-    """The parent process's command line (empty when it cannot be read)."""
-    try:
-        return Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
 
 
 START_TIME = 19  # in stat_fields (field 22 of /proc/PID/stat): when the process started, in clock ticks
@@ -71,7 +65,7 @@ def child_processes(parent: int) -> Iterator[tuple[list[str], bytes]]:
 
 def agent_pid() -> int | None:
     """This worker's agent: its parent, when the parent runs torch elastic (not a shell, srun or a notebook)."""
-    command = " ".join(parent_command())
+    command = " ".join(engines.parent_command())
     return os.getppid() if any(name in command for name in AGENT_COMMANDS) else None
 
 

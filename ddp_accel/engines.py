@@ -41,6 +41,24 @@ def _number(env: Mapping[str, str], name: str, default: int) -> int:
         return default
 
 
+def is_accelerate_launch(command: list[str]) -> bool:
+    """Whether a command line is `accelerate launch` (`accelerate-launch`, `python -m accelerate.commands.launch`)."""
+    names = [Path(part).name for part in command]
+    return (
+        ("accelerate" in names and "launch" in command)
+        or "accelerate-launch" in names
+        or any(part.endswith("accelerate.commands.launch") for part in command)
+    )
+
+
+def parent_command() -> list[str]:
+    """The parent process's command line (empty when it cannot be read)."""
+    try:
+        return Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
 @dataclass(frozen=True)
 class Engine:
     """A lone process: rank 0 of 1, never restarted by a launcher."""

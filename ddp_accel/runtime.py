@@ -20,10 +20,7 @@ from accelerate.utils import DataLoaderConfiguration, DistributedType, ProjectCo
 from ddp_accel import comm_hooks, engines
 from ddp_accel.comm_hooks import PLAIN_DDP, DdpOptions
 from ddp_accel.config import TrainConfig
-from ddp_accel.elastic import (
-    parent_command,
-    process_rank,
-)
+from ddp_accel.elastic import process_rank
 from ddp_accel.errors import UserError
 from ddp_accel.group_wait import while_the_group_forms
 from ddp_accel.notebook import check_no_inherited_process_group
@@ -261,7 +258,7 @@ def check_topology(accelerator: Accelerator) -> None:
             "Check the accelerate config (distributed_type, num_processes) or set ACCELERATE_USE_CPU=1."
         )
     if launched == 1 and "WORLD_SIZE" not in os.environ:
-        asked = processes_asked_of_accelerate_launch(parent_command())
+        asked = processes_asked_of_accelerate_launch(engines.parent_command())
         if asked and asked > 1:
             raise UserError(
                 f"accelerate launch was asked for {asked} processes (--num_processes), but its config starts one "
@@ -275,7 +272,7 @@ def check_topology(accelerator: Accelerator) -> None:
 
 def processes_asked_of_accelerate_launch(command: list[str]) -> int | None:
     """`--num_processes N` of an `accelerate launch` command line (None for another command)."""
-    if not any(Path(part).name == "accelerate" or part.endswith("accelerate.commands.launch") for part in command):
+    if not engines.is_accelerate_launch(command):
         return None
     for index, part in enumerate(command):
         for flag in ("--num_processes", "--num-processes"):

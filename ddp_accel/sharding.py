@@ -27,7 +27,7 @@ from typing import Any
 from ddp_accel.errors import UserError
 
 # [first, last] minor versions this adjustment was made and tested for; outside, a run that needs it is refused
-ADJUSTED_ACCELERATE = ((1, 10), (1, 15))
+ADJUSTED_ACCELERATE = ((1, 10), (1, 16))
 
 
 def fsdp_asked(env: dict[str, str] | None = None) -> bool:
@@ -135,7 +135,8 @@ def check_accelerate_version(version: str) -> None:
     raise UserError(
         f"FSDP on a machine without GPUs adjusts Accelerate's state, which was made and tested for Accelerate "
         f"{first[0]}.{first[1]} to {last[0]}.{last[1]}, and this is Accelerate {version}: install one of those "
-        "(pip install 'accelerate>=1.10,<1.16'), or train with DDP (accelerate_configs/multi_gpu.yaml)"
+        f"(pip install 'accelerate>={first[0]}.{first[1]},<{last[0]}.{last[1] + 1}'), or train with DDP "
+        "(accelerate_configs/multi_gpu.yaml)"
     )
 
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from ddp_accel import engines
 from ddp_accel.startup import SIGNALS, write_marker
+from ddp_accel.versions import major_minor
 
 # SIGHUP: a closed terminal or SSH session saves and stops like a preemption (unless started under nohup)
 PREEMPTION_SIGNALS = SIGNALS  # (SIGTERM, SIGUSR1, SIGHUP): the start-up guard's, which imports no torch
@@ -260,16 +261,33 @@ def forward_stop_signals() -> None:
     _forwarded_from_main_thread.install()
 
 
-def shutdown_grace_s() -> float | None:
-    """How long the launcher above this process waits after passing on a signal before it kills: torch elastic's
-    --shutdown-timeout or TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default; None without such a launcher."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return None
-    for name in ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
-        with contextlib.suppress(ValueError):
-            if os.environ.get(name):
-                return float(os.environ[name])
-    return 30.0
+RAISE_ELASTIC_GRACE = "Raise TORCH_ELASTIC_SHUTDOWN_TIMEOUT (slurm/train.sbatch: GRACE_S) above the save time"
+# `accelerate launch` of one process (Accelerate 1.16 and later) passes a SIGTERM on to the script's process tree
+# and kills what still runs 5 s later; nothing sets another wait
+ACCELERATE_ONE_PROCESS_GRACE_S = 5.0
+RAISE_ACCELERATE_GRACE = (
+    "accelerate launch of one process waits 5 s (Accelerate 1.16 and later; not configurable): start the script "
+    "with torchrun --nproc_per_node 1 (TORCH_ELASTIC_SHUTDOWN_TIMEOUT sets its wait) or with python"
+)
+
+
+def launcher_grace(parent: list[str] | None = None) -> tuple[float, str] | None:
+    """How long the launcher above this process waits after passing on a signal before it kills, and how to have
+    longer: torch elastic's --shutdown-timeout or TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30 s by default), a one-process
+    `accelerate launch`'s fixed 5 s; None without such a launcher. `parent`: the parent's command line."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        for name in ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+            with contextlib.suppress(ValueError):
+                if os.environ.get(name):
+                    return float(os.environ[name]), RAISE_ELASTIC_GRACE
+        return 30.0, RAISE_ELASTIC_GRACE
+    command = engines.parent_command() if parent is None else parent
+    if engines.is_accelerate_launch(command):
+        from importlib.metadata import version
+
+        if (major_minor(version("accelerate")) or (0, 0)) >= (1, 16):
+            return ACCELERATE_ONE_PROCESS_GRACE_S, RAISE_ACCELERATE_GRACE
+    return None
 
 
 class SaveGrace:
@@ -279,17 +297,18 @@ class SaveGrace:
 
     def __init__(self, is_main_process: bool):
         self.is_main_process, self.warned = is_main_process, False
+        self.grace = launcher_grace()
 
     def check(self, save_s: float) -> None:
-        grace = shutdown_grace_s()
-        if grace is None or save_s <= grace or self.warned:
+        if self.grace is None or save_s <= self.grace[0] or self.warned:
             return
         self.warned = True
         if self.is_main_process:
+            grace_s, how_to_raise = self.grace
             print(
-                f"warning: saving a checkpoint takes {save_s:.0f} s, more than the {grace:.0f} s the launcher waits "
-                "after passing on a preemption signal before it kills the processes: a preempted run would lose it. "
-                "Raise TORCH_ELASTIC_SHUTDOWN_TIMEOUT (slurm/train.sbatch: GRACE_S) above the save time",
+                f"warning: saving a checkpoint takes {save_s:.0f} s, more than the {grace_s:.0f} s the launcher waits "
+                f"after passing on a preemption signal before it kills the processes: a preempted run would lose it. "
+                f"{how_to_raise}",
                 file=sys.stderr,
                 flush=True,
             )

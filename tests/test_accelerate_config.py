@@ -24,7 +24,7 @@ QUESTIONNAIRE = [
     (r"FullyShardedDataParallel", "no\r"),
     (r"Megatron-LM", "no\r"),
     (r"How many GPU\(s\) should be used", "2\r"),
-    (r"What GPU\(s\) \(by id\)", "all\r"),
+    (r"What (GPU|CPU)\(s\) \(by id\)", "all\r"),  # (Accelerate 1.16 names CPUs on a machine without GPUs)
     (r"numa efficiency", "no\r"),
     (r"mixed precision", "0\r"),  # no
 ]

@@ -194,9 +194,11 @@ def test_accelerate_still_drops_the_fsdp_plugin_on_cpu_and_the_adjustment_makes_
     from accelerate.utils import DistributedType
 
     sharding.check_accelerate_version(accelerate.__version__)  # (the versions CI proves lie inside the range)
-    for outside in ("1.16.0", "1.9.1", "2.0.0.dev0"):
-        with pytest.raises(UserError, match=f"tested for Accelerate 1.10 to 1.15, and this is Accelerate {outside}"):
+    for outside in ("1.17.0", "1.9.1", "2.0.0.dev0"):
+        with pytest.raises(UserError, match=f"tested for Accelerate 1.10 to 1.16, and this is Accelerate {outside}"):
             sharding.check_accelerate_version(outside)
+    with pytest.raises(UserError, match=re.escape("pip install 'accelerate>=1.10,<1.17'")):
+        sharding.check_accelerate_version("1.17.0")
     sharding.check_torch_version(torch.__version__)
     for old in ("2.8.0+cu128", "2.6.0"):
         with pytest.raises(UserError, match=f"needs torch 2.9 or newer .*, and this is torch {re.escape(old)}"):

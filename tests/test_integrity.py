@@ -5,11 +5,13 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
 import subprocess
+import time
 
 import numpy as np
 import pytest
-from helpers import assert_clean_error, check_ok, metrics_of, run_script, snapshot
+from helpers import BIN, assert_clean_error, check_ok, metrics_of, run_script, snapshot
 from PIL import Image
 
 from ddp_accel.files import write_json
@@ -284,6 +286,75 @@ def test_a_save_longer_than_the_launchers_grace_is_warned_once(tmp_path):
     output = check_ok(result)
     assert output.count("warning: saving a checkpoint takes") == 1, output[-2000:]
     assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in output and "GRACE_S" in output
+
+
+@pytest.mark.inprocess
+def test_each_launchers_grace_is_known_with_how_to_have_more(monkeypatch, capsys):
+    from ddp_accel import stopping
+
+    accelerate_launch = ["/venv/bin/python", "/venv/bin/accelerate", "launch", "--num_processes", "1", "x.py"]
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for version, grace in (("1.15.0", None), ("1.16.0", 5.0), ("1.17.0", 5.0)):
+        monkeypatch.setattr("importlib.metadata.version", lambda name, version=version: version)
+        found = stopping.launcher_grace(accelerate_launch)
+        assert (found and found[0]) == grace, version
+    assert stopping.launcher_grace(["bash", "-c", "python x.py"]) is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "90")
+    assert stopping.launcher_grace(accelerate_launch)[0] == 90.0  # (a multi-process accelerate launch: torchrun)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setattr(stopping.engines, "parent_command", lambda: accelerate_launch)
+    grace = stopping.SaveGrace(is_main_process=True)
+    grace.check(4.0)
+    grace.check(6.0)
+    grace.check(60.0)
+    said = capsys.readouterr().err
+    assert said.count("warning: saving a checkpoint takes 6 s, more than the 5 s") == 1, said
+    assert "torchrun --nproc_per_node 1" in said
+
+
+@pytest.mark.versions
+def test_a_one_process_accelerate_launch_kills_its_script_as_launcher_grace_says(tmp_path):
+    # the fact behind launcher_grace: Accelerate 1.16's one-process launcher passes a SIGTERM on and kills the
+    # script 5 s later; before 1.16 the launcher died alone and the script went on (then launcher_grace is None)
+    script = tmp_path / "slow_save.py"
+    script.write_text(
+        "import signal, sys, time\n"
+        "from ddp_accel.stopping import launcher_grace\n"
+        "signaled = []\n"
+        "signal.signal(signal.SIGTERM, lambda *_: signaled.append(time.monotonic()))\n"
+        "grace = launcher_grace()\n"
+        "print('grace', grace and grace[0], flush=True)\n"
+        "while not signaled: time.sleep(0.05)\n"
+        "time.sleep(3 * (grace[0] if grace else 5))  # a save far longer than the grace\n"
+        "print('saved', flush=True)\n"
+    )
+    log = tmp_path / "log.txt"
+    with log.open("w") as out:
+        launcher = subprocess.Popen(
+            [str(BIN / "accelerate"), "launch", "--cpu", "--num_processes", "1", str(script)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 120
+        while "grace" not in log.read_text() and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=60)
+    script_pid_gone = time.monotonic() + 30
+    while (
+        time.monotonic() < script_pid_gone
+        and "slow_save.py" in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    ):
+        time.sleep(0.5)
+    output = log.read_text()
+    said = [line for line in output.splitlines() if line.startswith("grace ")]
+    assert said, output[-2000:]
+    if said[0] == "grace 5.0":
+        assert "saved" not in output, output[-2000:]  # killed within its grace, as said
+    else:
+        assert said[0] == "grace None" and "saved" in output, output[-2000:]  # the script went on alone
 
 
 def test_a_file_system_failure_is_recognised_however_a_library_wraps_it():

@@ -839,3 +839,13 @@ def test_a_survivor_saves_every_rank_s_place_only_where_one_replica_holds_it(tmp
     assert "process 0 was lost" in line and not list(tmp_path.iterdir()), line
     assert "process 0 saves the step" in rescue.describe(ddp, holding(Tracker()))
     assert "a survivor saves the step" in rescue.describe(ddp, holding(torch.nn.BatchNorm1d(4)))
+
+
+def test_the_progress_bar_redraws_on_a_terminal_reached_by_either_stream(monkeypatch):
+    # a one-process `accelerate launch` (1.16) pipes the script's stderr through itself onto the terminal
+    from ddp_accel.callbacks import ProgressBar
+
+    for stderr_tty, stdout_tty, redraws in ((True, False, True), (False, True, True), (False, False, False)):
+        monkeypatch.setattr(sys.stderr, "isatty", lambda tty=stderr_tty: tty)
+        monkeypatch.setattr(sys.stdout, "isatty", lambda tty=stdout_tty: tty)
+        assert ProgressBar().interactive is redraws, (stderr_tty, stdout_tty)

@@ -39,7 +39,7 @@ def test_a_version_outside_the_tested_range_is_one_line_naming_the_range():
     assert versions.untested_line(inside) is None
     line = versions.untested_line({**inside, "torch": "2.15.0", "accelerate": "1.9.0"})
     assert line == (
-        "note: this runs torch 2.15.0 (tested: 2.9 to 2.14), accelerate 1.9.0 (tested: 1.10 to 1.15); results outside "
+        "note: this runs torch 2.15.0 (tested: 2.9 to 2.14), accelerate 1.9.0 (tested: 1.10 to 1.16); results outside "
         "the tested versions are not proven"
     )
     assert versions.major_minor("2.16.0.dev20261201+cpu") == (2, 16) and versions.major_minor("main") is None
