@@ -753,6 +753,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         'if saved.get("checkpoint_format", 1) < 2:',
         'if saved.get("checkpoint_format", 1) < 1:',
     ),
+    "a_one_process_accelerate_launchs_grace_unknown": (
+        "ddp_accel/stopping.py",
+        "            return ACCELERATE_ONE_PROCESS_GRACE_S, RAISE_ACCELERATE_GRACE\n",
+        "            pass\n",
+    ),
+    "the_progress_bar_blind_to_a_terminal_behind_a_pipe": (
+        "ddp_accel/callbacks.py",
+        "self.interactive = sys.stderr.isatty() or sys.stdout.isatty()",
+        "self.interactive = sys.stderr.isatty()",
+    ),
 }
 
 
