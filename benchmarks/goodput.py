@@ -1,9 +1,12 @@
 """Goodput under failures: the same job run fault-free and while a chaos loop SIGKILLs a random rank every T seconds
 (each kill time drawn within T/4 of its slot, seeded; none once the job said `done:`), under `torchrun
 --max_restarts`; goodput = fault-free wall time / faulted wall time. Each checkout first runs the job briefly once,
-unmeasured (the files' first reads).
+unmeasured (the files' first reads). `--repeats N` runs N pairs, each fault-free run right before the faulted
+runs it is compared with (this machine's pace drifts by ~10% between runs), and reports the median goodput of
+the pairs and their range.
 
     python benchmarks/goodput.py --every-s 60 30 --seed 0
+    python benchmarks/goodput.py --jobs resnet20-ddp --every-s 60 --repeats 3   # 3 pairs, the median goodput
     python benchmarks/goodput.py --jobs template-ddp --trees . ../base --every-s 60   # another checkout beside
 
 For each failure: the steps redone (0 when a survivor saved the step reached and the restart resumed there; else
@@ -23,6 +26,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -190,31 +194,42 @@ def same_weights(a: Path, b: Path) -> bool:
 
 def median(values: list[float]) -> float | None:
     values = sorted(values)
-    return values[len(values) // 2] if values else None
+    if not values:
+        return None
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
 
-def row(tree: str, job: str, mean_s: float, clean: dict, faulted: dict, bitwise: bool) -> dict:
-    steps_per_s = clean["metrics"]["steps"] / clean["metrics"]["wall_time_s"]
-    failures = faulted["failures"]
-    redone = [value for failure in failures if (value := steps_redone(failure, steps_per_s)) is not None]
+def row(tree: str, job: str, mean_s: float, pairs: list[tuple[dict, dict, bool]]) -> dict:
+    """One table row from `pairs` of (fault-free run, faulted run, bitwise equal), each pair run back to back: the
+    goodput of each pair, its median and range; the failures' figures over every pair."""
+    goodputs = sorted(clean["wall_s"] / faulted["wall_s"] for clean, faulted, _ in pairs)
+    failures, redone = [], []
+    for clean, faulted, _ in pairs:
+        steps_per_s = clean["metrics"]["steps"] / clean["metrics"]["wall_time_s"]
+        failures += faulted["failures"]
+        redone += [
+            value for failure in faulted["failures"] if (value := steps_redone(failure, steps_per_s)) is not None
+        ]
     events = {
         name: median([failure.events[name] for failure in failures if name in failure.events])
         for name in ("detected", "banner", "resumed", "first_step")
     }
-    cold = clean["metrics"]["first_step_at"] - clean["started"]
     return {
         "tree": tree,
         "job": job,
         "mean_s": mean_s,
+        "pairs": len(pairs),
         "failures": len(failures),
-        "clean_s": clean["wall_s"],
-        "faulted_s": faulted["wall_s"],
-        "goodput": clean["wall_s"] / faulted["wall_s"],
+        "clean_s": median([clean["wall_s"] for clean, _, _ in pairs]),
+        "faulted_s": median([faulted["wall_s"] for _, faulted, _ in pairs]),
+        "goodput": median(goodputs),
+        "goodput_range": (goodputs[0], goodputs[-1]),
         "redone": sum(redone) / len(redone) if redone else None,
         "rescued": sum(failure.rescued_step is not None for failure in failures),
         **events,
-        "cold_first_step": cold,
-        "bitwise": bitwise,
+        "cold_first_step": median([clean["metrics"]["first_step_at"] - clean["started"] for clean, _, _ in pairs]),
+        "bitwise": all(bitwise for _, _, bitwise in pairs),
     }
 
 
@@ -223,14 +238,18 @@ def table(rows: list[dict]) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     lines = [
-        "| tree | job | T (s) | failures | fault-free s | faulted s | goodput | steps redone / failure | rescued "
-        "| kill -> survivor's line | -> banner | -> resumed | -> first step (last) | cold first step | bitwise |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tree | job | T (s) | pairs | failures | fault-free s | faulted s | goodput (range) "
+        "| steps redone / failure | rescued | kill -> survivor's line | -> banner | -> resumed "
+        "| -> first step (last) | cold first step | bitwise |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        low, high = r["goodput_range"]
+        spread = f" ({low:.2f}-{high:.2f})" if r["pairs"] > 1 else ""
         lines.append(
-            f"| {r['tree']} | {r['job']} | {r['mean_s']:.0f} | {r['failures']} | {r['clean_s']:.0f} | "
-            f"{r['faulted_s']:.0f} | {r['goodput']:.2f} | {figure(r['redone'])} | {r['rescued']}/{r['failures']} | "
+            f"| {r['tree']} | {r['job']} | {r['mean_s']:.0f} | {r['pairs']} | {r['failures']} | {r['clean_s']:.0f} | "
+            f"{r['faulted_s']:.0f} | {r['goodput']:.2f}{spread} | {figure(r['redone'])} | "
+            f"{r['rescued']}/{r['failures']} | "
             f"{figure(r['detected'], 2)} | {figure(r['banner'])} | {figure(r['resumed'])} | "
             f"{figure(r['first_step'])} | {r['cold_first_step']:.1f} | {'yes' if r['bitwise'] else 'NO'} |"
         )
@@ -261,6 +280,13 @@ def main() -> None:
     parser.add_argument("--every-s", nargs="+", type=float, default=[60.0], help="seconds between kills")
     parser.add_argument("--seed", type=int, default=0, help="the kills' times and victims")
     parser.add_argument("--trees", nargs="+", type=Path, default=[ROOT], help="the checkouts to run, in turn")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="pairs of fault-free and faulted runs (the kills of "
+        "pair i drawn with seed + i); the goodput is their median",
+    )
     parser.add_argument("--results", type=Path, default=HERE / "results" / "goodput.md")
     args = parser.parse_args()
     rows = []
@@ -270,14 +296,19 @@ def main() -> None:
                 label = "this" if tree == ROOT else tree.name
                 folder = Path(scratch) / f"{job}_{index}"
                 run_job(tree, job, folder / "warm-up", None, args.seed, ("--max-steps", "20"))
-                print(f"{job} ({label}): fault-free", file=sys.stderr, flush=True)
-                clean = run_job(tree, job, folder / "clean", None, args.seed)
-                for mean_s in args.every_s:
-                    print(f"{job} ({label}): a rank killed every {mean_s:.0f} s", file=sys.stderr, flush=True)
-                    faulted = run_job(tree, job, folder / f"every_{mean_s:.0f}", mean_s, args.seed)
-                    bitwise = same_weights(folder / "clean", folder / f"every_{mean_s:.0f}")
-                    rows.append(row(label, job, mean_s, clean, faulted, bitwise))
-                    print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+                pairs: dict[float, list] = {mean_s: [] for mean_s in args.every_s}
+                for repeat in range(args.repeats):  # each fault-free run beside the faulted runs it is compared with
+                    print(f"{job} ({label}, pair {repeat + 1}/{args.repeats}): fault-free", file=sys.stderr, flush=True)
+                    clean = run_job(tree, job, folder / f"clean_{repeat}", None, args.seed)
+                    for mean_s in args.every_s:
+                        print(f"{job} ({label}): a rank killed every {mean_s:.0f} s", file=sys.stderr, flush=True)
+                        faulted_dir = folder / f"every_{mean_s:.0f}_{repeat}"
+                        faulted = run_job(tree, job, faulted_dir, mean_s, args.seed + repeat)
+                        pairs[mean_s].append((clean, faulted, same_weights(folder / f"clean_{repeat}", faulted_dir)))
+                        print(table([row(label, job, mean_s, pairs[mean_s][-1:])]).splitlines()[-1], file=sys.stderr)
+                        shutil.rmtree(faulted_dir)  # (VGG-16's checkpoints: GBs per run)
+                    shutil.rmtree(folder / f"clean_{repeat}")
+                rows += [row(label, job, mean_s, pairs[mean_s]) for mean_s in args.every_s]
     text = table(rows)
     print(text)
     args.results.parent.mkdir(parents=True, exist_ok=True)
