@@ -10,6 +10,7 @@ import subprocess
 import time
 
 import numpy as np
+import psutil
 import pytest
 from helpers import BIN, assert_clean_error, check_ok, metrics_of, run_script, snapshot
 from PIL import Image
@@ -319,13 +320,13 @@ def test_a_one_process_accelerate_launch_kills_its_script_as_launcher_grace_says
     # script 5 s later; before 1.16 the launcher died alone and the script went on (then launcher_grace is None)
     script = tmp_path / "slow_save.py"
     script.write_text(
-        "import signal, sys, time\n"
+        "import os, signal, sys, time\n"
         "from ddp_accel.stopping import launcher_grace\n"
-        "signaled = []\n"
+        "signaled, launcher = [], os.getppid()\n"
         "signal.signal(signal.SIGTERM, lambda *_: signaled.append(time.monotonic()))\n"
         "grace = launcher_grace()\n"
-        "print('grace', grace and grace[0], flush=True)\n"
-        "while not signaled: time.sleep(0.05)\n"
+        "print('grace', grace and grace[0], os.getpid(), flush=True)\n"
+        "while not signaled and os.getppid() == launcher: time.sleep(0.05)  # signalled, or the launcher gone\n"
         "time.sleep(3 * (grace[0] if grace else 5))  # a save far longer than the grace\n"
         "print('saved', flush=True)\n"
     )
@@ -342,19 +343,21 @@ def test_a_one_process_accelerate_launch_kills_its_script_as_launcher_grace_says
             time.sleep(0.2)
         launcher.send_signal(signal.SIGTERM)
         launcher.wait(timeout=60)
-    script_pid_gone = time.monotonic() + 30
-    while (
-        time.monotonic() < script_pid_gone
-        and "slow_save.py" in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    ):
-        time.sleep(0.5)
+    said = [line.split() for line in log.read_text().splitlines() if line.startswith("grace ")]
+    assert said, log.read_text()[-2000:]
+    grace, script_pid = said[0][1], int(said[0][2])
+    try:
+        gone_by = time.monotonic() + 30
+        while time.monotonic() < gone_by and psutil.pid_exists(script_pid):
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(script_pid, signal.SIGKILL)
     output = log.read_text()
-    said = [line for line in output.splitlines() if line.startswith("grace ")]
-    assert said, output[-2000:]
-    if said[0] == "grace 5.0":
+    if grace == "5.0":
         assert "saved" not in output, output[-2000:]  # killed within its grace, as said
     else:
-        assert said[0] == "grace None" and "saved" in output, output[-2000:]  # the script went on alone
+        assert grace == "None" and "saved" in output, output[-2000:]  # the script went on alone
 
 
 def test_a_file_system_failure_is_recognised_however_a_library_wraps_it():
