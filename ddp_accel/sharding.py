@@ -25,9 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddp_accel.errors import UserError
+from ddp_accel.versions import major_minor
 
 # [first, last] minor versions this adjustment was made and tested for; outside, a run that needs it is refused
 ADJUSTED_ACCELERATE = ((1, 10), (1, 16))
+# from this Accelerate on, FSDP2's loading of rank 0's weights (fsdp_cpu_ram_efficient_loading) broadcasts buffers
+# too; before, every model with buffers failed ('Tensor' object has no attribute 'device_mesh')
+LOADING_KEEPS_BUFFERS = (1, 16)
 
 
 def fsdp_asked(env: dict[str, str] | None = None) -> bool:
@@ -93,10 +97,11 @@ def cpu_fsdp_problem(plugin: Any) -> str | None:
         return CPU_FSDP2_ONLY
     if type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy":  # it pins memory for a GPU's copies
         return "fsdp_offload_params: true offloads to the CPU what is there already: set it to false here"
-    if plugin.cpu_ram_efficient_loading:  # its broadcast of rank 0's weights fails on a model with buffers
+    if plugin.cpu_ram_efficient_loading and (major_minor(accelerate.__version__) or (0, 0)) < LOADING_KEEPS_BUFFERS:
         return (
-            "fsdp_cpu_ram_efficient_loading: true fails with a model that has buffers (BatchNorm's statistics: "
-            "accelerate#3898), and saves nothing on a machine without GPUs: set it to false"
+            f"fsdp_cpu_ram_efficient_loading: true fails with a model that has buffers (BatchNorm's statistics: "
+            f"accelerate#3898) before Accelerate 1.16, and this is {accelerate.__version__}: set it to false (it "
+            "saves no memory on a machine without GPUs), or upgrade Accelerate"
         )
     return None
 

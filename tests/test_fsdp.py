@@ -72,6 +72,28 @@ def sharded_run(tmp_path_factory):
 
 
 @multiprocess
+def test_cpu_ram_efficient_loading_trains_a_batchnorm_model_as_without_it_or_is_refused_before_accelerate_1_16(
+    tmp_path,
+):
+    import accelerate
+
+    from ddp_accel import versions
+
+    args = ["--max-steps", 12, "--checkpointing-steps", 6]
+    efficient = tmp_path / "fsdp_efficient.yaml"
+    text = FSDP_YAML.read_text()
+    efficient.write_text(text.replace("fsdp_cpu_ram_efficient_loading: false", "fsdp_cpu_ram_efficient_loading: true"))
+    result = launch("scripts/template.py", "--output-dir", tmp_path / "efficient", *args, config=efficient)
+    if versions.major_minor(accelerate.__version__) < sharding.LOADING_KEEPS_BUFFERS:
+        errors = {line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error: ")}
+        assert result.returncode != 0 and len(errors) == 1 and "accelerate#3898" in errors.pop(), result.stderr[-2000:]
+        return
+    check_ok(result)  # the template's MLP has BatchNorm: buffers broadcast from rank 0 with the weights
+    check_ok(launch("scripts/template.py", "--output-dir", tmp_path / "plain", *args, config=FSDP_YAML))
+    assert_same_weights(tmp_path / "plain", tmp_path / "efficient")  # bitwise
+
+
+@multiprocess
 def test_fsdp_yaml_shards_over_gloo_and_trains_as_one_process_does(sharded_run, tmp_path):
     output = (sharded_run / "output.txt").read_text()
     assert "distributed_type             FSDP" in output, output[:3000]
