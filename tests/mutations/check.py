@@ -763,6 +763,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "self.interactive = sys.stderr.isatty() or sys.stdout.isatty()",
         "self.interactive = sys.stderr.isatty()",
     ),
+    "ram_efficient_loading_refused_where_accelerate_mended_it": (
+        "ddp_accel/sharding.py",
+        "or (0, 0)) < LOADING_KEEPS_BUFFERS:",
+        "or (0, 0)) < (99, 0):",
+    ),
 }
 
 
