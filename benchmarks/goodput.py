@@ -284,8 +284,7 @@ def main() -> None:
         "--repeats",
         type=int,
         default=1,
-        help="pairs of fault-free and faulted runs (the kills of "
-        "pair i drawn with seed + i); the goodput is their median",
+        help="pairs of fault-free and faulted runs (pair i's kills drawn with seed + i); the goodput is their median",
     )
     parser.add_argument("--results", type=Path, default=HERE / "results" / "goodput.md")
     args = parser.parse_args()

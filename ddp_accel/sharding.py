@@ -100,8 +100,9 @@ def cpu_fsdp_problem(plugin: Any) -> str | None:
     if plugin.cpu_ram_efficient_loading and (major_minor(accelerate.__version__) or (0, 0)) < LOADING_KEEPS_BUFFERS:
         return (
             f"fsdp_cpu_ram_efficient_loading: true fails with a model that has buffers (BatchNorm's statistics: "
-            f"accelerate#3898) before Accelerate 1.16, and this is {accelerate.__version__}: set it to false (it "
-            "saves no memory on a machine without GPUs), or upgrade Accelerate"
+            f"accelerate#3898) before Accelerate {LOADING_KEEPS_BUFFERS[0]}.{LOADING_KEEPS_BUFFERS[1]}, and this is "
+            f"{accelerate.__version__}: set it to false (it saves no memory on a machine without GPUs), or upgrade "
+            "Accelerate"
         )
     return None
 
@@ -131,11 +132,7 @@ def adopt_fsdp_on_cpu(accelerator: Any) -> bool:
 def check_accelerate_version(version: str) -> None:
     """A UserError when the installed Accelerate lies outside the versions the CPU adjustment was made for."""
     first, last = ADJUSTED_ACCELERATE
-    try:
-        major_minor = tuple(int(part) for part in version.split(".")[:2])
-    except ValueError:
-        major_minor = (0, 0)
-    if first <= major_minor <= last:
+    if first <= (major_minor(version) or (0, 0)) <= last:
         return
     raise UserError(
         f"FSDP on a machine without GPUs adjusts Accelerate's state, which was made and tested for Accelerate "
@@ -153,8 +150,7 @@ FSDP_ON_CPU_TORCH = (2, 9)
 
 def check_torch_version(version: str) -> None:
     """A UserError when this torch's FSDP2 cannot train on CPU processes over gloo."""
-    major_minor = tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
-    if major_minor >= FSDP_ON_CPU_TORCH:
+    if (major_minor(version) or (0, 0)) >= FSDP_ON_CPU_TORCH:
         return
     raise UserError(
         f"FSDP on a machine without GPUs needs torch {FSDP_ON_CPU_TORCH[0]}.{FSDP_ON_CPU_TORCH[1]} or newer (older "

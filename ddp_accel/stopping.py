@@ -265,6 +265,7 @@ RAISE_ELASTIC_GRACE = "Raise TORCH_ELASTIC_SHUTDOWN_TIMEOUT (slurm/train.sbatch:
 # `accelerate launch` of one process (Accelerate 1.16 and later) passes a SIGTERM on to the script's process tree
 # and kills what still runs 5 s later; nothing sets another wait
 ACCELERATE_ONE_PROCESS_GRACE_S = 5.0
+ACCELERATE_LAUNCH_KILLS_FROM = (1, 16)
 RAISE_ACCELERATE_GRACE = (
     "accelerate launch of one process waits 5 s (Accelerate 1.16 and later; not configurable): start the script "
     "with torchrun --nproc_per_node 1 (TORCH_ELASTIC_SHUTDOWN_TIMEOUT sets its wait) or with python"
@@ -285,7 +286,7 @@ def launcher_grace(parent: list[str] | None = None) -> tuple[float, str] | None:
     if engines.is_accelerate_launch(command):
         from importlib.metadata import version
 
-        if (major_minor(version("accelerate")) or (0, 0)) >= (1, 16):
+        if (major_minor(version("accelerate")) or (0, 0)) >= ACCELERATE_LAUNCH_KILLS_FROM:
             return ACCELERATE_ONE_PROCESS_GRACE_S, RAISE_ACCELERATE_GRACE
     return None
 
