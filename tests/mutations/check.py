@@ -569,7 +569,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "fsdp_on_cpu_under_a_torch_whose_gloo_sums": (
         "ddp_accel/sharding.py",
-        "    if major_minor >= FSDP_ON_CPU_TORCH:",
+        "    if (major_minor(version) or (0, 0)) >= FSDP_ON_CPU_TORCH:",
         "    if True:",
     ),
     "unreadable_random_states_resumed": (
