@@ -1,6 +1,9 @@
 """Goodput under failures: the same job run fault-free and while a chaos loop SIGKILLs a random rank every T seconds
 (each kill time drawn within T/4 of its slot, seeded; none once the job said `done:`), under `torchrun
---max_restarts`; goodput = fault-free wall time / faulted wall time. Each checkout first runs the job briefly once,
+--max_restarts`; goodput = fault-free wall time / faulted wall time. `--failure slurm-preemption` instead runs the
+job under a local SLURM (two "nodes" on this host, a process each, through slurm/train.sbatch) and preempts the
+whole job every T seconds with a job of a higher-priority partition: SLURM signals it, every process saves the
+step it reached, SLURM requeues it, and the requeued run resumes. Each checkout first runs the job briefly once,
 unmeasured (the files' first reads). `--repeats N` runs N pairs, each fault-free run right before the faulted
 runs it is compared with (this machine's pace drifts by ~10% between runs), and reports the median goodput of
 the pairs and their range.
@@ -8,20 +11,24 @@ the pairs and their range.
     python benchmarks/goodput.py --every-s 60 30 --seed 0
     python benchmarks/goodput.py --jobs resnet20-ddp --every-s 60 --repeats 3   # 3 pairs, the median goodput
     python benchmarks/goodput.py --jobs template-ddp --trees . ../base --every-s 60   # another checkout beside
+    python benchmarks/goodput.py --failure slurm-preemption --jobs template-ddp --every-s 60
 
 For each failure: the steps redone (0 when a survivor saved the step reached and the restart resumed there; else
-the steps since the checkpoint resumed from, estimated at the fault-free pace), and the time from the kill to: the
-survivor's line (detection, and its save), the restarted process's banner (process start, imports, rendezvous),
-its `resumed from` line (checkpoint load); for the last failure also to its first completed step (the final
-attempt's metrics.json), beside the fault-free command's own time to its first step. The final weights are
-compared with the fault-free run's, bitwise. A markdown table goes to stdout and benchmarks/results/goodput.md, a
+the steps since the checkpoint resumed from, estimated at the fault-free pace), and the time from the failure to:
+the line of its save (a survivor's, or the preempted processes'), the requeued run's first line (SLURM: the job's
+end, its requeue, the start of the batch script), the restarted process's banner (process start, imports,
+rendezvous), its `resumed from` line (checkpoint load); for the last failure also to its first completed step
+(the final attempt's metrics.json), beside the fault-free command's own time to its first step. The final weights
+are compared with the fault-free run's, bitwise. A markdown table goes to stdout and benchmarks/results/goodput.md, a
 plot of goodput against T to benchmarks/results/goodput.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -55,9 +62,13 @@ JOBS: dict[str, tuple[int, dict[str, str], list[str]]] = {
     "resnet20-ddp": (2, {}, RESNET20),
     "vgg16-ddp": (2, {}, VGG16),
 }
-SURVIVOR = re.compile(r"saved the step it reached for the restart: .*step_(\d+)")
-DETECTED = re.compile(r"saved the step it reached|lost contact|resumes from the last checkpoint")
+# the step saved for the restart: a survivor's (a rank killed) or every process's (the whole job preempted)
+SAVED = re.compile(r"saved the step it reached for the restart: .*step_(\d+)|preempted by \S+ at step (\d+)")
+DETECTED = re.compile(r"saved the step it reached|lost contact|resumes from the last checkpoint|preempted by")
 RESUMED = re.compile(r"resumed from \S+: step (\d+)")
+REQUEUED_RUN = re.compile(r"job \S+ run (\d+): ")  # slurm/train.sbatch's first line of each run
+# the local SLURM's "nodes": 1 core each, 1 process each
+SLURM_OPTIONS = ["--gpus-per-node=0", "--cpus-per-task=1"]
 
 
 @dataclasses.dataclass
@@ -76,6 +87,7 @@ class Log:
     def __init__(self, path: Path):
         self.path, self.offset, self.lines = path, 0, []
         self.committed = False  # the job's `done:` line seen: its work is over, its processes are exiting
+        self.run_started = 0  # the index of the line that began the latest run of a SLURM job
 
     def poll(self) -> None:
         with open(self.path, "rb") as file:
@@ -89,6 +101,8 @@ class Log:
         for line in re.split(rb"[\r\n]", chunk[: complete + 1]):
             if line.strip():
                 self.lines.append((now, line.decode(errors="replace")))
+                if REQUEUED_RUN.search(self.lines[-1][1]):
+                    self.run_started = len(self.lines) - 1
                 self.committed = self.committed or line.startswith(b"done: ")
 
 
@@ -155,6 +169,12 @@ def run_job(
         wall_s = time.time() - started
     if agent.returncode != 0:
         raise SystemExit(f"{job}: exit {agent.returncode}; see {log_path}")
+    read_events(failures, log)
+    return finished(output_dir, started, wall_s, failures)
+
+
+def read_events(failures: list[Failure], log: Log) -> None:
+    """Each failure's figures from the log lines seen after it (and before the next failure)."""
     for index, failure in enumerate(failures):
         until = failures[index + 1].at if index + 1 < len(failures) else float("inf")
         for seen, line in log.lines:
@@ -163,16 +183,106 @@ def run_job(
             after = seen - failure.at
             if DETECTED.search(line):
                 failure.events.setdefault("detected", after)
-            if (match := SURVIVOR.search(line)) is not None:
-                failure.rescued_step = int(match.group(1))
+            if (match := SAVED.search(line)) is not None:
+                failure.rescued_step = int(match.group(1) or match.group(2))
+            if REQUEUED_RUN.search(line):
+                failure.events.setdefault("requeued", after)
             if line.startswith("== "):
                 failure.events.setdefault("banner", after)
             if (match := RESUMED.search(line)) is not None and failure.resumed_step is None:
                 failure.resumed_step, failure.events["resumed"] = int(match.group(1)), after
+
+
+def finished(output_dir: Path, started: float, wall_s: float, failures: list[Failure]) -> dict:
     metrics = json.loads((output_dir / "metrics.json").read_text())
     if failures:
         failures[-1].events["first_step"] = metrics["first_step_at"] - failures[-1].at
+    for failure in failures:  # each failure's timeline, seconds after it
+        timeline = ", ".join(
+            f"{name} {after:.2f}" for name, after in sorted(failure.events.items(), key=lambda e: e[1])
+        )
+        print(f"  {failure.at - started:.0f} s in: {timeline}", file=sys.stderr, flush=True)
     return {"wall_s": wall_s, "failures": failures, "metrics": metrics, "started": started}
+
+
+@contextlib.contextmanager
+def local_slurm(root: Path):
+    """The tests' SLURM of two "nodes" on this host (tests/slurm_cluster.py), started for this benchmark."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from slurm_cluster import LocalSlurm, missing_binaries
+
+    if missing_binaries():
+        raise SystemExit(
+            f"--failure slurm-preemption: {', '.join(missing_binaries())} not installed "
+            "(apt-get install slurmctld slurmd slurm-client munge)"
+        )
+    with LocalSlurm(root) as slurm:
+        yield slurm
+
+
+def run_slurm_job(
+    slurm, tree: Path, job: str, output_dir: Path, mean_s: float | None, seed: int, extra: tuple[str, ...] = ()
+) -> dict:
+    """One submission of `job` from `tree` to the local SLURM through slurm/train.sbatch (a node per process),
+    preempted every `mean_s` seconds (None: never) by a job of a higher-priority partition that takes every node:
+    SLURM signals the job (it saves the step reached) and requeues it. SLURM holds a requeued job ~120 s; each
+    requeued run is started as soon as the nodes are idle again (the hold is the cluster's policy, not a cost of
+    training)."""
+    processes, env_extra, command = JOBS[job]
+    if env_extra:
+        raise SystemExit(f"{job}: --failure slurm-preemption runs DDP jobs (an FSDP job needs its own CONFIG)")
+    env = {
+        "SCRIPT": command[0],
+        "SCRIPT_ARGS": " ".join([*command[1:], *extra]),
+        "OUTPUT_DIR": str(output_dir),
+        "PROCESSES_PER_NODE": "1",
+        "VENV": str(BIN.parent),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": str(tree),
+    }
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    log_path = output_dir.with_suffix(".log")
+    log_path.touch()
+    rng, failures, released = random.Random(seed), [], 0
+    started = time.time()
+    options = [f"--nodes={processes}", *SLURM_OPTIONS, f"--output={log_path}"]
+    job_id = slurm.sbatch(tree / "slurm" / "train.sbatch", *options, env=env, cwd=tree)
+    log = Log(log_path)
+    slot = 1
+    next_kill = started + mean_s * (slot + rng.uniform(-0.25, 0.25)) if mean_s else float("inf")
+    while (state := slurm.job(job_id)).get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+        log.poll()
+        if log.committed:
+            next_kill = float("inf")
+        restarts = int(state.get("Restarts", 0))
+        if state.get("JobState") == "PENDING" and restarts > released:
+            failures[-1].events["pending"] = time.time() - failures[-1].at  # ended, requeued, held
+            slurm.wait_idle()  # (a run started before the nodes cleaned up fails: "Job credential revoked")
+            time.sleep(3)
+            slurm.scontrol("update", f"JobId={job_id}", "StartTime=now", check=False)
+            failures[-1].events["released"] = time.time() - failures[-1].at
+            released = restarts
+        if time.time() >= next_kill:
+            running = state.get("JobState") == "RUNNING" and restarts == released
+            # (its banner: the progress bar's lines reach SLURM's log file only with their newline, at the end)
+            if running and any(line.startswith("== ") for _, line in log.lines[log.run_started :]):
+                done = checkpoints(output_dir)
+                urgent = log_path.with_name(f"urgent_{len(failures)}.log")
+                slurm.sbatch(None, "--partition=urgent", f"--nodes={processes}", "--wrap=sleep 1", f"--output={urgent}")
+                failures.append(Failure(time.time(), *(done[-1] if done else (None, None))))
+                print(f"  {job}: preempted {time.time() - started:.0f} s in", file=sys.stderr, flush=True)
+                slot += 1
+                next_kill = started + mean_s * (slot + rng.uniform(-0.25, 0.25))
+            else:
+                next_kill = time.time() + 0.5  # not training yet: a moment later
+        time.sleep(0.1)
+    log.poll()
+    wall_s = time.time() - started
+    if state.get("JobState") != "COMPLETED":
+        raise SystemExit(f"{job}: job {job_id} ended {state.get('JobState')}; see {log_path}")
+    read_events(failures, log)
+    return finished(output_dir, started, wall_s, failures)
 
 
 def steps_redone(failure: Failure, steps_per_s: float) -> float | None:
@@ -200,7 +310,7 @@ def median(values: list[float]) -> float | None:
     return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
 
-def row(tree: str, job: str, mean_s: float, pairs: list[tuple[dict, dict, bool]]) -> dict:
+def row(tree: str, job: str, failure: str, mean_s: float, pairs: list[tuple[dict, dict, bool]]) -> dict:
     """One table row from `pairs` of (fault-free run, faulted run, bitwise equal), each pair run back to back: the
     goodput of each pair, its median and range; the failures' figures over every pair."""
     goodputs = sorted(clean["wall_s"] / faulted["wall_s"] for clean, faulted, _ in pairs)
@@ -213,11 +323,12 @@ def row(tree: str, job: str, mean_s: float, pairs: list[tuple[dict, dict, bool]]
         ]
     events = {
         name: median([failure.events[name] for failure in failures if name in failure.events])
-        for name in ("detected", "banner", "resumed", "first_step")
+        for name in ("detected", "requeued", "banner", "resumed", "first_step")
     }
     return {
         "tree": tree,
         "job": job,
+        "failure": failure,
         "mean_s": mean_s,
         "pairs": len(pairs),
         "failures": len(failures),
@@ -238,19 +349,20 @@ def table(rows: list[dict]) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     lines = [
-        "| tree | job | T (s) | pairs | failures | fault-free s | faulted s | goodput (range) "
-        "| steps redone / failure | rescued | kill -> survivor's line | -> banner | -> resumed "
-        "| -> first step (last) | cold first step | bitwise |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tree | job | failure | T (s) | pairs | failures | fault-free s | faulted s | goodput (range) "
+        "| steps redone / failure | saved for the restart | failure -> saved (or not) | -> requeued run | -> banner "
+        "| -> resumed | -> first step (last) | cold first step | bitwise |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         low, high = r["goodput_range"]
         spread = f" ({low:.2f}-{high:.2f})" if r["pairs"] > 1 else ""
         lines.append(
-            f"| {r['tree']} | {r['job']} | {r['mean_s']:.0f} | {r['pairs']} | {r['failures']} | {r['clean_s']:.0f} | "
+            f"| {r['tree']} | {r['job']} | {r['failure']} | {r['mean_s']:.0f} | {r['pairs']} | {r['failures']} | "
+            f"{r['clean_s']:.0f} | "
             f"{r['faulted_s']:.0f} | {r['goodput']:.2f}{spread} | {figure(r['redone'])} | "
             f"{r['rescued']}/{r['failures']} | "
-            f"{figure(r['detected'], 2)} | {figure(r['banner'])} | {figure(r['resumed'])} | "
+            f"{figure(r['detected'], 2)} | {figure(r['requeued'])} | {figure(r['banner'])} | {figure(r['resumed'])} | "
             f"{figure(r['first_step'])} | {r['cold_first_step']:.1f} | {'yes' if r['bitwise'] else 'NO'} |"
         )
     return "\n".join(lines)
@@ -263,8 +375,8 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(6, 4))
-    for key in sorted({(r["tree"], r["job"]) for r in rows}):
-        points = sorted((r["mean_s"], r["goodput"]) for r in rows if (r["tree"], r["job"]) == key)
+    for key in sorted({(r["tree"], r["job"], r["failure"]) for r in rows}):
+        points = sorted((r["mean_s"], r["goodput"]) for r in rows if (r["tree"], r["job"], r["failure"]) == key)
         axes.plot([x for x, _ in points], [y for _, y in points], marker="o", label=" ".join(key))
     axes.set_xlabel("time between failures (s)")
     axes.set_ylabel("goodput (fault-free / faulted wall time)")
@@ -286,28 +398,41 @@ def main() -> None:
         default=1,
         help="pairs of fault-free and faulted runs (pair i's kills drawn with seed + i); the goodput is their median",
     )
+    parser.add_argument(
+        "--failure",
+        choices=["rank-kill", "slurm-preemption"],
+        default="rank-kill",
+        help="rank-kill: SIGKILL a random rank under torchrun; slurm-preemption: the whole job preempted and "
+        "requeued under a local SLURM (2 nodes on this host; needs slurmctld, slurmd and munged)",
+    )
     parser.add_argument("--results", type=Path, default=HERE / "results" / "goodput.md")
     args = parser.parse_args()
     rows = []
-    with tempfile.TemporaryDirectory(prefix="goodput_") as scratch:
+    with tempfile.TemporaryDirectory(prefix="goodput_") as scratch, contextlib.ExitStack() as stack:
+        if args.failure == "rank-kill":
+            launch, what = run_job, "a rank killed"
+        else:
+            slurm = stack.enter_context(local_slurm(Path(scratch) / "slurm"))
+            launch, what = functools.partial(run_slurm_job, slurm), "the job preempted"
         for job in args.jobs:
             for index, tree in enumerate(tree.resolve() for tree in args.trees):
                 label = "this" if tree == ROOT else tree.name
                 folder = Path(scratch) / f"{job}_{index}"
-                run_job(tree, job, folder / "warm-up", None, args.seed, ("--max-steps", "20"))
+                launch(tree, job, folder / "warm-up", None, args.seed, ("--max-steps", "20"))
                 pairs: dict[float, list] = {mean_s: [] for mean_s in args.every_s}
                 for repeat in range(args.repeats):  # each fault-free run beside the faulted runs it is compared with
                     print(f"{job} ({label}, pair {repeat + 1}/{args.repeats}): fault-free", file=sys.stderr, flush=True)
-                    clean = run_job(tree, job, folder / f"clean_{repeat}", None, args.seed)
+                    clean = launch(tree, job, folder / f"clean_{repeat}", None, args.seed)
                     for mean_s in args.every_s:
-                        print(f"{job} ({label}): a rank killed every {mean_s:.0f} s", file=sys.stderr, flush=True)
+                        print(f"{job} ({label}): {what} every {mean_s:.0f} s", file=sys.stderr, flush=True)
                         faulted_dir = folder / f"every_{mean_s:.0f}_{repeat}"
-                        faulted = run_job(tree, job, faulted_dir, mean_s, args.seed + repeat)
+                        faulted = launch(tree, job, faulted_dir, mean_s, args.seed + repeat)
                         pairs[mean_s].append((clean, faulted, same_weights(folder / f"clean_{repeat}", faulted_dir)))
-                        print(table([row(label, job, mean_s, pairs[mean_s][-1:])]).splitlines()[-1], file=sys.stderr)
+                        line = row(label, job, args.failure, mean_s, pairs[mean_s][-1:])
+                        print(table([line]).splitlines()[-1], file=sys.stderr)
                         shutil.rmtree(faulted_dir)  # (VGG-16's checkpoints: GBs per run)
                     shutil.rmtree(folder / f"clean_{repeat}")
-                rows += [row(label, job, mean_s, pairs[mean_s]) for mean_s in args.every_s]
+                rows += [row(label, job, args.failure, mean_s, pairs[mean_s]) for mean_s in args.every_s]
     text = table(rows)
     print(text)
     args.results.parent.mkdir(parents=True, exist_ok=True)
