@@ -106,6 +106,11 @@ class Log:
                 self.committed = self.committed or line.startswith(b"done: ")
 
 
+def failure_time(started: float, mean_s: float | None, slot: int, rng: random.Random) -> float:
+    """When the `slot`-th failure comes: within mean_s/4 of slot * mean_s after the start (never without mean_s)."""
+    return started + mean_s * (slot + rng.uniform(-0.25, 0.25)) if mean_s else float("inf")
+
+
 def checkpoints(output_dir: Path) -> list[tuple[int, float]]:
     """(step, when it was renamed into place) of each complete checkpoint."""
     found = []
@@ -148,7 +153,7 @@ def run_job(
         agent = subprocess.Popen(argv, cwd=tree, env=env, stdout=log_file, stderr=subprocess.STDOUT)
         log = Log(log_path)
         slot = 1
-        next_kill = started + mean_s * (slot + rng.uniform(-0.25, 0.25)) if mean_s else float("inf")
+        next_kill = failure_time(started, mean_s, slot, rng)
         while agent.poll() is None:
             log.poll()
             if log.committed:  # a kill while the processes exit after the commit is no failure of training
@@ -161,7 +166,7 @@ def run_job(
                     failures.append(Failure(time.time(), *(done[-1] if done else (None, None))))
                     print(f"  {job}: killed a rank {time.time() - started:.0f} s in", file=sys.stderr, flush=True)
                     slot += 1
-                    next_kill = started + mean_s * (slot + rng.uniform(-0.25, 0.25))
+                    next_kill = failure_time(started, mean_s, slot, rng)
                 else:
                     next_kill = time.time() + 0.5  # the group is starting again: a moment later
             time.sleep(0.02)
@@ -250,30 +255,35 @@ def run_slurm_job(
     job_id = slurm.sbatch(tree / "slurm" / "train.sbatch", *options, env=env, cwd=tree)
     log = Log(log_path)
     slot = 1
-    next_kill = started + mean_s * (slot + rng.uniform(-0.25, 0.25)) if mean_s else float("inf")
+    next_kill = failure_time(started, mean_s, slot, rng)
     while (state := slurm.job(job_id)).get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
         log.poll()
         if log.committed:
             next_kill = float("inf")
         restarts = int(state.get("Restarts", 0))
         if state.get("JobState") == "PENDING" and restarts > released:
-            failures[-1].events["pending"] = time.time() - failures[-1].at  # ended, requeued, held
+            last = failures[-1] if failures else Failure(time.time(), None, None)  # (or the job's own requeue)
+            last.events["pending"] = time.time() - last.at  # ended, requeued, held
             slurm.wait_idle()  # (a run started before the nodes cleaned up fails: "Job credential revoked")
             time.sleep(3)
             slurm.scontrol("update", f"JobId={job_id}", "StartTime=now", check=False)
-            failures[-1].events["released"] = time.time() - failures[-1].at
+            last.events["released"] = time.time() - last.at
             released = restarts
         if time.time() >= next_kill:
             running = state.get("JobState") == "RUNNING" and restarts == released
-            # (its banner: the progress bar's lines reach SLURM's log file only with their newline, at the end)
-            if running and any(line.startswith("== ") for _, line in log.lines[log.run_started :]):
+            # training: its banner seen, and a requeued run's resume (the progress bar's lines reach SLURM's log
+            # file only with their newline, at the end); a preemption before would be read with the last resume
+            lines = [line for _, line in log.lines[log.run_started :]]
+            trains = any(line.startswith("== ") for line in lines)
+            trains = trains and (restarts == 0 or any(RESUMED.search(line) for line in lines))
+            if running and trains:
                 done = checkpoints(output_dir)
                 urgent = log_path.with_name(f"urgent_{len(failures)}.log")
                 slurm.sbatch(None, "--partition=urgent", f"--nodes={processes}", "--wrap=sleep 1", f"--output={urgent}")
                 failures.append(Failure(time.time(), *(done[-1] if done else (None, None))))
                 print(f"  {job}: preempted {time.time() - started:.0f} s in", file=sys.stderr, flush=True)
                 slot += 1
-                next_kill = started + mean_s * (slot + rng.uniform(-0.25, 0.25))
+                next_kill = failure_time(started, mean_s, slot, rng)
             else:
                 next_kill = time.time() + 0.5  # not training yet: a moment later
         time.sleep(0.1)
