@@ -2,6 +2,7 @@
 (USR1 -> checkpoint -> requeue -> resume) and a preemption (SIGTERM to the job step), each ending with the
 weights of an uninterrupted run."""
 
+import contextlib
 import os
 import re
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from helpers import ROOT, wait_for_checkpoint, weights
@@ -35,10 +37,17 @@ def slurm(tmp_path_factory):
 
 
 def submit(
-    slurm: LocalSlurm, output_dir: Path, extra: str = "", options=(), cwd: Path = ROOT, config: str | None = None
+    slurm: LocalSlurm,
+    output_dir: Path,
+    extra: str = "",
+    options=(),
+    cwd: Path = ROOT,
+    config: str | None = None,
+    env: dict | None = None,
 ) -> tuple[str, Path]:
     log = output_dir.parent / f"{output_dir.name}.slurm.log"
     env = {
+        **(env or {}),
         **({"CONFIG": config} if config else {}),
         "SCRIPT": "tests/probe.py",
         "SCRIPT_ARGS": f"{PROBE_ARGS} {extra}".strip(),
@@ -52,21 +61,24 @@ def submit(
     return job, log
 
 
+def start_requeued_run(slurm: LocalSlurm, job: str, log: Path, restart: int) -> None:
+    """Wait for the job's requeue number `restart` and start that run at once (SLURM holds it ~120 s otherwise)."""
+    deadline = time.monotonic() + 120
+    while int(slurm.job(job).get("Restarts", 0)) < restart:  # the job state passes through transient ones
+        assert time.monotonic() < deadline, f"job {job} was not requeued: {slurm.job(job)}\n{log.read_text()[-3000:]}"
+        time.sleep(0.1)
+    if slurm.wait_state(job, "PENDING", "RUNNING")["JobState"] == "PENDING":
+        # starting it before the nodes have cleaned up the previous run fails it ("Job credential revoked"), so
+        # wait for idle nodes and a little more
+        slurm.wait_idle()
+        time.sleep(3)
+        slurm.scontrol("update", f"JobId={job}", "StartTime=now", check=False)
+
+
 def finish(slurm: LocalSlurm, job: str, log: Path, requeues: int = 0) -> str:
-    """Wait for the job to end, starting each requeued run at once (SLURM holds it ~120 s otherwise)."""
+    """Wait for the job to end, starting each requeued run at once."""
     for restart in range(1, requeues + 1):
-        deadline = time.monotonic() + 120
-        while int(slurm.job(job).get("Restarts", 0)) < restart:  # the job state passes through transient ones
-            assert time.monotonic() < deadline, (
-                f"job {job} was not requeued: {slurm.job(job)}\n{log.read_text()[-3000:]}"
-            )
-            time.sleep(0.1)
-        if slurm.wait_state(job, "PENDING", "RUNNING")["JobState"] == "PENDING":
-            # SLURM holds a requeued job ~120 s; starting it before the nodes have cleaned up the previous run
-            # fails it ("Job credential revoked"), so wait for idle nodes and a little more
-            slurm.wait_idle()
-            time.sleep(3)
-            slurm.scontrol("update", f"JobId={job}", "StartTime=now", check=False)
+        start_requeued_run(slurm, job, log, restart)
     state = slurm.wait_state(job, "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
     text = log.read_text()
     assert state["JobState"] == "COMPLETED", f"{state}\n{text[-4000:]}"
@@ -301,3 +313,80 @@ def test_a_signal_after_training_finished_ends_the_job_completed(slurm, tmp_path
     text = log.read_text()
     assert state["JobState"] == "COMPLETED" and state.get("Restarts") == "0", f"{state}\n{text[-3000:]}"
     assert "training finished before the stop signal" in text and (output_dir / "model.safetensors").is_file()
+
+
+def batch_shell(job: str) -> psutil.Process:
+    """The batch shell of the job's current run: bash running the copy of the script in a node's spool folder."""
+    for process in psutil.process_iter(["cmdline"]):
+        if any(arg.endswith(f"job{int(job):05d}/slurm_script") for arg in process.info["cmdline"] or ()):
+            return process
+    raise AssertionError(f"no batch shell of job {job}")
+
+
+def step_processes(output_dir: Path) -> list[psutil.Process]:
+    """The launchers and training processes of the job step (each has the run's --output-dir on its command line)."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "--output-dir" in cmdline and str(output_dir) in cmdline and "bash" not in Path(cmdline[0]).name:
+            found.append(process)
+    return found
+
+
+def stop_watchdog(shell: psutil.Process, timeout: float = 30) -> tuple[psutil.Process, psutil.Process]:
+    """The watchdog the batch shell's trap starts (a subshell) and its sleep."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(psutil.NoSuchProcess):  # scancel and the like come and go
+            for child in shell.children():
+                sleeps = [grandchild for grandchild in child.children() if grandchild.name() == "sleep"]
+                if sleeps:  # (a subshell keeps the script's name)
+                    return child, sleeps[0]
+        assert time.monotonic() < deadline, "the batch shell started no watchdog after the signal"
+        time.sleep(0.05)
+
+
+@pytest.mark.system
+def test_a_step_that_does_not_stop_within_the_grace_is_ended_by_the_job_script(slurm, tmp_path):
+    # every process of the step frozen (a launcher stuck on a dead filesystem): GRACE_S + 10 s after the signal the
+    # job script ends the step itself (SIGKILL); the job fails with the step's status and keeps its checkpoints
+    output_dir = tmp_path / "frozen"
+    job, log = submit(slurm, output_dir, extra="--step-ms 100", env={"GRACE_S": "4"})
+    wait_for_checkpoint(output_dir, 5)
+    frozen = step_processes(output_dir)
+    assert len(frozen) == 4, [process.cmdline() for process in frozen]  # 2 launchers, 2 training processes
+    for process in frozen:
+        process.suspend()
+    signalled = time.monotonic()
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm.env, check=True)
+    state = slurm.wait_state(job, "COMPLETED", "FAILED", "CANCELLED")
+    ended_after_s, text = time.monotonic() - signalled, log.read_text()
+    assert state["JobState"] == "FAILED" and "training ended with status 137" in text, f"{state}\n{text[-3000:]}"
+    assert "did not stop within GRACE_S + 10 s; ending the job step" in text and 14 <= ended_after_s < 60, text[-3000:]
+    assert (output_dir / "checkpoints" / "step_5" / "training_state.json").is_file()
+
+
+@pytest.mark.system
+def test_the_watchdog_of_a_run_whose_shell_was_ended_leaves_the_requeued_run_alone(slurm, uninterrupted, tmp_path):
+    # SLURM may end the batch shell of a stopped run before the shell stops its watchdog; the orphaned watchdog
+    # woke GRACE_S + 10 s later and ended the step of the requeued run (JOB.0 again): killed, no checkpoint, FAILED
+    output_dir = tmp_path / "orphaned_watchdog"
+    job, log = submit(slurm, output_dir, extra="--step-ms 200")
+    wait_for_checkpoint(output_dir, 5)
+    shell = batch_shell(job)
+    for process in step_processes(output_dir):  # the step does not end before the shell is ended
+        process.suspend()
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm.env, check=True)
+    watchdog, sleep = stop_watchdog(shell)
+    shell.kill()  # what SLURM does to the batch shell of a job it ends
+    slurm.wait_state(job, "COMPLETED", "FAILED", "CANCELLED")
+    assert watchdog.is_running(), "the watchdog did not outlive its batch shell: the case under test is gone"
+    slurm.scontrol("requeue", job)
+    start_requeued_run(slurm, job, log, restart=1)
+    wait_for_log(log, "resumed from", slurm, job)  # the requeued run trains
+    sleep.kill()  # the orphaned watchdog wakes now, in the requeued run
+    watchdog.wait(timeout=30)
+    second_run = finish(slurm, job, log).split(" run 2:", 1)[1]
+    assert "did not stop" not in second_run and "CANCELLED" not in second_run, second_run[-3000:]
+    reference, final = weights(uninterrupted[0]), weights(output_dir)
+    assert all(torch.equal(reference[key], final[key]) for key in reference), "weights differ"
