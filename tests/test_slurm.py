@@ -359,7 +359,7 @@ def test_a_step_that_does_not_stop_within_the_grace_is_ended_by_the_job_script(s
         process.suspend()
     signalled = time.monotonic()
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm.env, check=True)
-    state = slurm.wait_state(job, "COMPLETED", "FAILED", "CANCELLED")
+    state = slurm.wait_state(job, "COMPLETED", "FAILED", "CANCELLED", timeout=90)
     ended_after_s, text = time.monotonic() - signalled, log.read_text()
     assert state["JobState"] == "FAILED" and "training ended with status 137" in text, f"{state}\n{text[-3000:]}"
     assert "did not stop within GRACE_S + 10 s; ending the job step" in text and 14 <= ended_after_s < 60, text[-3000:]

@@ -768,6 +768,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "or (0, 0)) < LOADING_KEEPS_BUFFERS:",
         "or (0, 0)) < (99, 0):",
     ),
+    "the_slurm_stop_watchdog_ends_a_later_run_s_step": (
+        "slurm/train.sbatch",
+        'if [ "$(job_run)" = "RUNNING ${SLURM_RESTART_COUNT:-0}" ]; then',
+        "if true; then",
+    ),
+    "the_slurm_stop_watchdog_never_ends_a_step": (
+        "slurm/train.sbatch",
+        'if [ "$(job_run)" = "RUNNING ${SLURM_RESTART_COUNT:-0}" ]; then',
+        'if [ "$(job_run)" = "RUNNING ${SLURM_RESTART_COUNT:-0}x" ]; then',
+    ),
 }
 
 
