@@ -98,6 +98,24 @@ class Callbacks:
         return metrics
 
 
+class LinePerRedraw:
+    """tqdm's stream in a log file: each redraw (tqdm writes a carriage return, the bar, padding) becomes a line of
+    its own. SLURM and `kubectl logs` readers, `tail -f` and grep take a log line by line: redrawn in place, the
+    bar reached them only with the newline tqdm writes when it closes."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        line = text.strip("\r\n ")
+        if line:
+            self.stream.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 class ProgressBar(Callback):
     """The step counter of the local main process: redrawn per step on a terminal, a line every 30 s in a log
     file; the last log window's loss, throughput and data wait as its postfix."""
@@ -117,6 +135,7 @@ class ProgressBar(Callback):
             unit="step",
             dynamic_ncols=True,
             mininterval=0.1 if self.interactive else 30,
+            file=None if self.interactive else LinePerRedraw(sys.stderr),
         )
 
     def on_step_end(self, run: RunContext) -> None:

@@ -2,6 +2,7 @@
 the checkpoint policy and choice, the run folder's lifecycle, the throughput meter, the position after a resume at
 another world size, the stop's facts and marker, and the callbacks a feature hooks in with."""
 
+import io
 import json
 import math
 import os
@@ -849,3 +850,24 @@ def test_the_progress_bar_redraws_on_a_terminal_reached_by_either_stream(monkeyp
         monkeypatch.setattr(sys.stderr, "isatty", lambda tty=stderr_tty: tty)
         monkeypatch.setattr(sys.stdout, "isatty", lambda tty=stdout_tty: tty)
         assert ProgressBar().interactive is redraws, (stderr_tty, stdout_tty)
+
+
+def test_the_progress_bar_in_a_log_file_writes_whole_lines(monkeypatch):
+    # SLURM's and kubectl's logs are read by their newlines: a bar redrawn in place showed up only at its close
+    from ddp_accel.callbacks import ProgressBar
+
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", log)
+    bar = ProgressBar()
+    run = SimpleNamespace(
+        total_steps=10, state=SimpleNamespace(step=4), accelerator=SimpleNamespace(is_local_main_process=True)
+    )
+    bar.on_start(run)
+    bar.bar.mininterval = bar.bar.miniters = 0  # a redraw at each step instead of every 30 s
+    for _ in range(3):
+        bar.on_step_end(run)
+    bar.on_close(run)
+    text = log.getvalue()
+    assert "\r" not in text and text.endswith("\n"), repr(text)
+    lines = text.splitlines()
+    assert lines[0].startswith("train:") and "4/10" in lines[0] and "7/10" in lines[-1], lines
