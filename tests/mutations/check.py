@@ -768,6 +768,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "or (0, 0)) < LOADING_KEEPS_BUFFERS:",
         "or (0, 0)) < (99, 0):",
     ),
+    "the_progress_bar_redrawn_in_place_in_a_log_file": (
+        "ddp_accel/callbacks.py",
+        "file=None if self.interactive else LinePerRedraw(sys.stderr),",
+        "file=None,",
+    ),
     "the_slurm_stop_watchdog_ends_a_later_run_s_step": (
         "slurm/train.sbatch",
         'if [ "$(job_run)" = "RUNNING ${SLURM_RESTART_COUNT:-0}" ]; then',
