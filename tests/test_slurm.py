@@ -358,8 +358,13 @@ def test_a_step_that_does_not_stop_within_the_grace_is_ended_by_the_job_script(s
     for process in frozen:
         process.suspend()
     signalled = time.monotonic()
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm.env, check=True)
-    state = slurm.wait_state(job, "COMPLETED", "FAILED", "CANCELLED", timeout=90)
+    try:
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm.env, check=True)
+        state = slurm.wait_state(job, "COMPLETED", "FAILED", "CANCELLED", timeout=90)
+    finally:  # a step never ended would stay frozen past the cluster's teardown
+        for process in frozen:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
     ended_after_s, text = time.monotonic() - signalled, log.read_text()
     assert state["JobState"] == "FAILED" and "training ended with status 137" in text, f"{state}\n{text[-3000:]}"
     assert "did not stop within GRACE_S + 10 s; ending the job step" in text and 14 <= ended_after_s < 60, text[-3000:]
@@ -374,7 +379,7 @@ def test_the_watchdog_of_a_run_whose_shell_was_ended_leaves_the_requeued_run_alo
     job, log = submit(slurm, output_dir, extra="--step-ms 200")
     wait_for_checkpoint(output_dir, 5)
     shell = batch_shell(job)
-    for process in step_processes(output_dir):  # the step does not end before the shell is ended
+    for process in step_processes(output_dir):  # the step does not end before the shell is ended (SLURM kills it)
         process.suspend()
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm.env, check=True)
     watchdog, sleep = stop_watchdog(shell)
