@@ -106,6 +106,11 @@ class Log:
                 self.committed = self.committed or line.startswith(b"done: ")
 
 
+def committed(log: Log, output_dir: Path) -> bool:
+    """The run's work is over: metrics.json is in place (before the `done:` line is printed and seen)."""
+    return log.committed or (output_dir / "metrics.json").is_file()
+
+
 def failure_time(started: float, mean_s: float | None, slot: int, rng: random.Random) -> float:
     """When the `slot`-th failure comes: within mean_s/4 of slot * mean_s after the start (never without mean_s)."""
     return started + mean_s * (slot + rng.uniform(-0.25, 0.25)) if mean_s else float("inf")
@@ -156,7 +161,7 @@ def run_job(
         next_kill = failure_time(started, mean_s, slot, rng)
         while agent.poll() is None:
             log.poll()
-            if log.committed:  # a kill while the processes exit after the commit is no failure of training
+            if committed(log, output_dir):  # a kill while the processes exit after the commit is no failure
                 next_kill = float("inf")
             if time.time() >= next_kill:
                 ranks = workers(agent, command[0])
@@ -200,7 +205,7 @@ def read_events(failures: list[Failure], log: Log) -> None:
 
 def finished(output_dir: Path, started: float, wall_s: float, failures: list[Failure]) -> dict:
     metrics = json.loads((output_dir / "metrics.json").read_text())
-    if failures:
+    if failures and metrics["first_step_at"] > failures[-1].at:  # (else the commit came before that failure)
         failures[-1].events["first_step"] = metrics["first_step_at"] - failures[-1].at
     for failure in failures:  # each failure's timeline, seconds after it
         timeline = ", ".join(
@@ -258,7 +263,7 @@ def run_slurm_job(
     next_kill = failure_time(started, mean_s, slot, rng)
     while (state := slurm.job(job_id)).get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
         log.poll()
-        if log.committed:
+        if committed(log, output_dir):
             next_kill = float("inf")
         restarts = int(state.get("Restarts", 0))
         if state.get("JobState") == "PENDING" and restarts > released:
