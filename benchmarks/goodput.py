@@ -86,7 +86,6 @@ class Log:
 
     def __init__(self, path: Path):
         self.path, self.offset, self.lines = path, 0, []
-        self.committed = False  # the job's `done:` line seen: its work is over, its processes are exiting
         self.run_started = 0  # the index of the line that began the latest run of a SLURM job
 
     def poll(self) -> None:
@@ -103,12 +102,11 @@ class Log:
                 self.lines.append((now, line.decode(errors="replace")))
                 if REQUEUED_RUN.search(self.lines[-1][1]):
                     self.run_started = len(self.lines) - 1
-                self.committed = self.committed or line.startswith(b"done: ")
 
 
-def committed(log: Log, output_dir: Path) -> bool:
-    """The run's work is over: metrics.json is in place (before the `done:` line is printed and seen)."""
-    return log.committed or (output_dir / "metrics.json").is_file()
+def committed(output_dir: Path) -> bool:
+    """The run's work is over: metrics.json is in place (the script prints its `done:` line after it)."""
+    return (output_dir / "metrics.json").is_file()
 
 
 def failure_time(started: float, mean_s: float | None, slot: int, rng: random.Random) -> float:
@@ -161,7 +159,7 @@ def run_job(
         next_kill = failure_time(started, mean_s, slot, rng)
         while agent.poll() is None:
             log.poll()
-            if committed(log, output_dir):  # a kill while the processes exit after the commit is no failure
+            if committed(output_dir):  # a kill while the processes exit after the commit is no failure
                 next_kill = float("inf")
             if time.time() >= next_kill:
                 ranks = workers(agent, command[0])
@@ -263,7 +261,7 @@ def run_slurm_job(
     next_kill = failure_time(started, mean_s, slot, rng)
     while (state := slurm.job(job_id)).get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
         log.poll()
-        if committed(log, output_dir):
+        if committed(output_dir):
             next_kill = float("inf")
         restarts = int(state.get("Restarts", 0))
         if state.get("JobState") == "PENDING" and restarts > released:
@@ -276,8 +274,8 @@ def run_slurm_job(
             released = restarts
         if time.time() >= next_kill:
             running = state.get("JobState") == "RUNNING" and restarts == released
-            # training: its banner seen, and a requeued run's resume (the progress bar's lines reach SLURM's log
-            # file only with their newline, at the end); a preemption before would be read with the last resume
+            # training: its banner seen, and a requeued run's resume line (a preemption before it would be read
+            # with the previous run's resume)
             lines = [line for _, line in log.lines[log.run_started :]]
             trains = any(line.startswith("== ") for line in lines)
             trains = trains and (restarts == 0 or any(RESUMED.search(line) for line in lines))
