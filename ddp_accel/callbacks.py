@@ -31,10 +31,18 @@ class Callback:
     A callback with `state_dict()`/`load_state_dict()` is saved in every checkpoint under its `state_key` (its class
     name unless set) and given back by that key at a resume: adding or removing a callback never shifts another's
     state. `state_required`: a checkpoint without this state (or one holding it, for a run without the callback)
-    cannot continue the run (the weights' average: one side only would be another run)."""
+    cannot continue the run (the weights' average: one side only would be another run).
+
+    A callback that draws from random generators of its own names them in `random_generators()`: the ranks
+    compare them at each step with Accelerate's, so that a survivor of a lost peer saves a checkpoint only where
+    its generators are every rank's (its `state_dict` saves them, as process 0 holds them)."""
 
     state_key: str | None = None
     state_required: bool = False
+
+    def random_generators(self) -> dict[str, Any]:
+        """name -> a torch.Generator, numpy Generator or RandomState, or random.Random this callback draws from."""
+        return {}
 
     def on_start(self, run: RunContext) -> None:
         """After the resume, before the first step of this process."""
@@ -90,6 +98,14 @@ class Callbacks:
             ]
         for method in bound:
             method(run, *args)
+
+    def random_generators(self) -> dict[str, Any]:
+        """Every callback's generators, by `state_key` (else class name) and the callback's own name."""
+        return {
+            f"{callback.state_key or type(callback).__name__}.{name}": generator
+            for callback in self.callbacks
+            for name, generator in callback.random_generators().items()
+        }
 
     def extra_evaluation(self, run: RunContext) -> dict[str, Any]:
         metrics: dict[str, Any] = {}

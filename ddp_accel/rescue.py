@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from ddp_accel.checkpoint import Contents, complete, step_folder, training_state_json
+from ddp_accel.random_streams import RandomStreams
 from ddp_accel.state import RunIdentity, TrainState
-from ddp_accel.stopping import RandomStreams, StepAgreement, running_statistics
+from ddp_accel.stopping import StepAgreement, running_statistics
 
 REPLICATED = ("MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_HPU")
 

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_accel import engines
+from ddp_accel.random_streams import RandomStreams
 from ddp_accel.startup import SIGNALS, write_marker
 from ddp_accel.versions import major_minor
 
@@ -322,39 +323,6 @@ class Verdict:
     nonfinite: bool
 
 
-@dataclass(frozen=True)
-class RandomStreams:
-    """A process's random generators at one moment (Python's, numpy's, torch's CPU one), as Accelerate's
-    random_states_N.pkl holds them."""
-
-    python: Any
-    numpy: Any
-    torch_cpu: torch.Tensor
-
-    @classmethod
-    def now(cls) -> RandomStreams:
-        import random
-
-        import numpy
-
-        return cls(random.getstate(), numpy.random.get_state(), torch.get_rng_state())
-
-    def digest(self) -> int:
-        """52 bits of a hash of every generator's state (exact in a float64)."""
-        import hashlib
-
-        blake = hashlib.blake2b(digest_size=8)
-        blake.update(repr(self.python).encode())
-        blake.update(self.numpy[1].tobytes())
-        blake.update(self.torch_cpu.numpy().tobytes())
-        return int.from_bytes(blake.digest(), "little") & ((1 << 52) - 1)
-
-    def accelerate_states(self, step: int) -> dict[str, Any]:
-        """What Accelerate's save_state writes into random_states_N.pkl (on a machine without GPUs)."""
-        states = {"random_state": self.python, "numpy_random_seed": self.numpy, "torch_manual_seed": self.torch_cpu}
-        return {"step": step, **states}
-
-
 NORM_LAYERS = (
     torch.nn.BatchNorm1d,
     torch.nn.BatchNorm2d,
@@ -384,15 +352,17 @@ class StepAgreement:
     a few microseconds a step. On a GPU they stay on the device and are read one step late (see the module doc).
     """
 
-    def __init__(self, accelerator: Any, streams: bool = False):
+    def __init__(self, accelerator: Any, streams: bool = False, generators: dict[str, Any] | None = None):
         """`streams`: also agree, per step, whether every rank's random streams are the same (on a CPU): what a
-        survivor of a lost peer needs to save every rank's place (`ddp_accel.rescue`)."""
+        survivor of a lost peer needs to save every rank's place (`ddp_accel.rescue`); `generators`: the
+        callbacks' own, compared with them."""
         self.accelerator, self.device = accelerator, accelerator.device
         self.lagged = self.device.type == "cuda"
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.skipped_steps = 0  # fp16: optimizer steps the gradient scaler skipped (inf/nan gradients)
         self.step_nonfinite: Any = torch.zeros((), device=self.device) if self.lagged else False  # any micro-batch
         self.streams = streams and self.distributed and not self.lagged
+        self.generators = generators or {}
         flags_dtype = torch.float64 if self.streams else torch.float32  # (a 52-bit digest is exact in a float64)
         self._host = torch.zeros(4 if self.streams else 2, dtype=flags_dtype, pin_memory=self.lagged)
         self._pending: tuple[int, torch.cuda.Event] | None = None
@@ -445,7 +415,7 @@ class StepAgreement:
             self.step_nonfinite = False
             kept: dict[tuple[int, str], torch.Tensor] | None = None
             if self.streams:  # the streams' digest, and its negation: MAX of both says whether all are the same
-                streams = RandomStreams.now()
+                streams = RandomStreams.now(self.generators)
                 self.submitted_streams = (step, streams)
                 kept = {key: buffer.clone() for key, buffer in self.buffers} if self.buffers else None
                 if kept is not None and self.accelerator.process_index == 0:  # process 0's are the checkpoint's

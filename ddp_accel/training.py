@@ -110,7 +110,7 @@ class TrainingRun(contextlib.AbstractContextManager["TrainingRun"]):
         self.ema, self.callbacks = features.ema, Callbacks(features.callbacks)
         contents = checkpoint_contents(task, self.prepared, self.scheduler, features.callbacks)
         covered = rescue.rescuable(accelerator, contents)  # a survivor saves every rank's step
-        self.agreement = StepAgreement(accelerator, streams=covered)
+        self.agreement = StepAgreement(accelerator, streams=covered, generators=self.callbacks.random_generators())
         self.agreement.keep_buffers(contents.objects.models)
         self.step = TrainStep(
             accelerator, self.model, self.optimizer, task.loss_fn, config.max_grad_norm, self.agreement

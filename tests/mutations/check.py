@@ -783,6 +783,22 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         'if [ "$(job_run)" = "RUNNING ${SLURM_RESTART_COUNT:-0}" ]; then',
         'if [ "$(job_run)" = "RUNNING ${SLURM_RESTART_COUNT:-0}x" ]; then',
     ),
+    "the_streams_digest_leaves_out_torch_s_generator": (
+        "ddp_accel/random_streams.py",
+        'feed(blake, {"accelerate": self.accelerate, "registered": self.registered})',
+        'feed(blake, {"accelerate": {k: v for k, v in self.accelerate.items() if k != "torch_manual_seed"}, '
+        '"registered": self.registered})',
+    ),
+    "the_streams_digest_blind_to_a_generator_s_position": (
+        "ddp_accel/random_streams.py",
+        "        for item in value:\n            feed(blake, item)",
+        "        for item in value[:2]:\n            feed(blake, item)",
+    ),
+    "a_callback_s_generators_never_compared": (
+        "ddp_accel/training.py",
+        "generators=self.callbacks.random_generators()",
+        "generators={}",
+    ),
 }
 
 
