@@ -263,6 +263,24 @@ class CheckpointWriter:
             self._thread, self._error = None, None
 
 
+ASYNC_WRITE_TIMEOUT_S = 3600.0  # the main process's writer waits this long for the other ranks' files
+
+
+def write_then_mark(
+    staged: StagedWrites, folder: Path, rank: int, ranks: int, complete: Callable[[], None] | None
+) -> None:
+    """A rank's writer: its files, then its marker; with `complete` (the main process's writer), then every rank's
+    marker, then `complete` (the list of the folder's files, training_state.json, the rename). The order is the
+    checkpoint's whole guarantee: the main process reads a marker as "this rank's files are written", lists the
+    folder and renames it; a marker left before the files would let it rename a folder another rank still writes
+    into, and list a checkpoint without that rank's files."""
+    staged.write_all()
+    leave_marker(folder, rank)
+    if complete is not None:
+        wait_for_markers(folder, ranks, timeout_s=ASYNC_WRITE_TIMEOUT_S)
+        complete()
+
+
 def leave_marker(folder: Path, rank: int, failed: bool = False) -> None:
     (folder / (FAILED if failed else MARKER).format(rank=rank)).touch()
 

@@ -30,7 +30,7 @@ from ddp_accel.async_save import (
     is_full_state_dict,
     leave_marker,
     stage_accelerator_state,
-    wait_for_markers,
+    write_then_mark,
 )
 from ddp_accel.callback_state import CallbackStates
 from ddp_accel.config import TrainConfig
@@ -260,11 +260,8 @@ def save_checkpoint(
     def write_and_complete() -> None:
         try:  # only the main process's writer removes the shared folder of a failed write
             with writing(partial, cleanup=partial if main else None):
-                staged.write_all()
-                leave_marker(partial, rank)
-                if main:  # the other ranks' writers are theirs: their markers say they are done (or failed)
-                    wait_for_markers(partial, ranks, timeout_s=ASYNC_WRITE_TIMEOUT_S)
-                    complete(partial, final, training_state, limit)
+                finish = functools.partial(complete, partial, final, training_state, limit) if main else None
+                write_then_mark(staged, partial, rank, ranks, finish)
         except BaseException:
             if not main:
                 with contextlib.suppress(OSError):
@@ -273,9 +270,6 @@ def save_checkpoint(
 
     writer.start(write_and_complete)
     return final
-
-
-ASYNC_WRITE_TIMEOUT_S = 3600.0  # the main process's writer waits this long for the other ranks' files
 
 
 def write_state(

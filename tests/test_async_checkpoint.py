@@ -114,6 +114,43 @@ def test_a_run_commits_only_once_its_last_checkpoint_is_complete(tmp_path, monke
 
 
 @inprocess
+def test_the_main_process_completes_a_checkpoint_only_once_a_slow_rank_s_files_are_written(tmp_path):
+    # two ranks' writers in one process: rank 1's write takes 0.5 s (a slow disk, a large shard), rank 0's is at
+    # once. Rank 0 lists the folder and renames it only after rank 1's marker, which comes after its files
+    import time
+
+    from ddp_accel.checkpoint import FILE_LIST, complete
+
+    partial, final = tmp_path / ".tmp_step_3", tmp_path / "step_3"
+    partial.mkdir()
+
+    def slowly(obj, path):
+        time.sleep(0.5)
+        torch.save(obj, path)
+
+    failures = []
+
+    def writer(rank, write, name):
+        staged = async_save.StagedWrites()
+        staged.add(write, {"rank": torch.full((4,), float(rank))}, partial / name)
+        finish = (lambda: complete(partial, final, "{}", None)) if rank == 0 else None
+        try:
+            async_save.write_then_mark(staged, partial, rank, 2, finish)
+        except OSError as failed:  # (rank 1 writing into a folder already renamed)
+            failures.append(failed)
+
+    threads = [threading.Thread(target=writer, args=(1, slowly, "shard_1.pt"))]
+    threads.append(threading.Thread(target=writer, args=(0, torch.save, "shard_0.pt")))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures and not partial.exists()
+    assert json.loads((final / FILE_LIST).read_text()).keys() == {"shard_0.pt", "shard_1.pt"}
+    assert torch.load(final / "shard_1.pt")["rank"].eq(1).all()
+
+
+@inprocess
 def test_the_staging_copies_tensors_so_later_steps_do_not_change_a_staged_checkpoint(tmp_path):
     weights = {"w": torch.ones(3)}
     staged = async_save.StagedWrites()

@@ -799,6 +799,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "generators=self.callbacks.random_generators()",
         "generators={}",
     ),
+    "a_rank_s_async_marker_left_before_its_files": (
+        "ddp_accel/async_save.py",
+        "    staged.write_all()\n    leave_marker(folder, rank)\n",
+        "    leave_marker(folder, rank)\n    staged.write_all()\n",
+    ),
 }
 
 
