@@ -1,5 +1,6 @@
 """`ddp-accel check-config FILE`: validate an accelerate YAML before launching with it
-(ddp_accel/accelerate_config.py).
+(ddp_accel/accelerate_config.py): exit 0 when it runs here, 2 when it is invalid anywhere, 3 when it is valid but
+not on this machine (a GPU precision without a GPU, a package not installed).
 `ddp-accel doctor`: check the machines under the launcher you train with (ddp_accel/doctor.py).
 
 `accelerate launch` answers a bad config with a long traceback; this says what is wrong in one line.
@@ -11,6 +12,7 @@ import sys
 
 from ddp_accel.accelerate_config import check_config
 from ddp_accel.cli import ArgumentParser, nonnegative, positive, positive_int
+from ddp_accel.config_file import NotOnThisMachine
 from ddp_accel.errors import UserError
 
 
@@ -50,14 +52,23 @@ def main(argv: list[str] | None = None) -> int:
         from ddp_accel.doctor import run  # imports torch: not for check-config
 
         return run(args.output_dir, args.timeout_s, args.megabytes, args.data, args.min_free_gb)
-    failed = False
-    for path in args.files:
+    return check_configs(args.files)
+
+
+def check_configs(paths: list[str]) -> int:
+    """Each file's summary, or its problem in one line: exit 2 when one is invalid anywhere, else 3 when one is
+    valid but not on this machine, else 0."""
+    invalid = elsewhere = False
+    for path in paths:
         try:
             print(check_config(path))
+        except NotOnThisMachine as error:
+            print(f"valid, but not on this machine: {error}", file=sys.stderr)
+            elsewhere = True
         except UserError as error:
             print(f"error: {error}", file=sys.stderr)
-            failed = True
-    return 2 if failed else 0
+            invalid = True
+    return 2 if invalid else 3 if elsewhere else 0
 
 
 if __name__ == "__main__":

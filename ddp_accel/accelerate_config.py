@@ -4,39 +4,28 @@ a launch, with one line for what is wrong (`accelerate launch` answers a bad con
 from __future__ import annotations
 
 import contextlib
-import difflib
-import importlib.util
 import io
-import json
 import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
-from accelerate.commands.config.config_args import load_config_from_file
 
+from ddp_accel.config_file import NotOnThisMachine, check_anywhere, check_this_machine, has_accelerator, read_settings
 from ddp_accel.errors import UserError
-from ddp_accel.runtime import has_accelerator
-from ddp_accel.sharding import cpu_fsdp_plugin, fsdp_plugin
-
-PRECISIONS = ("no", "fp16", "bf16", "fp8")
-# what a distributed type or precision needs installed (accelerate launch fails deep inside otherwise)
-REQUIRED_PACKAGES = {"DEEPSPEED": ("deepspeed",), "MEGATRON_LM": ("megatron",)}
-FP8_BACKENDS = ("transformer_engine", "torchao", "msamp")
+from ddp_accel.sharding import CPU_FSDP2_ONLY, cpu_fsdp_problem, fsdp_plugin
 
 
 def check_config(path: str) -> str:
     """Load `path` with accelerate's own loader and launch-argument validation, plus what accelerate launch would
-    reject later (port range, precision, packages); return a one-line summary or raise UserError. Never a
-    traceback."""
-    raw = read_settings(path)
-    check_settings(path, raw)
-    config = load_accelerate_config(path)
-    kind = check_loaded(path, raw, config)
+    reject later (port range, precision, packages); return a one-line summary, or raise UserError (invalid anywhere)
+    or NotOnThisMachine (valid, but this machine cannot run it). Never a traceback."""
+    raw, config, kind = check_anywhere(path)
     validate_like_accelerate_launch(path)
     summary = f"{path}: {kind}, {config.num_processes} process(es) on {config.num_machines} machine(s)"
     notes = check_fsdp(path, raw) if kind == "FSDP" else []
+    check_this_machine(path, raw, kind)
     if kind in ("MULTI_GPU", "FSDP") and not has_accelerator():
         summary += (
             "; no GPU here: ddp_accel scripts run it as MULTI_CPU/gloo"
@@ -50,20 +39,15 @@ def check_fsdp(path: str, raw: dict[str, Any]) -> list[str]:
     """An FSDP config as Accelerate reads it: every key of `fsdp_config` one accelerate launch knows, the plugin
     Accelerate builds from them (and, without a GPU, one ddp_accel runs), and a note for each key that changes
     nothing under this version (FSDP1's keys under fsdp_version 2: Accelerate drops them without a word)."""
-    from accelerate.commands.launch import launch_command_parser
-
     settings = raw.get("fsdp_config") or {}
-    if not isinstance(settings, dict):
-        raise UserError(f"{path}: fsdp_config must be a mapping of fsdp_* settings")
-    known = [key for key in vars(launch_command_parser().parse_args(["train.py"])) if key.startswith("fsdp_")]
-    for key in settings:
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f": did you mean {close[0]}?" if close else f" (accelerate launch knows {', '.join(sorted(known))})"
-            raise UserError(f"{path}: fsdp_config has no key {key}{hint}")
     environment = launch_environment(path)
-    build = fsdp_plugin if has_accelerator() else cpu_fsdp_plugin
-    plugin = in_file(path, lambda: build(environment))
+    cpu = not has_accelerator()  # ddp_accel runs FSDP2 over gloo there; FSDP1's plugin wants a GPU to be built
+    if cpu and environment.get("FSDP_VERSION", "1") == "1":
+        raise NotOnThisMachine(f"{path}: {CPU_FSDP2_ONLY}")
+    plugin = in_file(path, lambda: fsdp_plugin(environment))  # what Accelerate builds: valid anywhere
+    problem = cpu_fsdp_problem(plugin) if cpu else None
+    if problem is not None:
+        raise NotOnThisMachine(f"{path}: {problem}")
     notes = []
     for key in settings:  # left out, the launch gives its variable another value: the same plugin, it is ignored
         without = launch_environment(path, drop=key)
@@ -118,83 +102,6 @@ def launch_environment(path: str, drop: str | None = None) -> dict[str, str]:
         except (ValueError, TypeError, KeyError) as error:
             message = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise UserError(f"{path}: accelerate launch would refuse it: {message}") from None
-
-
-def read_settings(path: str) -> dict[str, Any]:
-    """The file's settings as written: a mapping, read as YAML (or JSON for a .json file)."""
-    if Path(path).is_dir():
-        raise UserError(f"{path} is a directory; pass a YAML file (the shipped ones are in accelerate_configs/)")
-    if not Path(path).is_file():
-        raise UserError(f"{path}: no such file; the shipped configs are in accelerate_configs/")
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise UserError(f"{path}: not UTF-8 text (byte {error.start}); is it really a YAML file?") from None
-    if not text.strip():
-        raise UserError(f"{path} is empty; `accelerate config --config_file {path}` writes a valid file")
-    try:
-        raw = yaml.safe_load(text) if not path.endswith(".json") else json.loads(text)
-    except (yaml.YAMLError, ValueError) as error:
-        raise UserError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: the top level must be a mapping of settings (key: value), found {type(raw).__name__}")
-    return raw
-
-
-def check_settings(path: str, raw: dict[str, Any]) -> None:
-    """What accelerate's loader would take but its launch refuses later, or not at all: whole numbers, the port's
-    range, the precision's name."""
-    for key in ("num_processes", "num_machines", "machine_rank", "main_process_port"):
-        value = raw.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            raise UserError(f"{path}: {key} must be a whole number, found {value!r}")
-    port = raw.get("main_process_port")
-    if port is not None and not 1 <= port <= 65535:
-        raise UserError(f"{path}: main_process_port must be between 1 and 65535, found {port}")
-    precision = raw.get("mixed_precision")
-    if precision is not None and str(precision) not in PRECISIONS:
-        raise UserError(f"{path}: mixed_precision must be one of {', '.join(PRECISIONS)}, found {precision!r}")
-
-
-def load_accelerate_config(path: str) -> Any:
-    """accelerate's own loader, its errors as one line."""
-    try:
-        return load_config_from_file(path)
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file; the shipped configs are in accelerate_configs/") from None
-    except (ValueError, TypeError, KeyError, AttributeError) as error:
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        if "unknown keys" in message:
-            keys = message[message.index("(") + 1 : message.index(")")]
-            raise UserError(
-                f"{path}: unknown keys {keys}; fix or remove them (`accelerate config` writes a valid file)"
-            ) from None
-        raise UserError(f"{path}: {message}") from None
-
-
-def check_loaded(path: str, raw: dict[str, Any], config: Any) -> str:
-    """The loaded config's topology and what its distributed type and precision need installed; returns the
-    distributed type's name."""
-    for key in ("num_processes", "num_machines"):
-        value = getattr(config, key, 1)
-        if key == "num_processes" and key not in raw:  # accelerate's own "not set" (-1): its launch says so below
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise UserError(f"{path}: {key} must be a whole number >= 1, found {value!r}")
-    if not 0 <= getattr(config, "machine_rank", 0) < config.num_machines:
-        raise UserError(
-            f"{path}: machine_rank must be between 0 and num_machines - 1 ({config.num_machines - 1}), "
-            f"found {config.machine_rank!r}"
-        )
-    kind = str(config.distributed_type).split(".")[-1]
-    for package in REQUIRED_PACKAGES.get(kind, ()):
-        if importlib.util.find_spec(package) is None:
-            raise UserError(f"{path}: distributed_type {kind} needs the {package} package, which is not installed")
-    if raw.get("mixed_precision") == "fp8" and not any(importlib.util.find_spec(name) for name in FP8_BACKENDS):
-        raise UserError(
-            f"{path}: mixed_precision fp8 needs one of {', '.join(FP8_BACKENDS)} installed (and a GPU that has fp8)"
-        )
-    return kind
 
 
 def validate_like_accelerate_launch(path: str) -> None:

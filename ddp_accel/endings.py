@@ -10,6 +10,7 @@ import gc
 import inspect
 import re
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -151,15 +152,32 @@ def run_main(main: Callable[..., Any]) -> None:
     sys.exit(outcome.code)
 
 
+# how long a process other than 0 that met a user error waits to be ended by its launcher (which ends the group
+# once process 0, meeting the same error, exited with its line) before it says the error itself
+PEER_REPORT_WAIT_S = 5.0
+
+
 def _user_error(error: UserError, signals: StopSignals) -> Outcome:
     signals.enter(Phase.DONE)
     message = f"error: {_one_line(error)}"
-    if process_rank() == 0 or error.every_process:
+    if process_rank() == 0 or error.every_process or not _ended_while_process_0_reports(signals):
         print(message, file=sys.stderr, flush=True)
     report_to_launcher(message)
     stop_restarts()  # a user error fails the same way at every restart of the launcher
     error.__traceback__ = None  # drop frames holding models before teardown
     return Outcome("user_error", 2, message)
+
+
+def _ended_while_process_0_reports(signals: StopSignals) -> bool:
+    """A process other than 0 with peers: whether its launcher ended it (a signal) within PEER_REPORT_WAIT_S. Exiting
+    at once, it could have the launcher end process 0 before process 0 said the error: one line per run, never
+    none. Not ended by then (process 0 met no such error), it says its own."""
+    if engines.current().world_size < 2:
+        return False
+    deadline = time.monotonic() + PEER_REPORT_WAIT_S
+    while signals.received is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return signals.received is not None
 
 
 def _failed(error: BaseException, signals: StopSignals) -> Outcome:

@@ -20,6 +20,7 @@ from accelerate.utils import DataLoaderConfiguration, DistributedType, ProjectCo
 from ddp_accel import comm_hooks, engines
 from ddp_accel.comm_hooks import PLAIN_DDP, DdpOptions
 from ddp_accel.config import TrainConfig
+from ddp_accel.config_file import check_launched_config, has_accelerator, launched_config, settings_named
 from ddp_accel.elastic import process_rank
 from ddp_accel.errors import UserError
 from ddp_accel.group_wait import while_the_group_forms
@@ -32,14 +33,6 @@ from ddp_accel.stopping import (
 )
 from ddp_accel.tracking import check_trackers, make_trackers, tracker_names
 from ddp_accel.versions import untested_line
-
-
-def has_accelerator() -> bool:
-    """True when a GPU-like device is present. Does not initialise CUDA (safe before notebook_launcher)."""
-    if torch.cuda.is_available():
-        return True
-    backends = getattr(torch, "xpu", None), getattr(torch.backends, "mps", None)
-    return any(backend is not None and backend.is_available() for backend in backends)
 
 
 def build_accelerator(
@@ -62,6 +55,7 @@ def build_accelerator(
     - The scheduler steps once per optimizer step whatever the world size (Accelerate's default
       steps it num_processes times per step).
     """
+    check_launched_config()  # the file accelerate launch was given: refused as check-config refuses it
     cpu = not has_accelerator()
     # accelerate launch --mixed_precision and the YAML's mixed_precision reach the Accelerator by this variable
     if cpu and (mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")) == "fp16":
@@ -76,22 +70,24 @@ def build_accelerator(
     with while_the_group_forms(timeout_s, output_dir):  # an env:// rendezvous: silent, deaf to signals
         init_elastic_process_group(cpu, timeout_s)
         mixed_precision, _ = resolve_mixed_precision(mixed_precision, cpu)
-        accelerator = Accelerator(
-            cpu=cpu,
-            mixed_precision=mixed_precision,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            log_with=log_with,
-            # trackers write to logging_dir/<project name>: OUTPUT_DIR/tensorboard
-            project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=output_dir),
-            # non_blocking: host-to-GPU copies of pinned batches overlap the previous step's compute
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed, non_blocking=True),
-            step_scheduler_with_optimizer=False,
-            kwargs_handlers=[
-                InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s)),
-                comm_hooks.ddp_kwargs(ddp, gloo=cpu),
-            ],
-        )
-    adopt_fsdp_on_cpu(accelerator)  # an FSDP config on a machine without GPUs: FSDP2 over gloo, not DDP
+        with settings_named():  # an error a setting caused (Accelerate's, torch's): one line naming the setting
+            accelerator = ConfiguredAccelerator(
+                cpu=cpu,
+                mixed_precision=mixed_precision,
+                gradient_accumulation_steps=gradient_accumulation_steps,
+                log_with=log_with,
+                # trackers write to logging_dir/<project name>: OUTPUT_DIR/tensorboard
+                project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=output_dir),
+                # non_blocking: host-to-GPU copies of pinned batches overlap the previous step's compute
+                dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed, non_blocking=True),
+                step_scheduler_with_optimizer=False,
+                kwargs_handlers=[
+                    InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s)),
+                    comm_hooks.ddp_kwargs(ddp, gloo=cpu),
+                ],
+            )
+    with settings_named():
+        adopt_fsdp_on_cpu(accelerator)  # an FSDP config on a machine without GPUs: FSDP2 over gloo, not DDP
     untested = untested_line()
     if untested and accelerator.is_main_process:
         print(untested, file=sys.stderr, flush=True)
@@ -99,6 +95,30 @@ def build_accelerator(
     check_topology(accelerator)
     set_seed(seed)
     return accelerator
+
+
+class ConfiguredAccelerator(Accelerator):
+    """Accelerate's Accelerator whose `prepare` tells an error a setting caused (a layer class the model does not
+    have, say) in one line naming the setting and its fix, whoever calls it: fit, or a script's own loop."""
+
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        models = [arg for arg in args if isinstance(arg, torch.nn.Module)]
+        with settings_named(lambda: setting_hints(models)):
+            return super().prepare(*args, device_placement=device_placement)
+
+    def prepare_model(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with settings_named(lambda: setting_hints([model])):
+            return super().prepare_model(model, *args, **kwargs)
+
+
+def setting_hints(models: list[torch.nn.Module]) -> dict[str, str]:
+    """The fix of a setting that names the model's parts, from the models being prepared."""
+    classes = sorted({type(part).__name__ for model in models for part in model.modules()})
+    classes = [name for name in classes if name not in {type(model).__name__ for model in models}]
+    return {
+        "fsdp_transformer_layer_cls_to_wrap": f"name classes of the model's layers (this model has "
+        f"{', '.join(classes[:20]) or 'no layers of other classes'}), or set fsdp_auto_wrap_policy: SIZE_BASED_WRAP"
+    }
 
 
 def mark_lomo_absent() -> None:
@@ -211,13 +231,14 @@ def launch_key() -> str:
 
 def check_fsdp_config(cpu: bool) -> None:
     """An FSDP launch's settings, as Accelerate will read them (and, without a GPU, as ddp_accel runs them): one
-    line on every process where the Accelerator would end in a traceback."""
+    line (the main process's) where the Accelerator would end in a traceback."""
     if not fsdp_asked():
         return
     try:
         cpu_fsdp_plugin() if cpu else fsdp_plugin()
     except UserError as error:
-        raise UserError(str(error), every_process=True) from None
+        path = launched_config()
+        raise UserError(f"{path}: {error}" if path else str(error)) from None
 
 
 def check_launch_environment(env: dict[str, str] | None = None) -> None:

@@ -502,8 +502,6 @@ def config_with(**changes) -> str:
         (config_with(main_process_port=99999), "main_process_port must be between 1 and 65535"),
         (config_with(main_process_port="'x'"), "main_process_port must be a whole number"),
         (config_with(mixed_precision="banana"), "mixed_precision must be one of no, fp16, bf16, fp8"),
-        (config_with(mixed_precision="fp8"), "mixed_precision fp8 needs one of"),
-        (config_with(distributed_type="DEEPSPEED"), "DEEPSPEED needs the deepspeed package"),
         (config_with(machine_rank="'zero'"), "machine_rank must be a whole number"),
         (config_with(machine_rank=3, num_machines=2), "machine_rank must be between 0 and num_machines - 1"),
         (config_with(num_processes=None), "accelerate launch would refuse it: You need to manually pass in"),
@@ -516,6 +514,20 @@ def config_with(**changes) -> str:
 )
 def test_check_config_refuses_what_accelerate_launch_would_refuse(tmp_path, content, fragment):
     assert_clean_error(check_config(write(tmp_path / "bad.yaml", content)), fragment)
+
+
+@inprocess
+@pytest.mark.parametrize(
+    "content,fragment",
+    [
+        (config_with(mixed_precision="fp8"), "mixed_precision fp8 needs one of"),
+        (config_with(distributed_type="DEEPSPEED"), "DEEPSPEED needs the deepspeed package"),
+    ],
+)
+def test_check_config_says_what_is_valid_but_not_on_this_machine(tmp_path, content, fragment):
+    result = check_config(write(tmp_path / "bad.yaml", content))
+    assert result.returncode == 3 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("valid, but not on this machine: ") and fragment in result.stderr, result.stderr
 
 
 @inprocess

@@ -804,6 +804,31 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    staged.write_all()\n    leave_marker(folder, rank)\n",
         "    leave_marker(folder, rank)\n    staged.write_all()\n",
     ),
+    "a_launched_script_reads_no_config_file": (
+        "ddp_accel/runtime.py",
+        "    check_launched_config()  # the file accelerate launch was given: refused as check-config refuses it\n",
+        "",
+    ),
+    "an_error_naming_a_setting_stays_a_traceback": (
+        "ddp_accel/config_file.py",
+        "            if setting.named_by(message):",
+        "            if False and setting.named_by(message):",
+    ),
+    "prepare_errors_not_told_by_their_setting": (
+        "ddp_accel/runtime.py",
+        "        with settings_named(lambda: setting_hints(models)):",
+        "        with settings_named(lambda: setting_hints(models), ()):",
+    ),
+    "not_on_this_machine_called_invalid": (
+        "ddp_accel/config_file.py",
+        "        raise NotOnThisMachine(f\"{path}: mixed_precision fp16 needs a GPU",
+        "        raise UserError(f\"{path}: mixed_precision fp16 needs a GPU",
+    ),
+    "a_peer_says_the_run_s_user_error_too": (
+        "ddp_accel/endings.py",
+        "or not _ended_while_process_0_reports(signals):",
+        "or True:",
+    ),
 }
 
 
