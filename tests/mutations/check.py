@@ -648,7 +648,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            if False:\n",
     ),
     "fsdp_config_keys_unchecked": (
-        "ddp_accel/accelerate_config.py",
+        "ddp_accel/config_file.py",
         "        if key not in known:\n",
         "        if False:\n",
     ),
@@ -821,8 +821,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "not_on_this_machine_called_invalid": (
         "ddp_accel/config_file.py",
-        "        raise NotOnThisMachine(f\"{path}: mixed_precision fp16 needs a GPU",
-        "        raise UserError(f\"{path}: mixed_precision fp16 needs a GPU",
+        '        raise NotOnThisMachine(f"{path}: mixed_precision fp16 needs a GPU',
+        '        raise UserError(f"{path}: mixed_precision fp16 needs a GPU',
     ),
     "a_peer_says_the_run_s_user_error_too": (
         "ddp_accel/endings.py",
