@@ -18,7 +18,7 @@ TESTED: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
     "torch": ((2, 9), (2, 14)),
     "torchvision": ((0, 24), (0, 29)),
     "accelerate": ((1, 10), (1, 16)),
-    "datasets": ((4, 7), (5, 2)),
+    "datasets": ((5, 1), (5, 2)),
 }
 
 

@@ -53,3 +53,44 @@ def test_a_run_outside_the_tested_versions_says_so_at_its_start(tmp_path, monkey
     result = run_script("scripts/minimal.py", "--output-dir", tmp_path)
     check_ok(result)
     assert result.stderr.count("note: this runs torch 2.99.0 (tested: 2.9 to 2.14)") == 1, result.stderr[-2000:]
+
+
+def ci_floors():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ci_floors", ROOT / ".ci" / "floors.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@inprocess
+def test_a_floor_proven_only_under_another_floor_s_cap_is_named():
+    # CI's floor side installs every floor at once; a user pins one and pip resolves the rest. matplotlib 3.8.0
+    # capped numpy below 2, so tensorboard 2.15 passed CI with numpy 1 and failed its users with numpy 2
+    # (np.string_): .ci/floors.py compares what each floor, resolved alone, depends on with the floor side's
+    floors = ci_floors()
+    bounds = floors.floors(ROOT / "requirements.txt")
+    assert bounds == {
+        name.lower(): bound
+        for name, bound in lower_bounds((ROOT / "requirements.txt").read_text().splitlines()).items()
+    }
+    floor_side = {"numpy": "1.26.4", "protobuf": "4.25.1", "torch": "2.9.0+cpu", "huggingface-hub": "1.33.0"}
+    alone = {
+        "tensorboard": {
+            "tensorboard": {"version": "2.15.0", "depends": ["numpy", "protobuf", "six"]},
+            "numpy": {"version": "2.4.6", "depends": []},
+            "protobuf": {"version": "4.23.4", "depends": []},  # (the same major version)
+        },
+        "accelerate": {
+            "accelerate": {"version": "1.10.0", "depends": ["torch", "huggingface-hub"]},
+            "torch": {"version": "2.14.1", "depends": []},  # (declared: proven at both ends)
+            "huggingface-hub": {"version": "2.4.0", "depends": []},
+        },
+    }
+    lines = floors.unproven(floor_side, alone, {"tensorboard", "accelerate", "torch"})
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("accelerate 1.10.0 is proven with huggingface-hub 1.33.0, but a user who pins only it")
+    assert "tensorboard 2.15.0 is proven with numpy 1.26.4, but a user who pins only it gets numpy 2.4.6" in lines[1]
+    floor_side["numpy"], floor_side["huggingface-hub"] = "2.3.0", "2.0.1"
+    assert floors.unproven(floor_side, alone, {"tensorboard", "accelerate", "torch"}) == []
