@@ -23,7 +23,7 @@ import numpy
 import torch
 
 DIGEST_BITS = 52  # exact in a float64: the agreement's all-reduce carries it
-_SCALARS = (int, float, str, bytes, bool, type(None))
+_SCALARS = frozenset((int, float, str, bytes, bool, type(None)))
 
 
 def generator_state(generator: Any) -> Any:
@@ -86,8 +86,18 @@ class RandomStreams:
 
 def feed(blake: Any, value: Any) -> None:
     """Every leaf of `value` into the hash, with its type and its place (a tuple's length, a mapping's keys), so
-    that no two different states feed the same bytes."""
-    if isinstance(value, torch.Tensor):
+    that no two different states feed the same bytes. (It runs at every step: the common types are tested first.)"""
+    kind = type(value)
+    if kind in _SCALARS or isinstance(value, numpy.generic):
+        blake.update(f"{kind.__name__} {value!r};".encode())
+    elif kind is tuple or kind is list:
+        if _SCALARS.issuperset(map(type, value)):  # (Python's 625 words at once)
+            blake.update(f"{kind.__name__} {value!r};".encode())
+            return
+        blake.update(f"{kind.__name__} {len(value)}:".encode())
+        for item in value:
+            feed(blake, item)
+    elif isinstance(value, torch.Tensor):
         flat = value.detach().cpu().contiguous().reshape(-1)
         blake.update(f"tensor {flat.dtype} {tuple(value.shape)}:".encode())
         blake.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
@@ -99,14 +109,5 @@ def feed(blake: Any, value: Any) -> None:
         for key in sorted(value, key=repr):
             blake.update(f"{key!r}=".encode())
             feed(blake, value[key])
-    elif isinstance(value, (tuple, list)):
-        if all(type(item) in _SCALARS for item in value):  # (Python's 625 words at once: this runs at every step)
-            blake.update(f"{type(value).__name__} {value!r};".encode())
-            return
-        blake.update(f"{type(value).__name__} {len(value)}:".encode())
-        for item in value:
-            feed(blake, item)
-    elif type(value) in _SCALARS or isinstance(value, (numpy.generic,)):
-        blake.update(f"{type(value).__name__} {value!r};".encode())
     else:
-        raise TypeError(f"a random state holds a {type(value).__name__}, which the streams' digest cannot read")
+        raise TypeError(f"a random state holds a {kind.__name__}, which the streams' digest cannot read")
