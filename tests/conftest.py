@@ -23,6 +23,10 @@ if SESSION_CACHE is not None:
     os.environ["XDG_CACHE_HOME"] = SESSION_CACHE
 
 
+# a launched process that dies of a native crash (SIGSEGV, SIGABRT) prints the Python stack of each of its threads:
+# the crash is explained in the test's output instead of a bare exit code
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
 # training_curves.png is drawn by the runs that check it (DDP_ACCEL_CURVES=1 in their environment), not by every
 # process the suite starts: matplotlib's import and a plot are half a second of CPU at each run's end
 os.environ["DDP_ACCEL_CURVES"] = "0"
