@@ -128,7 +128,8 @@ def worker_environment(path: str) -> dict[str, str]:
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    check_config(path)
+    with contextlib.suppress(NotOnThisMachine):  # the workers' machines are the ones to run it (a GPU there)
+        check_config(path)
     args = launch_command_parser().parse_args(["--config_file", path, "--main_process_port", "1", "train.py"])
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
