@@ -258,17 +258,43 @@ def informative(value: str) -> bool:
     return len(value) >= 3 and any(c.isalpha() for c in value) and value.lower() not in UNINFORMATIVE
 
 
+# what only the launcher reads (the topology, the rendezvous): never the cause of an error in the Accelerator or its
+# prepare, and often named by torch's own messages ("[c10d] ...")
+LAUNCH_ONLY = {
+    "config_file",
+    "training_script",
+    "training_script_args",
+    "main_process_port",
+    "main_process_ip",
+    "compute_environment",
+    "main_training_function",
+    "rdzv_backend",
+    "rdzv_conf",
+    "same_network",
+    "machine_rank",
+    "num_machines",
+    "num_processes",
+    "gpu_ids",
+    "enable_cpu_affinity",
+    "debug",
+    "max_restarts",
+    "monitor_interval",
+    "tpu_env",
+    "tpu_use_cluster",
+    "tpu_use_sudo",
+    "tpu_name",
+    "tpu_zone",
+}
+
+
 def settings_in(raw: Mapping[str, Any], source: str, prefix: str = "") -> list[Setting]:
     found = []
     for key, value in raw.items():
         if isinstance(value, Mapping):
             found += settings_in(value, source, f"{prefix}{key}.")
-        elif value is not None:
+        elif value is not None and key not in LAUNCH_ONLY:
             found.append(Setting(f"{prefix}{key}", str(value), source))
     return found
-
-
-LAUNCH_ONLY = {"config_file", "training_script", "training_script_args", "main_process_port", "main_process_ip"}
 
 
 @functools.cache

@@ -117,6 +117,11 @@ def test_an_error_that_names_no_setting_stays_as_it_was():
     for message in ("tensor 2 has no grad", "the main process failed", "NoSuchLayerNorm missing", "fp80 overflow"):
         error = ValueError(message)
         assert raised_in(error) is error
+    # what only the launcher reads is no setting of the Accelerator's: torch's messages name "c10d" often
+    from ddp_accel.config_file import settings_in
+
+    read = settings_in({"rdzv_backend": "c10d", "num_processes": 8, "fsdp_config": {"fsdp_version": 2}}, "my.yaml")
+    assert read == [Setting("fsdp_config.fsdp_version", "2", "my.yaml")]
     mistake = UserError("a user's mistake, said as it is")
     assert raised_in(mistake) is mistake
     with pytest.raises(KeyboardInterrupt), settings_named(None, SETTINGS):
