@@ -1,29 +1,25 @@
 """Asynchronous checkpoints (`--async-checkpoint`): at the step a save copies the state into memory, and a background
 thread writes it while training goes on.
 
-The files are a synchronous save's, written by the functions `Accelerator.save_state` itself calls: at the step,
-`accelerate.checkpointing.save_accelerator_state` writes the small files (the schedulers, the samplers, the gradient
-scaler, this rank's RNG states) as `save_state` does, and the model's and the optimizer's states are copied into CPU
-memory; the writer thread writes the copies with `accelerate.utils.save` (model.safetensors, optimizer.bin). Under
-FSDP the sharded states go to torch.distributed.checkpoint's `async_save` (it copies them itself), each over a
-process group of its own so that its planning collectives never meet the training's; FULL_STATE_DICT's files,
-gathered on rank 0, are copied and written with `torch.save`, as Accelerate's `save_fsdp_model` does. The step pays
-for the copies; the pickling and the file system are the writer's. `StagedWrites.bytes` is what the copies hold.
+The files are the synchronous save's, listed once in ddp_accel.checkpoint_format (`write_checkpoint`): given
+`StagedWrites` as their sink, each state is copied into CPU memory at the step, and the writer thread writes the
+copies; FSDP's shards go to torch.distributed.checkpoint's `async_save` (it copies them itself), each over a process
+group of its own so that its planning collectives never meet the training's. The step pays for the copies; the
+pickling and the file system are the writer's. `StagedWrites.bytes` is what the copies hold.
 
 What completes a checkpoint (the list of its files, training_state.json, the rename of `.tmp_step_N` to `step_N`)
-runs in the main process's writer once every rank's writer has left its marker in the folder, so `latest` never
-names a checkpoint that is not whole, and a process killed mid-write leaves the previous checkpoint as `latest`.
+runs in the main process's writer once every rank's writer has left its marker in the folder (`write_then_mark`),
+so `latest` never names a checkpoint that is not whole, and a process killed mid-write leaves the previous
+checkpoint as `latest`.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,16 +29,6 @@ MARKER = ".written_by_rank_{rank}"
 FAILED = ".failed_on_rank_{rank}"
 
 Write = Callable[[Any, Path], None]  # (an object, its file): writes it
-
-
-@dataclass
-class AcceleratorObjects:
-    """What a run handed `Accelerator.prepare`, in its order: what `save_state` writes (and `load_state` reads)."""
-
-    models: list[torch.nn.Module] = field(default_factory=list)
-    optimizers: list[Any] = field(default_factory=list)
-    schedulers: list[Any] = field(default_factory=list)
-    dataloaders: list[Any] = field(default_factory=list)
 
 
 class StagingBuffers:
@@ -86,6 +72,17 @@ class StagedWrites:
         self._storages = {}
         self.writes.append((write, self._copied(obj), path))
 
+    def add_sharded(self, state: dict[str, Any], folder: Path, group: Any) -> None:
+        """FSDP's shards, by torch.distributed.checkpoint's `async_save` (it copies them itself), over `group`: a
+        process group of the writer's own, so that its planning collectives never meet the training's."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        folder.mkdir(parents=True, exist_ok=True)
+        writer = dcp.FileSystemWriter(str(folder))
+        saving: Any = dcp.async_save(state, storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
+        self.futures.append(getattr(saving, "upload_completion", saving))  # (newer torch may answer with both)
+
     def _copied(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             return self._copied_tensor(obj)
@@ -126,92 +123,6 @@ class StagedWrites:
             raise failures[0]
         for write, obj, path in self.writes:
             write(obj, path)
-
-
-def stage_accelerator_state(
-    accelerator: Any, folder: Path, objects: AcceleratorObjects, staged: StagedWrites, groups: list[Any]
-) -> None:
-    """What `accelerator.save_state(folder)` writes, on every rank: the small files at once, the model's and the
-    optimizer's states staged (under FSDP over `groups`, one process group per sharded state)."""
-    from accelerate.checkpointing import save_accelerator_state
-    from accelerate.utils import DistributedType
-
-    folder.mkdir(parents=True, exist_ok=True)
-    each_node = accelerator.project_configuration.save_on_each_node
-    save_accelerator_state(
-        str(folder),
-        [],
-        [],
-        objects.schedulers,
-        objects.dataloaders,
-        accelerator.process_index,
-        accelerator.step,
-        accelerator.scaler,
-        save_on_each_node=each_node,
-        safe_serialization=True,
-    )
-    if accelerator.distributed_type == DistributedType.FSDP:
-        stage_fsdp_states(accelerator, folder, objects, staged, groups)
-        return
-    from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, save
-
-    save_weights = functools.partial(save, save_on_each_node=each_node, safe_serialization=True)
-    for index, model in enumerate(objects.models):
-        name = SAFE_WEIGHTS_NAME if index == 0 else SAFE_WEIGHTS_NAME.replace(".", f"_{index}.")
-        staged.add(save_weights, accelerator.get_state_dict(model, unwrap=False), folder / name)
-    for index, optimizer in enumerate(objects.optimizers):
-        name = f"{OPTIMIZER_NAME}.bin" if index == 0 else f"{OPTIMIZER_NAME}_{index}.bin"
-        staged.add(functools.partial(save, save_on_each_node=each_node), optimizer.state_dict(), folder / name)
-
-
-def fsdp_state_dict_options(plugin: Any, processes: int) -> Any:
-    """The options under which Accelerate's FSDP2 save gathers its state dicts (`save_fsdp_model`): whole ones on
-    rank 0, in CPU memory, for FULL_STATE_DICT on several processes; else the plugin's own."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    config, full = plugin.state_dict_config, is_full_state_dict(plugin)
-    offload = processes > 1 if full else getattr(config, "offload_to_cpu", False)
-    rank0 = processes > 1 if full else getattr(config, "rank0_only", False)
-    return StateDictOptions(full_state_dict=full, cpu_offload=offload, broadcast_from_rank0=rank0)
-
-
-def is_full_state_dict(plugin: Any) -> bool:
-    return "FULL_STATE_DICT" in str(plugin.state_dict_type)
-
-
-def stage_fsdp_states(
-    accelerator: Any, folder: Path, objects: AcceleratorObjects, staged: StagedWrites, groups: list[Any]
-) -> None:
-    """Accelerate's FSDP2 layout: `pytorch_model_fsdp_0/` and `optimizer_0/` (shards, by torch.distributed.checkpoint's
-    `async_save` over a group each), or FULL_STATE_DICT's `pytorch_model_fsdp.bin` and `optimizer.bin` on rank 0."""
-    import torch.distributed.checkpoint as dcp
-    from accelerate.utils import OPTIMIZER_NAME
-    from accelerate.utils.constants import FSDP_MODEL_NAME
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    plugin = accelerator.state.fsdp_plugin
-    options = fsdp_state_dict_options(plugin, accelerator.num_processes)
-    full, main = is_full_state_dict(plugin), accelerator.process_index == 0
-    states: list[tuple[str, str, Any]] = []  # (file or folder, the key of a sharded save, the state)
-    for index, model in enumerate(objects.models):
-        whole = f"{FSDP_MODEL_NAME}.bin" if index == 0 else f"{FSDP_MODEL_NAME}_{index}.bin"
-        name = whole if full else f"{FSDP_MODEL_NAME}_{index}"
-        states.append((name, "model", get_model_state_dict(model, options=options)))
-    for index, optimizer in enumerate(objects.optimizers):  # Accelerate pairs the i-th optimizer with the i-th model
-        state = get_optimizer_state_dict(objects.models[index], optimizer, options=options)
-        whole = f"{OPTIMIZER_NAME}.bin" if index == 0 else f"{OPTIMIZER_NAME}_{index}.bin"
-        states.append((whole if full else f"{OPTIMIZER_NAME}_{index}", "optimizer", state))
-    for number, (name, key, state) in enumerate(states):
-        if full:
-            if main:
-                staged.add(torch.save, state, folder / name)
-            continue
-        (folder / name).mkdir(parents=True, exist_ok=True)
-        writer = dcp.FileSystemWriter(str(folder / name))
-        planner, group = DefaultSavePlanner(), groups[number]
-        saving: Any = dcp.async_save({key: state}, storage_writer=writer, planner=planner, process_group=group)
-        staged.futures.append(getattr(saving, "upload_completion", saving))  # (newer torch may answer with both)
 
 
 class CheckpointWriter:

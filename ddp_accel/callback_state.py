@@ -1,5 +1,6 @@
-"""The stateful callbacks' part of a checkpoint, by name: `callback_states.pt` maps each callback's `state_key`
-to its `state_dict()`, so that adding or removing a callback never hands another one the wrong state.
+"""The stateful callbacks' part of a checkpoint (a component of ddp_accel.checkpoint_format), by name:
+`callback_states.pt` maps each callback's `state_key` to its `state_dict()`, so that adding or removing a callback
+never hands another one the wrong state.
 
 Checkpoints of earlier versions hold the states by position instead (Accelerate's
 `custom_checkpoint_N.pkl`, in the order the stateful callbacks were given): they are read in that order, and a
@@ -9,18 +10,16 @@ count that differs is refused as it was then.
 from __future__ import annotations
 
 import re
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator
 
 from ddp_accel.errors import UserError
 
 STATES_FILE = "callback_states.pt"
-_POSITIONAL = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
+POSITIONAL = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
 
 
 def other_callbacks(path: Path, detail: str) -> UserError:
@@ -34,6 +33,9 @@ class CallbackStates:
     """The stateful callbacks of a run (ddp_accel.callbacks.Callback with state_dict/load_state_dict), by key
     (`state_key`, else the class name; a second of the same key gets `#2`), in the order they were given."""
 
+    name = "callbacks"
+    each_rank: str | None = None  # every rank's callbacks hold the same state (as Accelerate's custom states were)
+
     def __init__(self, callbacks: list[Any]):
         self.by_key: dict[str, Any] = {}
         for callback in callbacks:
@@ -45,31 +47,20 @@ class CallbackStates:
                 unique, count = f"{key}#{count}", count + 1
             self.by_key[unique] = callback
 
-    def save(self, folder: Path, save: Callable[[Any, Path], None] = torch.save) -> None:
-        """Main process: every callback's state is the same on every rank (as Accelerate's custom states were);
-        `save`: torch.save, or an asynchronous checkpoint's staging."""
+    def save(self, folder: Path, rank: int, ranks: int, save: Callable[[Any, Path], None] = torch.save) -> None:
+        """The main process (rank 0); `save`: torch.save, or an asynchronous checkpoint's staging."""
+        if rank != 0:
+            return
         states = {key: callback.state_dict() for key, callback in self.by_key.items()}
         required = [key for key, callback in self.by_key.items() if callback.state_required]
         save({"states": states, "required": required}, folder / STATES_FILE)
 
-    def load(self, accelerator: Accelerator, path: Path, callbacks_read: bool = True) -> list[str]:
-        """Accelerate's load_state of `path`, and each callback's state by its key (`callbacks_read` False: the
-        model and optimizer only). Returns notes to show."""
-        positional = sorted(
-            (int(match.group(1)), name) for name in _listing(path) if (match := _POSITIONAL.match(name))
-        )
-        if positional:  # Accelerate's load_state refuses files it has no registered object for: a view without them
-            with tempfile.TemporaryDirectory(prefix=".ddp_accel_checkpoint_") as view:
-                for entry in path.iterdir():
-                    if not _POSITIONAL.match(entry.name):
-                        Path(view, entry.name).symlink_to(entry.resolve())
-                accelerator.load_state(view)
-        else:
-            accelerator.load_state(str(path))
-        if not callbacks_read:
-            return []
+    def load(self, path: Path, rank: int = 0, ranks: int = 1) -> list[str]:
+        """Each callback's state by its key (by position from a checkpoint of an earlier version). Returns notes to
+        show."""
+        positional = positional_files(path)
         if positional:
-            return self._load_positional(path, [torch.load(path / name, weights_only=False) for _, name in positional])
+            return self._load_positional(path, [torch.load(path / name, weights_only=False) for name in positional])
         if (path / STATES_FILE).is_file():
             return self._load_by_key(path, torch.load(path / STATES_FILE, weights_only=False))
         return self._load_by_key(path, {"states": {}, "required": []})
@@ -107,8 +98,11 @@ class CallbackStates:
         return notes
 
 
-def _listing(path: Path) -> list[str]:
+def positional_files(path: Path) -> list[str]:
+    """An earlier version's callback states (Accelerate's `custom_checkpoint_N.pkl`), in their order."""
     try:
-        return [entry.name for entry in path.iterdir()]
+        names = [entry.name for entry in path.iterdir()]
     except OSError:
         return []
+    found = [(int(match.group(1)), name) for name in names if (match := POSITIONAL.match(name))]
+    return [name for _, name in sorted(found)]

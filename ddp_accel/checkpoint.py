@@ -12,9 +12,9 @@ import math
 import re
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +22,16 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from ddp_accel import comm_hooks, engines
-from ddp_accel.async_save import (
+from ddp_accel import engines
+from ddp_accel.async_save import CheckpointWriter, StagedWrites, leave_marker, write_then_mark
+from ddp_accel.callback_state import POSITIONAL
+from ddp_accel.checkpoint_format import (
     AcceleratorObjects,
-    CheckpointWriter,
-    StagedWrites,
+    Contents,
+    WriteNow,
     is_full_state_dict,
-    leave_marker,
-    stage_accelerator_state,
-    write_then_mark,
+    write_checkpoint,
 )
-from ddp_accel.callback_state import CallbackStates
 from ddp_accel.config import TrainConfig
 from ddp_accel.errors import UserError
 from ddp_accel.files import finite_or_null, writing
@@ -208,17 +207,6 @@ def training_state_json(progress: TrainState, identity: RunIdentity) -> dict[str
     return finite_or_null({**progress.state_dict(), **identity.state_dict(), "checkpoint_format": CHECKPOINT_FORMAT})
 
 
-@dataclass
-class Contents:
-    """What a run's checkpoints hold besides training_state.json: the state of what it handed Accelerate's prepare
-    (`objects`: what an asynchronous save stages), its stateful callbacks' (`callbacks`), and each rank's PowerSGD
-    state (`hooks`)."""
-
-    objects: AcceleratorObjects = field(default_factory=AcceleratorObjects)
-    callbacks: CallbackStates | None = None
-    hooks: list[Any] = field(default_factory=list)
-
-
 def save_checkpoint(
     accelerator: Accelerator,
     root: Path,
@@ -248,7 +236,7 @@ def save_checkpoint(
         before_save(accelerator, contents.objects.models)  # under FSDP: the buffers every rank will load
         assert writer is None or not writer.busy, "staged over a write in flight"  # (Checkpoints waits first)
         staged = StagedWrites(writer.buffers) if writer is not None else None
-        write_state(accelerator, partial, contents, staged, writer.groups if writer is not None else [])
+        write_checkpoint(accelerator, partial, contents, staged or WriteNow(), writer.groups if writer else None)
     if writer is None or staged is None:  # written at once (both: for the type checker)
         accelerator.wait_for_everyone()
         if main:
@@ -270,23 +258,6 @@ def save_checkpoint(
 
     writer.start(write_and_complete)
     return final
-
-
-def write_state(
-    accelerator: Accelerator, partial: Path, contents: Contents, staged: StagedWrites | None, groups: list[Any]
-) -> None:
-    """What every rank writes of a checkpoint: Accelerate's save_state, PowerSGD's state; the main process the
-    callbacks' states. With `staged`, all of it is staged for the writer thread instead (the small files of
-    save_state excepted: written at once)."""
-    if staged is None:
-        accelerator.save_state(str(partial))
-        save: Callable[[Any, Path], None] = torch.save
-    else:
-        stage_accelerator_state(accelerator, partial, contents.objects, staged, groups)
-        save = functools.partial(staged.add, torch.save)
-    comm_hooks.save_states(contents.hooks, partial, accelerator.process_index, accelerator.num_processes, save)
-    if accelerator.is_main_process and contents.callbacks is not None:
-        contents.callbacks.save(partial, save)
 
 
 def complete(partial: Path, final: Path, training_state: str, limit: int | None) -> None:
@@ -361,19 +332,33 @@ def load_checkpoint(
     the checkpoint is of this run's `identity` (a checkpoint of another model or run is refused). Without `contents`
     the callbacks' part is not read (an evaluation of the checkpoint's weights). Returns warnings to show."""
     saved, warning = check_checkpoint(accelerator, path, identity, read)
-    callbacks = contents.callbacks if contents is not None else None
     try:
-        notes = (callbacks or CallbackStates([])).load(accelerator, path, callbacks_read=callbacks is not None)
+        load_accelerate_state(accelerator, path)
         if contents is not None and sharded_optimizer_left_unloaded(accelerator):
             load_sharded_optimizers(contents.objects, path)
     except (RuntimeError, FileNotFoundError, KeyError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UserError(f"cannot load checkpoint {path}: {first_line}") from None
-    hooks = contents.hooks if contents is not None else []
-    hook_note = comm_hooks.load_states(hooks, path, accelerator.process_index, accelerator.num_processes)
+    notes = [warning] if warning else []
+    for component in contents.components if contents is not None else []:
+        notes += component.load(path, accelerator.process_index, accelerator.num_processes)
     if state is not None:
         state.load_state_dict(saved)
-    return ([warning] if warning else []) + notes + ([hook_note] if hook_note else [])
+    return notes
+
+
+def load_accelerate_state(accelerator: Accelerator, path: Path) -> None:
+    """Accelerate's `load_state` of the checkpoint's Accelerate layout. It refuses files it has no registered object
+    for: an earlier version's callback states (`custom_checkpoint_N.pkl`, read by their component) are left out of
+    its sight (a folder of links to the others)."""
+    if not any(POSITIONAL.match(entry.name) for entry in path.iterdir()):
+        accelerator.load_state(str(path))
+        return
+    with tempfile.TemporaryDirectory(prefix=".ddp_accel_checkpoint_") as view:
+        for entry in path.iterdir():
+            if not POSITIONAL.match(entry.name):
+                Path(view, entry.name).symlink_to(entry.resolve())
+        accelerator.load_state(view)
 
 
 # Accelerate before 1.13 loads an FSDP2 sharded optimizer state into the template `optimizer.state_dict()`, empty
@@ -534,7 +519,7 @@ class Checkpoints:
     ):
         self.listing = folder if isinstance(folder, Listing) else Listing(folder)  # refreshed by each save
         self.accelerator, self.root, self.every, self.limit = accelerator, self.listing.root, every, limit
-        self.contents = contents or Contents(callbacks=CallbackStates([]))
+        self.contents = contents or Contents()
         self.leftover = 0  # samples of the epoch the resume sees again (its skip rounded down to this global batch)
         self.rebase: Rebase | None = None  # the resume's, once resumed
         self.activity: SaveActivity = activity or (lambda what, kind: contextlib.nullcontext())

@@ -267,6 +267,27 @@ def register_powersgd(model: Any, options: DdpOptions) -> list[PowerSGD]:
     return [PowerSGD(model, options.powersgd_rank, options.powersgd_start_step)]
 
 
+class PowerSGDStates:
+    """Each rank's PowerSGD state in a checkpoint (a component of ddp_accel.checkpoint_format): its own file per
+    rank. Registered in every run: a checkpoint's state that this run does not compress with is said."""
+
+    name = "PowerSGD"
+
+    def __init__(self, keepers: list[PowerSGD]):
+        self.keepers = keepers
+
+    @property
+    def each_rank(self) -> str | None:
+        return "PowerSGD's error feedback is each rank's own" if self.keepers else None
+
+    def save(self, folder: Path, rank: int, ranks: int, save: Callable[[Any, Path], None]) -> None:
+        save_states(self.keepers, folder, rank, ranks, save)
+
+    def load(self, folder: Path, rank: int, ranks: int) -> list[str]:
+        note = load_states(self.keepers, folder, rank, ranks)
+        return [note] if note else []
+
+
 def save_states(
     keepers: list[PowerSGD], folder: Path, rank: int, world_size: int, save: Callable[[Any, Path], None] | None = None
 ) -> None:

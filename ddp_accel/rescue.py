@@ -4,24 +4,22 @@ Under DDP every rank holds a full replica of the model, the optimizer and the sc
 every step (ddp_accel.stopping.StepAgreement) all stand at the same one when a collective fails because a peer is
 gone. The restarted group needs one more thing of each rank: its random streams. The agreement compares a digest of
 every rank's streams at each step (`StepAgreement(streams=True)`); where they were the same, the survivor's are
-every rank's, and its checkpoint is the whole job's. So a survivor writes `step_N` of the step it reached: the files
-Accelerate's `load_state` reads (the model's weights, the optimizer's and scheduler's states, every rank's random
-states) and ddp_accel's own (the callbacks' states, training_state.json), without a collective: the group is
-broken. It writes into `.rescue_step_N`, which the first survivor creates (a directory made atomically, also on a
-shared file system), and renames it into place once whole; a survivor killed meanwhile (the launcher's grace ends,
-TORCH_ELASTIC_SHUTDOWN_TIMEOUT) leaves the last complete checkpoint as `latest`.
+every rank's, and its checkpoint is the whole job's. So a survivor writes `step_N` of the step it reached, the files
+every save writes (ddp_accel.checkpoint_format, for every rank: a `Replica`) and training_state.json, without a
+collective: the group is broken. It writes into `.rescue_step_N`, which the first survivor creates (a directory
+made atomically, also on a shared file system), and renames it into place once whole; a survivor killed meanwhile
+(the launcher's grace ends, TORCH_ELASTIC_SHUTDOWN_TIMEOUT) leaves the last complete checkpoint as `latest`.
 
 Where no rank holds another's state, the restart goes on from the last checkpoint, said in one line: FSDP (each
-rank holds its shard only), PowerSGD (each rank's error feedback), a failure inside a gradient accumulation (a
-part of the step's gradients is each rank's), random streams that were not the same on every rank, and a lost
-process 0 of a model with floating-point buffers other than norm layers' statistics (a rank may update them with
-its batch; a checkpoint keeps process 0's). A norm layer's running statistics are each rank's too, but process 0's
-travel in each step's agreement, so any survivor holds them.
+rank holds its shard only), a component whose state is each rank's own (PowerSGD's error feedback), a failure
+inside a gradient accumulation (a part of the step's gradients is each rank's), random streams that were not the
+same on every rank, and a lost process 0 of a model with floating-point buffers other than norm layers' statistics
+(a rank may update them with its batch; a checkpoint keeps process 0's). A norm layer's running statistics are each
+rank's too, but process 0's travel in each step's agreement, so any survivor holds them.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import shutil
 import sys
@@ -30,7 +28,8 @@ from typing import Any
 
 import torch
 
-from ddp_accel.checkpoint import Contents, complete, step_folder, training_state_json
+from ddp_accel.checkpoint import complete, step_folder, training_state_json
+from ddp_accel.checkpoint_format import Contents, Replica, WriteNow, write_checkpoint
 from ddp_accel.random_streams import RandomStreams
 from ddp_accel.state import RunIdentity, TrainState
 from ddp_accel.stopping import StepAgreement, running_statistics
@@ -62,8 +61,8 @@ def why_not_rescued(accelerator: Any, contents: Contents) -> str | None:
         return "one process"
     if kind not in REPLICATED:
         return f"{kind}: no rank holds another's shard"
-    if contents.hooks:
-        return "PowerSGD's error feedback is each rank's own"
+    if contents.each_rank():
+        return contents.each_rank()
     if accelerator.device.type != "cpu":  # (the agreement there is read a step late, its streams not compared yet)
         return "on a GPU the ranks' random streams are not compared per step"
     return None
@@ -139,7 +138,8 @@ def save_what_survived(
     except OSError as failed:
         return f"process {rank}: the step it reached was not saved ({failed})"
     try:
-        write_replica(accelerator, rescue, contents, streams, buffers or {})
+        replica = Replica(streams, buffers or {}, accelerator.num_processes)
+        write_checkpoint(accelerator, rescue, contents, WriteNow(), replica=replica)
         complete(rescue, final, json.dumps(training_state_json(state, identity), indent=2), None)
     except BaseException as failed:
         shutil.rmtree(rescue, ignore_errors=True)
@@ -153,40 +153,6 @@ def buffers_of(state: TrainState, agreement: StepAgreement) -> dict[tuple[int, s
     """The models' buffers as `state`'s step left them (copied at its agreement), or None."""
     kept = agreement.submitted_buffers
     return kept[1] if kept is not None and kept[0] == state.step else None
-
-
-def write_replica(
-    accelerator: Any,
-    folder: Path,
-    contents: Contents,
-    streams: RandomStreams,
-    buffers: dict[tuple[int, str], torch.Tensor],
-) -> None:
-    """What Accelerate's save_state would write of every rank (the model as Accelerate keeps it, its buffers as
-    the step left them, the optimizers, schedulers and gradient scaler, one random_states_N.pkl per rank), and the
-    callbacks' states."""
-    from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, SCALER_NAME, clean_state_dict_for_safetensors
-    from safetensors.torch import save_file
-
-    objects = contents.objects
-    for index, model in enumerate(objects.models):
-        name = SAFE_WEIGHTS_NAME if index == 0 else SAFE_WEIGHTS_NAME.replace(".", f"_{index}.")
-        weights = accelerator.get_state_dict(model, unwrap=False)
-        weights.update({name: kept for (owner, name), kept in buffers.items() if owner == index and name in weights})
-        if isinstance(weights, collections.OrderedDict):
-            weights = clean_state_dict_for_safetensors(weights)
-        save_file(weights, str(folder / name), metadata={"format": "pt"})
-    for index, optimizer in enumerate(objects.optimizers):
-        name = f"{OPTIMIZER_NAME}.bin" if index == 0 else f"{OPTIMIZER_NAME}_{index}.bin"
-        torch.save(optimizer.state_dict(), folder / name)
-    for index, scheduler in enumerate(objects.schedulers):
-        torch.save(scheduler.state_dict(), folder / ("scheduler.bin" if index == 0 else f"scheduler_{index}.bin"))
-    if accelerator.scaler is not None:
-        torch.save(accelerator.scaler.state_dict(), folder / SCALER_NAME)
-    for rank in range(accelerator.num_processes):
-        torch.save(streams.accelerate_states(accelerator.step), folder / f"random_states_{rank}.pkl")
-    if contents.callbacks is not None:
-        contents.callbacks.save(folder)
 
 
 def say(line: str) -> None:

@@ -12,13 +12,12 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from ddp_accel.async_save import AcceleratorObjects
 from ddp_accel.batch_size import find_micro_batch, with_batch_size
 from ddp_accel.budget import BudgetGuard, BudgetPlan, RunShape, Timing, budget_line, epochs_text, plan_run
 from ddp_accel.callback_state import CallbackStates
 from ddp_accel.callbacks import BestModel, Callback, EarlyStopping, ProgressBar, Trackers
-from ddp_accel.checkpoint import Contents
-from ddp_accel.comm_hooks import PowerSGD, check_model, register_powersgd
+from ddp_accel.checkpoint_format import AcceleratorObjects, Contents
+from ddp_accel.comm_hooks import PowerSGD, PowerSGDStates, check_model, register_powersgd
 from ddp_accel.config import TrainConfig, check_evaluation, check_strategy
 from ddp_accel.ema import WeightAverage
 from ddp_accel.loaders import exit_now
@@ -148,7 +147,7 @@ def checkpoint_contents(task: Task, prepared: Prepared, scheduler: Any, callback
         [scheduler] if scheduler is not None else [],
         [loader for loader in loaders if loader is not None],
     )
-    return Contents(objects, CallbackStates(callbacks), prepared.powersgd)
+    return Contents(objects, [CallbackStates(callbacks), PowerSGDStates(prepared.powersgd)])
 
 
 def build_scheduler(

@@ -12,8 +12,8 @@ import torch
 from helpers import ROOT, SHORT_PROBE_ARGS, assert_same_weights, check_ok, launch, run_script, write
 
 from ddp_accel import async_save
-from ddp_accel.async_save import AcceleratorObjects
 from ddp_accel.checkpoint import complete_checkpoints, resolve_resume
+from ddp_accel.checkpoint_format import AcceleratorObjects, Contents, write_checkpoint
 
 PROBE = "tests/probe.py"
 ARGS = SHORT_PROBE_ARGS  # batch 4 on 2 ranks; the 1-process runs below give --batch-size 8 after it (the last wins)
@@ -242,7 +242,7 @@ def test_staging_keeps_tied_weights_tied_and_containers_as_they_were(tmp_path):
         model = accelerator.prepare(Tied())
         accelerator.save_state(str(tmp_path / "sync"))
         staged = async_save.StagedWrites()
-        async_save.stage_accelerator_state(accelerator, tmp_path / "async", AcceleratorObjects([model]), staged, [])
+        write_checkpoint(accelerator, tmp_path / "async", Contents(AcceleratorObjects([model])), staged)
         staged.write_all()
         assert (tmp_path / "async" / "model.safetensors").read_bytes() == (
             tmp_path / "sync" / "model.safetensors"

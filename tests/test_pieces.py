@@ -122,9 +122,12 @@ def test_the_checkpoint_policy_saves_every_n_steps_or_at_epoch_ends(tmp_path, ac
 
 
 def test_checkpoints_rotate_by_training_progress_and_load_only_under_the_same_identity(tmp_path, accelerator):
+    from ddp_accel.checkpoint_format import AcceleratorObjects, Contents
+
     model = accelerator.prepare(torch.nn.Linear(2, 2))
     identity = RunIdentity("Linear:abc", {"options": {"hidden": 4}, "versions": {}})
-    checkpoints = Checkpoints(accelerator, tmp_path / "checkpoints", every=1, limit=2)
+    contents = Contents(AcceleratorObjects([model]))
+    checkpoints = Checkpoints(accelerator, tmp_path / "checkpoints", every=1, limit=2, contents=contents)
     assert checkpoints.resolve("latest") is None and checkpoints.complete() == []
     for step in (1, 2, 3):
         state = TrainState(step=step, batches_in_epoch=step, global_batch=4)
@@ -793,9 +796,10 @@ def test_a_survivor_saves_every_rank_s_place_only_where_one_replica_holds_it(tmp
     from types import SimpleNamespace
 
     from ddp_accel import rescue
-    from ddp_accel.checkpoint import Contents
+    from ddp_accel.checkpoint_format import AcceleratorObjects, Contents
+    from ddp_accel.comm_hooks import PowerSGDStates
+    from ddp_accel.random_streams import RandomStreams
     from ddp_accel.state import RunIdentity, TrainState
-    from ddp_accel.stopping import RandomStreams
 
     streams = RandomStreams.now()
     agreement = SimpleNamespace(
@@ -812,13 +816,13 @@ def test_a_survivor_saves_every_rank_s_place_only_where_one_replica_holds_it(tmp
     ddp = SimpleNamespace(distributed_type=kind, num_processes=2, process_index=0, device=cpu)
     assert rescue.why_not_rescued(ddp, Contents()) is None
     assert "shard" in rescue.why_not_rescued(SimpleNamespace(**{**vars(ddp), "distributed_type": "FSDP"}), Contents())
-    assert "PowerSGD" in rescue.why_not_rescued(ddp, Contents(hooks=["a keeper"]))
+    assert "PowerSGD" in rescue.why_not_rescued(ddp, Contents(components=[PowerSGDStates(["a keeper"])]))
+    assert rescue.why_not_rescued(ddp, Contents(components=[PowerSGDStates([])])) is None
     agreement.agreed_streams = (7, streams, True)
     mid_accumulation = TrainState(step=7, batches_in_epoch=15)
     line = rescue.save_what_survived(ddp, tmp_path, mid_accumulation, RunIdentity(), Contents(), agreement, 2)
     assert "inside a gradient accumulation" in line and not list(tmp_path.iterdir()), line
     # BatchNorm statistics are each rank's own (a checkpoint keeps rank 0's); SyncBatchNorm's are every rank's
-    from ddp_accel.async_save import AcceleratorObjects
 
     def holding(*layers):
         return Contents(objects=AcceleratorObjects(models=[torch.nn.Sequential(torch.nn.Linear(4, 4), *layers)]))

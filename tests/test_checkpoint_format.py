@@ -1,0 +1,124 @@
+"""One writer of the checkpoint format (ddp_accel/checkpoint_format.py): its files are Accelerate's own `save_state`'s,
+byte for byte, written at once, staged for the background writer, or by a survivor for every rank; a component
+registered once is written by every save and read by the loader."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddp_accel.async_save import StagedWrites
+from ddp_accel.checkpoint import load_checkpoint, save_checkpoint
+from ddp_accel.checkpoint_format import AcceleratorObjects, Contents, Replica, WriteNow, write_checkpoint
+from ddp_accel.random_streams import RandomStreams
+from ddp_accel.state import RunIdentity, TrainState
+
+pytestmark = pytest.mark.inprocess
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+@pytest.fixture
+def trained(monkeypatch):
+    """An Accelerator (fp32 on the CPU) and what a run hands its prepare, after one step: a model with buffers and
+    tied weights, an optimizer with state, a scheduler, a loader."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.norm = torch.nn.Embedding(7, 4), torch.nn.BatchNorm1d(4)
+            self.out = torch.nn.Linear(4, 7, bias=False)
+            self.out.weight = self.embed.weight
+
+        def forward(self, tokens):
+            return self.out(self.norm(self.embed(tokens)))
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = Model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    loader = DataLoader(TensorDataset(torch.randint(0, 7, (16,))), batch_size=4, shuffle=True)
+    prepared_model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
+    (batch,) = next(iter(loader))
+    accelerator.backward(prepared_model(batch).logsumexp(-1).mean())
+    optimizer.step()
+    scheduler.step()
+    yield accelerator, AcceleratorObjects([model], [optimizer], [scheduler], [loader])
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_the_files_are_accelerates_own_save_state_byte_for_byte_written_at_once_or_staged(tmp_path, trained):
+    accelerator, objects = trained
+    state = torch.get_rng_state()
+    accelerator.save_state(str(tmp_path / "accelerate"))
+    torch.set_rng_state(state)  # (nothing draws in between: the same streams on each side)
+    write_checkpoint(accelerator, tmp_path / "now", Contents(objects), WriteNow())
+    staged = StagedWrites()
+    write_checkpoint(accelerator, tmp_path / "staged", Contents(objects), staged)
+    staged.write_all()
+    theirs = files_of(tmp_path / "accelerate")
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"} <= theirs.keys(), theirs
+    for ours in ("now", "staged"):
+        written = files_of(tmp_path / ours)
+        assert written.keys() == theirs.keys(), (ours, sorted(written), sorted(theirs))
+        assert [name for name in theirs if written[name] != theirs[name]] == [], ours
+
+
+class Counter:
+    """A component of the kind a new feature registers: a cursor that every rank shares."""
+
+    name = "counter"
+    each_rank = None
+
+    def __init__(self, value: int = 0):
+        self.value = value
+
+    def save(self, folder, rank, ranks, save):
+        if rank == 0:
+            save({"value": self.value}, folder / "counter.pt")
+
+    def load(self, folder, rank, ranks):
+        self.value = torch.load(folder / "counter.pt")["value"]
+        return [f"counter at {self.value}"]
+
+
+def test_a_component_registered_once_is_written_by_every_save_and_read_by_the_loader(tmp_path, trained):
+    accelerator, objects = trained
+    saved = Contents(objects, [Counter(41)])
+    save_checkpoint(accelerator, tmp_path / "sync", TrainState(step=3), RunIdentity(), contents=saved)
+    from ddp_accel.async_save import CheckpointWriter
+
+    writer = CheckpointWriter()
+    save_checkpoint(accelerator, tmp_path / "async", TrainState(step=3), RunIdentity(), contents=saved, writer=writer)
+    writer.wait()
+    replica = Replica(RandomStreams.now(), {}, 2)
+    write_checkpoint(accelerator, tmp_path / "survivor", saved, WriteNow(), replica=replica)
+    for folder in (tmp_path / "sync" / "step_3", tmp_path / "async" / "step_3", tmp_path / "survivor"):
+        assert (folder / "counter.pt").is_file(), sorted(os.listdir(folder))
+    loaded = Contents(objects, [Counter()])
+    notes = load_checkpoint(accelerator, tmp_path / "async" / "step_3", RunIdentity(), contents=loaded)
+    assert loaded.components[0].value == 41 and "counter at 41" in notes
+
+
+def test_a_survivor_writes_every_rank_s_streams_and_the_buffers_the_step_left(tmp_path, trained):
+    accelerator, objects = trained
+    streams = RandomStreams.now()
+    torch.rand(5)  # (the survivor's own streams moved on after the step: the agreed ones are written)
+    norm = objects.models[0].norm
+    kept = {(0, "norm.running_mean"): norm.running_mean + 1.0}
+    write_checkpoint(accelerator, tmp_path, Contents(objects), WriteNow(), replica=Replica(streams, kept, 3))
+    for rank in range(3):
+        written = torch.load(tmp_path / f"random_states_{rank}.pkl", weights_only=False)
+        assert torch.equal(written["torch_manual_seed"], streams.accelerate["torch_manual_seed"]), rank
+    from safetensors.torch import load_file
+
+    weights = load_file(tmp_path / "model.safetensors")
+    assert torch.equal(weights["norm.running_mean"], norm.running_mean + 1.0)
+    assert torch.equal(weights["norm.running_var"], norm.running_var)
