@@ -719,9 +719,9 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    check_no_inherited_process_group()\n",
     ),
     "a_survivor_saves_the_buffers_the_next_step_changed": (
-        "ddp_accel/rescue.py",
-        "if owner == index and name in weights})",
-        "if False})",
+        "ddp_accel/checkpoint_format.py",
+        "            weights.update({name: value for name, value in kept.items() if name in weights})\n",
+        "",
     ),
     "a_survivor_keeps_its_own_norm_statistics": (
         "ddp_accel/stopping.py",
