@@ -834,6 +834,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "if theirs is not None and ours is not None and major(ours) != major(theirs):",
         "if False:",
     ),
+    "a_component_left_out_of_every_save": (
+        "ddp_accel/checkpoint_format.py",
+        "        component.save(folder, rank, accelerator.num_processes, sink_save(sink))",
+        "        pass",
+    ),
+    "a_rank_s_random_states_written_from_the_live_streams_by_a_survivor": (
+        "ddp_accel/checkpoint_format.py",
+        "    streams = replica.streams if replica is not None else RandomStreams.now()",
+        "    streams = RandomStreams.now()",
+    ),
 }
 
 
