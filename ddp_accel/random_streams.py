@@ -1,7 +1,7 @@
 """A process's random generators at one moment, and a digest that tells whether two processes' are the same.
 
 What a survivor of a lost peer saves as every rank's streams must be every rank's: the ranks compare a digest of
-their streams at each step (ddp_accel.stopping.StepAgreement), and a digest blind to one field would call two
+their streams at each step (ddp_accel.agreement.StepAgreement), and a digest blind to one field would call two
 different streams the same. So the digest covers every value of every state, whatever its shape: each state is
 reduced to its leaves (numbers, strings, the bytes of an array or a tensor), tagged with their types and positions.
 

@@ -1,7 +1,7 @@
 """A dead peer costs no training under DDP: the survivors save the step they reached before they exit.
 
 Under DDP every rank holds a full replica of the model, the optimizer and the schedule, and ranks that agree at
-every step (ddp_accel.stopping.StepAgreement) all stand at the same one when a collective fails because a peer is
+every step (ddp_accel.agreement.StepAgreement) all stand at the same one when a collective fails because a peer is
 gone. The restarted group needs one more thing of each rank: its random streams. The agreement compares a digest of
 every rank's streams at each step (`StepAgreement(streams=True)`); where they were the same, the survivor's are
 every rank's, and its checkpoint is the whole job's. So a survivor writes `step_N` of the step it reached, the files
@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
+from ddp_accel.agreement import StepAgreement, running_statistics
 from ddp_accel.checkpoint import complete, step_folder, training_state_json
 from ddp_accel.checkpoint_format import Contents, Replica, WriteNow, write_checkpoint
 from ddp_accel.random_streams import RandomStreams
 from ddp_accel.state import RunIdentity, TrainState
-from ddp_accel.stopping import StepAgreement, running_statistics
 
 REPLICATED = ("MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_HPU")
 

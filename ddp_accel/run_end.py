@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 import torch
 from accelerate import Accelerator
 
+from ddp_accel.agreement import Verdict
 from ddp_accel.checkpoint import Checkpoints
 from ddp_accel.ema import WeightAverage
 from ddp_accel.files import write_json, writing
@@ -21,7 +22,7 @@ from ddp_accel.plots import curves_wanted, plot_history
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.runtime import exported_model, shards_weights
 from ddp_accel.state import RunIdentity, TrainState
-from ddp_accel.stopping import Preempted, StopFacts, StopSignals, Verdict
+from ddp_accel.stopping import Preempted, StopFacts, StopSignals
 from ddp_accel.task import RunRecord
 
 

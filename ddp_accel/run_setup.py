@@ -12,6 +12,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
+from ddp_accel.agreement import StepAgreement
 from ddp_accel.batch_size import find_micro_batch, with_batch_size
 from ddp_accel.budget import BudgetGuard, BudgetPlan, RunShape, Timing, budget_line, epochs_text, plan_run
 from ddp_accel.callback_state import CallbackStates
@@ -26,7 +27,7 @@ from ddp_accel.run_folder import RunFolder
 from ddp_accel.runtime import ddp_options, shards_weights, topology
 from ddp_accel.schedules import PlateauFeed, make_schedule
 from ddp_accel.sharding import before_prepare
-from ddp_accel.stopping import StepAgreement, StopSignals
+from ddp_accel.stopping import StopSignals
 from ddp_accel.task import Task
 from ddp_accel.train_step import TrainStep
 from ddp_accel.watchdog import ProgressWatchdog

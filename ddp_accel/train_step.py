@@ -10,8 +10,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import find_batch_size
 
+from ddp_accel.agreement import StepAgreement
 from ddp_accel.meters import LossWindow, ThroughputMeter
-from ddp_accel.stopping import StepAgreement
 from ddp_accel.task import LossFn
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from accelerate import Accelerator
 
 from ddp_accel import allocator, engines, loaders, rescue, run_end, run_start
+from ddp_accel.agreement import StepAgreement, Verdict
 from ddp_accel.budget import command_started
 from ddp_accel.callbacks import Callback, Callbacks
 from ddp_accel.checkpoint import Checkpoints, every, model_fingerprint, optimizer_fingerprint
@@ -41,7 +42,7 @@ from ddp_accel.run_setup import (
 )
 from ddp_accel.runtime import exported_model, open_run
 from ddp_accel.state import RunIdentity, TrainState
-from ddp_accel.stopping import Phase, SaveGrace, StepAgreement, StopFacts, StopSignals, Verdict
+from ddp_accel.stopping import Phase, SaveGrace, StopFacts, StopSignals
 from ddp_accel.task import RunRecord, Task
 from ddp_accel.train_step import TrainStep
 

@@ -23,11 +23,12 @@ from accelerate.state import AcceleratorState
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_accel import Callback, Task, TrainConfig, UserError, allocator, fit, make_accelerator
+from ddp_accel.agreement import StepAgreement
 from ddp_accel.checkpoint import Checkpoints
 from ddp_accel.meters import ThroughputMeter
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.state import RunIdentity, TrainState
-from ddp_accel.stopping import PREEMPTED_MARKER, Phase, Preempted, StepAgreement, StopFacts
+from ddp_accel.stopping import PREEMPTED_MARKER, Phase, Preempted, StopFacts
 
 pytestmark = pytest.mark.inprocess
 
@@ -75,7 +76,7 @@ def test_after_each_step_every_rank_holds_process_0s_batchnorm_statistics(monkey
     # each rank updates its norm layers' running statistics with its own batch, and a checkpoint keeps process
     # 0's: they travel in the step's agreement (a MAX all-reduce, -inf from the other ranks), so a survivor of a
     # lost process 0 can save them. The all-reduce here is two ranks' MAX, done in one process
-    from ddp_accel import stopping
+    from ddp_accel import agreement as stopping
 
     def trained(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from ddp_accel import Callback
+from ddp_accel.agreement import StepAgreement
 from ddp_accel.callbacks import Callbacks
 from ddp_accel.random_streams import RandomStreams
-from ddp_accel.stopping import StepAgreement
 
 pytestmark = pytest.mark.inprocess
 
@@ -140,7 +140,7 @@ def test_ranks_whose_numpy_stream_stands_at_another_place_of_one_block_differ():
 def test_ranks_agree_their_streams_differ_where_only_a_callback_s_generator_does(monkeypatch):
     # two ranks' agreements in one process, their MAX all-reduce done here (the second rank's call sees both):
     # the same global streams on both, the callback's generator drawn once more on one rank
-    from ddp_accel import stopping
+    from ddp_accel import agreement as stopping
 
     def agreed_alike(callbacks) -> bool:
         sent = []

@@ -51,12 +51,12 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "complete_checkpoints(final.parent)[limit:]",
     ),
     "preemption_flag_ignored_on_rank_1": (
-        "ddp_accel/stopping.py",
+        "ddp_accel/agreement.py",
         "verdict = self.submit(step, signum or 0, count_nonfinite)",
         "verdict = self.submit(step, 0 if self.accelerator.process_index == 1 else signum or 0, count_nonfinite)",
     ),
     "step_agreement_all_reduce_skipped": (
-        "ddp_accel/stopping.py",
+        "ddp_accel/agreement.py",
         "                dist.all_reduce(self._host, op=dist.ReduceOp.MAX)\n",
         "",
     ),
@@ -724,7 +724,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "",
     ),
     "a_survivor_keeps_its_own_norm_statistics": (
-        "ddp_accel/stopping.py",
+        "ddp_accel/agreement.py",
         "self.submitted_buffers = (step, {**kept, **self._shared_buffers(self._host[len(flags) :])})",
         "self.submitted_buffers = (step, kept)",
     ),
