@@ -3,11 +3,9 @@
 PyTorch allocates CPU tensors with malloc. glibc serves a large allocation (above 128 KiB, a threshold it raises
 up to 32 MiB as it goes) with its own mmap, and gives it back to the system when it is freed; it also gives back
 the free memory at the top of its heap beyond a small threshold. A training step allocates the same activations
-and gradients again each step, so each step faulted its pages in again, zeroed by the kernel: measured on a 2-core
-AMD EPYC (resnet18, batch 32, 224 px, fp32 on the CPU, 8 steps), 2.1 M page faults and 5.4 s of system time; with
-the memory kept, 0.53 M and 1.6 s, steps 2.45 s -> 2.2 s, peak memory 2.0 -> 2.5 GB. An MLP's small steps fell
-into the faulting pattern in some processes and not in others (4 in 10 runs: 1.5x the system time and 0.7x the
-samples/s). jemalloc and tcmalloc, which PyTorch's CPU tuning guide suggests preloading, keep freed memory alike.
+and gradients again each step, so each step faults its pages in again, zeroed by the kernel (the system time and
+steps this costs, measured: docs/benchmarks.md, the allocator). jemalloc and tcmalloc, which PyTorch's CPU tuning
+guide suggests preloading, keep freed memory alike.
 
 So when a training loop on the CPU starts, glibc is told to serve every allocation from its heap (no mmap) and to
 give back free memory at its top only beyond KEEP_FREE_BYTES (mallopt: for the whole process, never undone). What

@@ -161,7 +161,7 @@ def compare_identity(
     if not saved:
         return f"{what} was written before run identities were recorded; its options and data cannot be checked"
     older = [key for key, value in saved.get("options", {}).items() if _mtime_fingerprint(value)]
-    if older:  # folders fingerprinted by modification times (before 2026-11-27): not comparable with content
+    if older:  # folders an earlier version fingerprinted by modification times: not comparable with content
         saved = {**saved, "options": {k: v for k, v in saved["options"].items() if k not in older}}
     labels = current.get("labels", {})
     differences = [

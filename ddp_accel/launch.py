@@ -136,8 +136,8 @@ def training_started(launcher: subprocess.Popen, script: str) -> bool:
     """The agent starts the training processes (its children, running `script`) once the group has formed.
 
     Only a child that runs the script counts: the launcher has short-lived children of its own before that (an
-    import's helper, such as ctypes' `ldconfig` lookup), and taking one for the training ended the join watch,
-    which then waited without a bound or a report (seen once in CI: a lone machine waited over 8 minutes in silence).
+    import's helper, such as ctypes' `ldconfig` lookup); taken for the training, one would end the join watch, which
+    would then wait without a bound or a report.
     """
     name = os.path.basename(script)
     for _, command in child_processes(launcher.pid):

@@ -118,7 +118,7 @@ def _leave_ctrl_c_to_the_parent_in_forked_children() -> None:
     """A child forked from a training process (a datasets.map pool worker, a DataLoader worker started by fork)
     ignores Ctrl-C: its parent gets the KeyboardInterrupt and ends it. A pool worker killed by Ctrl-C while it held
     the pool's task-queue lock left the lock held; the pool forked a worker in its place, which waited for that lock
-    forever, and so did the parent's exit (seen with datasets' multiprocess pool, 1 Ctrl-C in 4 during tokenising)."""
+    forever, and so did the parent's exit (datasets' multiprocess pool while it tokenises)."""
     global _fork_hook_registered
     if not _fork_hook_registered:
         os.register_at_fork(after_in_child=_ignore_ctrl_c_in_forked_child)
