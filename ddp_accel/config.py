@@ -134,6 +134,9 @@ CHANGEABLE_AT_RESUME = (
     *("ema_warmup", "early_stopping_patience", "early_stopping_min_delta"),
     *("ddp_comm_hook", "powersgd_rank", "powersgd_start_step"),
 )
+LR_SCHEDULES = ("constant", "step", "multistep", "cosine", "onecycle", "plateau", "linear")
+ENDING_AT_MIN_LR = ("cosine", "onecycle", "linear")  # the schedules --min-lr shapes
+
 # what an unset --powersgd-* means (ddp_accel.comm_hooks.PLAIN_DDP has the same): recorded as PowerSGD runs with it
 POWERSGD_DEFAULTS = {"powersgd_rank": 1, "powersgd_start_step": 1000}
 
@@ -180,7 +183,7 @@ class TrainConfig:
         "onecycle (up from --lr/25, then cosine down); plateau (x --lr-gamma after --plateau-patience evaluations "
         "without improvement of --best-metric); linear (down to --min-lr in a straight line; its warm-up in whole "
         "steps). Default: the script's own",
-        choices=["constant", "step", "multistep", "cosine", "onecycle", "plateau", "linear"],
+        choices=LR_SCHEDULES,
     )
     warmup_epochs: float = option(0.0, "--lr-schedule: linear warm-up from 0 over this many epochs", type=nonnegative)
     min_lr: float = option(0.0, "cosine, onecycle, linear: the learning rate at the end", type=nonnegative)
@@ -374,7 +377,7 @@ def check_schedule(config: TrainConfig) -> None:
     schedule = config.lr_schedule
     if config.warmup_epochs and not schedule:
         raise UserError("--warmup-epochs warms up the shared --lr-schedule: give one (e.g. cosine)")
-    if config.min_lr and schedule not in ("cosine", "onecycle", "linear"):
+    if config.min_lr and schedule not in ENDING_AT_MIN_LR:
         raise UserError(
             f"--min-lr is where cosine, onecycle and linear end: not used by --lr-schedule {schedule or '(none)'}"
         )
@@ -387,7 +390,7 @@ def check_schedule(config: TrainConfig) -> None:
         )
     if schedule == "multistep" and not config.lr_milestones:
         raise UserError("--lr-schedule multistep needs --lr-milestones (epochs, e.g. 30 60 80)")
-    if config.min_lr >= config.lr and schedule in ("cosine", "onecycle", "linear"):
+    if config.min_lr >= config.lr and schedule in ENDING_AT_MIN_LR:
         raise UserError(f"--min-lr {config.min_lr:g} must be below --lr {config.lr:g}")
 
 

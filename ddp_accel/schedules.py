@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from ddp_accel.config import TrainConfig
     from ddp_accel.context import RunContext
 
-SCHEDULES = ("constant", "step", "multistep", "cosine", "onecycle", "plateau", "linear")
 ONECYCLE_START = 1 / 25  # torch's OneCycleLR div_factor
 ONECYCLE_WARMUP_SHARE = 0.3  # torch's OneCycleLR pct_start
 
