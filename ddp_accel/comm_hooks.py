@@ -29,8 +29,8 @@ class DdpOptions:
     """How DDP wraps the model: the hook, PowerSGD's rank and start, and whether parameters may go unused."""
 
     comm_hook: str = "none"
-    powersgd_rank: int = 1
-    powersgd_start_step: int = 1000
+    powersgd_rank: int = 0  # (with --ddp-comm-hook powersgd: the options', by default config.POWERSGD_DEFAULTS)
+    powersgd_start_step: int = 0
     find_unused_parameters: bool = False
 
     def describe(self, total_steps: int | None = None, keepers: list[PowerSGD] | None = None) -> str | None:

@@ -137,7 +137,7 @@ CHANGEABLE_AT_RESUME = (
 LR_SCHEDULES = ("constant", "step", "multistep", "cosine", "onecycle", "plateau", "linear")
 ENDING_AT_MIN_LR = ("cosine", "onecycle", "linear")  # the schedules --min-lr shapes
 
-# what an unset --powersgd-* means (ddp_accel.comm_hooks.PLAIN_DDP has the same): recorded as PowerSGD runs with it
+# what an unset --powersgd-* means (its one declaration): recorded as PowerSGD runs with it
 POWERSGD_DEFAULTS = {"powersgd_rank": 1, "powersgd_start_step": 1000}
 
 

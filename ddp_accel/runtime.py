@@ -19,7 +19,7 @@ from accelerate.utils import DataLoaderConfiguration, DistributedType, ProjectCo
 
 from ddp_accel import comm_hooks, engines
 from ddp_accel.comm_hooks import PLAIN_DDP, DdpOptions
-from ddp_accel.config import TrainConfig
+from ddp_accel.config import POWERSGD_DEFAULTS, TrainConfig
 from ddp_accel.config_file import check_launched_config, has_accelerator, launched_config, settings_named
 from ddp_accel.elastic import process_rank
 from ddp_accel.errors import UserError
@@ -175,8 +175,8 @@ def ddp_options(config: TrainConfig, find_unused_parameters: bool = False) -> Dd
     """DDP's options of a run: --ddp-comm-hook and --powersgd-*, with their defaults."""
     return DdpOptions(
         config.ddp_comm_hook,
-        config.powersgd_rank or PLAIN_DDP.powersgd_rank,
-        config.powersgd_start_step or PLAIN_DDP.powersgd_start_step,
+        config.powersgd_rank or POWERSGD_DEFAULTS["powersgd_rank"],
+        config.powersgd_start_step or POWERSGD_DEFAULTS["powersgd_start_step"],
         find_unused_parameters,
     )
 
