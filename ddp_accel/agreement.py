@@ -125,7 +125,8 @@ class StepAgreement:
                 kept = {key: buffer.clone() for key, buffer in self.buffers} if self.buffers else None
                 if kept is not None and self.accelerator.process_index == 0:  # process 0's are the checkpoint's
                     self.submitted_buffers = (step, kept)
-                flags += [float(streams.digest()), -float(streams.digest())]
+                digest = float(streams.digest())
+                flags += [digest, -digest]
             if self.distributed:
                 self._host[: len(flags)].copy_(torch.tensor(flags, dtype=self._host.dtype))
                 if len(self._host) > len(flags):

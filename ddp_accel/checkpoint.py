@@ -30,6 +30,7 @@ from ddp_accel.checkpoint_format import (
     Contents,
     WriteNow,
     is_full_state_dict,
+    unwrapped_optimizer,
     write_checkpoint,
 )
 from ddp_accel.config import TrainConfig
@@ -384,7 +385,7 @@ def load_sharded_optimizers(objects: AcceleratorObjects, path: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     for index, optimizer in enumerate(objects.optimizers):
-        model = objects.models[index]
+        model, optimizer = objects.models[index], unwrapped_optimizer(optimizer)
         state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
         dcp.load(state, checkpoint_id=str(path / f"optimizer_{index}"))
         set_optimizer_state_dict(model, optimizer, state["optimizer"])

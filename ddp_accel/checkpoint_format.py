@@ -22,7 +22,9 @@ The files, in order (`N`: the model's or optimizer's index, Accelerate's names; 
 | `random_states_R.pkl` | each rank its own | Python's, numpy's, torch's generators (ddp_accel.random_streams) |
 | a component's files | its own | the callbacks' states (`callback_states.pt`), each rank's PowerSGD state |
 
-then `files.json` and `training_state.json`, written last by the main process (ddp_accel.checkpoint). A survivor of a
+then `files.json` and `training_state.json`, written last by the main process (ddp_accel.checkpoint). Under
+DeepSpeed, Megatron-LM, XLA and FSDP1 Accelerate's own `save_state` writes its part (through those engines), and
+only synchronously. A survivor of a
 lost peer (ddp_accel.rescue) writes the same list for every rank (`Replica`): the random streams every rank shared
 at the step, the models' buffers as the step left them, and no collective.
 """
@@ -156,18 +158,42 @@ def write_checkpoint(
     folder.mkdir(parents=True, exist_ok=True)
     shared = replica is not None or writes_shared_files(accelerator)
     objects = contents.objects
-    if accelerator.distributed_type == DistributedType.FSDP:
-        write_fsdp_states(accelerator, folder, objects, sink, groups or [])
+    if not listed_here(accelerator):  # (a synchronous save: --async-checkpoint and a survivor's refuse these)
+        accelerator.save_state(str(folder))
     else:
-        write_models_and_optimizers(accelerator, folder, objects, sink, shared, replica)
-    write_small_states(accelerator, folder, objects, sink, shared)
-    streams = replica.streams if replica is not None else RandomStreams.now()
-    ranks = range(replica.ranks) if replica is not None else [accelerator.process_index]
-    for rank in ranks:
-        sink.add(torch.save, streams.accelerate_states(accelerator.step), folder / f"random_states_{rank}.pkl")
+        if accelerator.distributed_type == DistributedType.FSDP:
+            write_fsdp_states(accelerator, folder, objects, sink, groups or [])
+        else:
+            write_models_and_optimizers(accelerator, folder, objects, sink, shared, replica)
+        write_small_states(accelerator, folder, objects, sink, shared)
+        streams = replica.streams if replica is not None else RandomStreams.now()
+        ranks = range(replica.ranks) if replica is not None else [accelerator.process_index]
+        for rank in ranks:
+            sink.add(torch.save, streams.accelerate_states(accelerator.step), folder / f"random_states_{rank}.pkl")
     rank = 0 if replica is not None else accelerator.process_index  # (a survivor writes what rank 0 would)
     for component in contents.components:
         component.save(folder, rank, accelerator.num_processes, sink_save(sink))
+
+
+def listed_here(accelerator: Any) -> bool:
+    """Whether this module lists the strategy's files: one process, DDP, FSDP2. DeepSpeed's, Megatron-LM's, XLA's and
+    FSDP1's are Accelerate's own `save_state`'s (it saves them through their engines)."""
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    if kind == DistributedType.FSDP:
+        return int(accelerator.state.fsdp_plugin.fsdp_version) == 2
+    return kind == DistributedType.NO or str(kind.value).startswith("MULTI_")
+
+
+def unwrapped_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer under Accelerate's wrapper: torch's FSDP2 state-dict functions may call `step()` to make
+    an empty state, which on the wrapper would also step the fp16 gradient scaler (Accelerate unwraps it too)."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def sink_save(sink: Sink) -> Write:
@@ -252,6 +278,7 @@ def write_fsdp_states(
     for index, optimizer in enumerate(objects.optimizers):  # Accelerate pairs the i-th optimizer with the i-th model
         model = objects.models[index]
         name = numbered(f"{OPTIMIZER_NAME}.bin", index) if full else f"{OPTIMIZER_NAME}_{index}"
+        optimizer = unwrapped_optimizer(optimizer)
         states.append((name, "optimizer", lambda m=model, o=optimizer: get_optimizer_state_dict(m, o, options=options)))
     for number, (name, key, gather) in enumerate(states):
         state = gather()  # (a collective: every rank, in this order)

@@ -156,14 +156,15 @@ def check_anywhere(path: str) -> tuple[dict[str, Any], Any, str]:
 
 
 # --- valid, but not on this machine ---
-def check_this_machine(path: str, raw: dict[str, Any], kind: str) -> None:
-    """What this machine lacks for the file: a package its strategy or precision needs, a GPU for fp16."""
+def check_this_machine(path: str, raw: dict[str, Any], kind: str, precision: str | None = None) -> None:
+    """What this machine lacks for the file: a package its strategy or precision needs, a GPU for fp16.
+    `precision`: the one the run uses where it overrides the file's (a launch option, the script's)."""
     for package in REQUIRED_PACKAGES.get(kind, ()):
         if importlib.util.find_spec(package) is None:
             raise NotOnThisMachine(
                 f"{path}: distributed_type {kind} needs the {package} package, which is not installed here"
             )
-    precision = str(raw.get("mixed_precision", "no"))
+    precision = precision or str(raw.get("mixed_precision", "no"))
     if precision == "fp8" and not any(importlib.util.find_spec(name) for name in FP8_BACKENDS):
         raise NotOnThisMachine(
             f"{path}: mixed_precision fp8 needs one of {', '.join(FP8_BACKENDS)} installed (and a GPU that has fp8); "
@@ -206,23 +207,24 @@ def launched_config(command: list[str] | None = None) -> str | None:
     if arguments is None:
         return None
     path = arguments[0].get("config_file")
-    if not path:
+    if not path:  # (as accelerate launch reads it: not under --cpu)
         from accelerate.commands.config.config_args import default_config_file
 
-        return default_config_file if os.path.isfile(default_config_file) else None
+        return default_config_file if os.path.isfile(default_config_file) and not arguments[0].get("cpu") else None
     if not os.path.isabs(path) and command is None:  # the launcher's own folder (the script may change its own)
         with contextlib.suppress(OSError):
             return os.path.join(os.readlink(f"/proc/{os.getppid()}/cwd"), path)
     return path
 
 
-def check_launched_config(command: list[str] | None = None) -> None:
+def check_launched_config(command: list[str] | None = None, precision: str | None = None) -> None:
     """A script started by `accelerate launch`: its config file refused as `ddp-accel check-config` refuses it
-    (a UserError, said once per run), before anything else is built."""
+    (a UserError, said once per run), before anything else is built. `precision`: the run's own (the script's
+    option, else what the launch passes on), over the file's."""
     path = launched_config(command)
     if path is not None:
         raw, _, kind = check_anywhere(path)
-        check_this_machine(path, raw, kind)
+        check_this_machine(path, raw, kind, precision or os.environ.get("ACCELERATE_MIXED_PRECISION"))
 
 
 # --- an error raised while the Accelerator is built or the run prepared, told by the setting that caused it ---
@@ -258,9 +260,9 @@ def informative(value: str) -> bool:
     return len(value) >= 3 and any(c.isalpha() for c in value) and value.lower() not in UNINFORMATIVE
 
 
-# what only the launcher reads (the topology, the rendezvous): never the cause of an error in the Accelerator or its
-# prepare, and often named by torch's own messages ("[c10d] ...")
-LAUNCH_ONLY = {
+# never the cause named for an error of the Accelerator's or its prepare: what only the launcher reads (the topology,
+# the rendezvous: torch's own messages name "c10d" often), and the strategy's name
+NEVER_BLAMED = {
     "config_file",
     "training_script",
     "training_script_args",
@@ -284,6 +286,7 @@ LAUNCH_ONLY = {
     "tpu_use_sudo",
     "tpu_name",
     "tpu_zone",
+    "distributed_type",  # (its values, FSDP and MULTI_GPU, are named by many errors the strategy's code raises)
 }
 
 
@@ -292,7 +295,7 @@ def settings_in(raw: Mapping[str, Any], source: str, prefix: str = "") -> list[S
     for key, value in raw.items():
         if isinstance(value, Mapping):
             found += settings_in(value, source, f"{prefix}{key}.")
-        elif value is not None and key not in LAUNCH_ONLY:
+        elif value is not None and key not in NEVER_BLAMED:
             found.append(Setting(f"{prefix}{key}", str(value), source))
     return found
 
@@ -310,9 +313,9 @@ def launch_settings() -> tuple[Setting, ...]:
     found = [
         Setting(key, str(value), "accelerate launch's command line")
         for key, value in given.items()
-        if key not in LAUNCH_ONLY and value != defaults.get(key) and value not in (None, True, False)
+        if key not in NEVER_BLAMED and value != defaults.get(key) and value not in (None, True, False)
     ]
-    path = launched_config(command)
+    path = launched_config()  # (the parent's command: a relative path from the launcher's folder)
     if path is not None:
         with contextlib.suppress(UserError):
             found += settings_in(read_settings(path), path)

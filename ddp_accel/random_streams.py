@@ -43,16 +43,14 @@ def generator_state(generator: Any) -> Any:
 
 
 def device_states() -> dict[str, Any]:
-    """The accelerator device's generators, as Accelerate's save_state keys them (every device's on CUDA/XPU)."""
-    if torch.cuda.is_available():
-        return {"torch_cuda_manual_seed": torch.cuda.get_rng_state_all()}
-    xpu = getattr(torch, "xpu", None)
-    if xpu is not None and xpu.is_available():
-        return {"torch_xpu_manual_seed": xpu.get_rng_state_all()}
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
-        return {"torch_mps_manual_seed": torch.mps.get_rng_state()}
-    return {}
+    """The accelerator device's generators, as Accelerate's save_state keys them: `torch_<device>_manual_seed`, every
+    device's (one state on MPS); none on a machine without one."""
+    device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if device is None:
+        return {}
+    module = torch.get_device_module(device.type)
+    states = module.get_rng_state() if device.type == "mps" else module.get_rng_state_all()
+    return {f"torch_{device.type}_manual_seed": states}
 
 
 @dataclass(frozen=True)

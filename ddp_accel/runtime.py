@@ -55,7 +55,7 @@ def build_accelerator(
     - The scheduler steps once per optimizer step whatever the world size (Accelerate's default
       steps it num_processes times per step).
     """
-    check_launched_config()  # the file accelerate launch was given: refused as check-config refuses it
+    check_launched_config(precision=mixed_precision)  # the file accelerate launch was given, as check-config reads it
     cpu = not has_accelerator()
     # accelerate launch --mixed_precision and the YAML's mixed_precision reach the Accelerator by this variable
     if cpu and (mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")) == "fp16":

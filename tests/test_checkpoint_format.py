@@ -122,3 +122,27 @@ def test_a_survivor_writes_every_rank_s_streams_and_the_buffers_the_step_left(tm
     weights = load_file(tmp_path / "model.safetensors")
     assert torch.equal(weights["norm.running_mean"], norm.running_mean + 1.0)
     assert torch.equal(weights["norm.running_var"], norm.running_var)
+
+
+def test_deepspeed_megatron_xla_and_fsdp1_are_saved_by_accelerates_own_writer(tmp_path):
+    # their model and optimizer states go through their engines (a collective under ZeRO-3): Accelerate's
+    # save_state writes that part, the run's components are written after it
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    written = []
+    for kind, version in ((DistributedType.DEEPSPEED, None), (DistributedType.FSDP, 1), (DistributedType.XLA, None)):
+        accelerator = SimpleNamespace(
+            distributed_type=kind,
+            state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=version)),
+            save_state=lambda folder: written.append(folder),
+            process_index=0,
+            num_processes=1,
+            is_main_process=True,
+            project_configuration=SimpleNamespace(save_on_each_node=False),
+        )
+        folder = tmp_path / str(kind.value)
+        write_checkpoint(accelerator, folder, Contents(components=[Counter(5)]), WriteNow())
+        assert written[-1] == str(folder) and (folder / "counter.pt").is_file(), kind
+    assert len(written) == 3

@@ -48,6 +48,7 @@ def test_the_config_file_of_an_accelerate_launch_command_line(tmp_path, monkeypa
     assert launched_config(launch("--num_processes", 2)) is None
     (tmp_path / "default_config.yaml").write_text((CONFIGS / "cpu.yaml").read_text())
     assert launched_config(launch("--num_processes", 2)) == str(tmp_path / "default_config.yaml")
+    assert launched_config(launch("--cpu", "--num_processes", 2)) is None  # (accelerate launch skips it too)
 
 
 def test_a_launched_script_refuses_its_file_as_check_config_does(tmp_path):
@@ -65,6 +66,7 @@ def test_a_launched_script_refuses_its_file_as_check_config_does(tmp_path):
     fp16 = variant(tmp_path, "multi_gpu.yaml", "mixed_precision: 'no'", "mixed_precision: fp16")
     with pytest.raises(NotOnThisMachine, match="mixed_precision fp16 needs a GPU, and this machine has none"):
         check_launched_config(launch("--config_file", fp16))
+    check_launched_config(launch("--config_file", fp16), precision="bf16")  # the run's own, over the file's
 
 
 def test_check_config_tells_invalid_anywhere_from_valid_but_not_on_this_machine(tmp_path, capsys):
@@ -120,7 +122,10 @@ def test_an_error_that_names_no_setting_stays_as_it_was():
     # what only the launcher reads is no setting of the Accelerator's: torch's messages name "c10d" often
     from ddp_accel.config_file import settings_in
 
-    read = settings_in({"rdzv_backend": "c10d", "num_processes": 8, "fsdp_config": {"fsdp_version": 2}}, "my.yaml")
+    read = settings_in(
+        {"rdzv_backend": "c10d", "num_processes": 8, "distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}},
+        "my.yaml",
+    )
     assert read == [Setting("fsdp_config.fsdp_version", "2", "my.yaml")]
     mistake = UserError("a user's mistake, said as it is")
     assert raised_in(mistake) is mistake

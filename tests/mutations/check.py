@@ -806,7 +806,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "a_launched_script_reads_no_config_file": (
         "ddp_accel/runtime.py",
-        "    check_launched_config()  # the file accelerate launch was given: refused as check-config refuses it\n",
+        "    check_launched_config(precision=mixed_precision)  # the file accelerate launch was given, as check-config"
+        " reads it\n",
         "",
     ),
     "an_error_naming_a_setting_stays_a_traceback": (
