@@ -690,11 +690,11 @@ def check_ray_gpu(runner: Runner) -> dict:
             "worker_starts": len(list(pids.glob("rank*"))) if pids.is_dir() else 0,
             "kill_to_resumed_s": resumed_after,
             "banner": [
-                line for line in worker_lines(output) if line.split()[:1] in (["engine"], ["backend"], ["device"])
+                line for line in worker_lines(output) if line.split()[:1] in (["launcher"], ["backend"], ["device"])
             ],
             "resumed_line": [line for line in output.splitlines() if "resumed from" in line][-1:],
             "end_line": [line for line in output.splitlines() if line.startswith("ray: ")][-1:],
-            "metrics": {k: metrics(output_dir).get(k) for k in ("end_reason", "engine", "steps", "world_size")},
+            "metrics": {k: metrics(output_dir).get(k) for k in ("end_reason", "launcher", "steps", "world_size")},
         }
     )
     if driver.returncode == 0:

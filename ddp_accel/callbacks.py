@@ -69,7 +69,7 @@ class Callback:
         """After an epoch and its evaluation, before its checkpoint (`run.state.epoch`: the epochs done)."""
 
     def on_checkpoint(self, run: RunContext, path: Path) -> None:
-        """After a checkpoint was saved and renamed into place (an engine can report it)."""
+        """After a checkpoint was saved and renamed into place (a launch environment can report it)."""
 
     def on_end(self, run: RunContext, metrics: dict[str, Any]) -> None:
         """After the final artifacts were committed; `metrics` is metrics.json."""

@@ -22,7 +22,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from ddp_accel import engines
+from ddp_accel import launch_environments
 from ddp_accel.async_save import CheckpointWriter, StagedWrites, leave_marker, write_then_mark
 from ddp_accel.callback_state import POSITIONAL
 from ddp_accel.checkpoint_format import (
@@ -548,7 +548,7 @@ class Checkpoints:
         if config.async_checkpoint:
             checkpoints.writer = CheckpointWriter(sharded=accelerator.distributed_type == DistributedType.FSDP)
         if every == "auto":
-            restarts = engines.current().restarts
+            restarts = launch_environments.current().restarts
             checkpoints.auto = AutoInterval(config.mtbf, covered, restarts, launch_started_at(), accelerator.device)
         return checkpoints
 

@@ -30,7 +30,7 @@ from ddp_accel.config import (
     timeout_seconds,
 )
 from ddp_accel.elastic import process_rank, report_to_launcher, stop_restarts, wait_for_a_stop_signal
-from ddp_accel.engines import Outcome, record_outcome
+from ddp_accel.launch_environments import Outcome, record_outcome
 
 # the value types of every option live with the options (ddp_accel.config); scripts reach them as cli.positive_int
 __all__ = [

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_accel import engines
+from ddp_accel import launch_environments
 from ddp_accel.errors import UserError
 
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
@@ -180,7 +180,7 @@ def launch_arguments(command: list[str]) -> tuple[dict[str, Any], dict[str, Any]
     for another command (or one it cannot read)."""
     from accelerate.commands.launch import launch_command_parser
 
-    if not engines.is_accelerate_launch(command):
+    if not launch_environments.is_accelerate_launch(command):
         return None
     start = next(
         (
@@ -203,7 +203,7 @@ def launch_arguments(command: list[str]) -> tuple[dict[str, Any], dict[str, Any]
 def launched_config(command: list[str] | None = None) -> str | None:
     """The config file of the `accelerate launch` that started this process (its parent): its --config_file,
     else Accelerate's default config file where there is one; None under any other launcher."""
-    arguments = launch_arguments(engines.parent_command() if command is None else command)
+    arguments = launch_arguments(launch_environments.parent_command() if command is None else command)
     if arguments is None:
         return None
     path = arguments[0].get("config_file")
@@ -304,7 +304,7 @@ def settings_in(raw: Mapping[str, Any], source: str, prefix: str = "") -> list[S
 def launch_settings() -> tuple[Setting, ...]:
     """The settings this process runs under: the launcher's command-line options, then its config file's; under
     another launcher, Accelerate's variables in the environment."""
-    command = engines.parent_command()
+    command = launch_environments.parent_command()
     arguments = launch_arguments(command)
     if arguments is None:
         prefixes = ("ACCELERATE_", "FSDP_")

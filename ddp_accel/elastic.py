@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ddp_accel import engines
+from ddp_accel import launch_environments
 
 # the processes that run torch elastic's agent in-process, by their command line
 AGENT_COMMANDS = ("torchrun", "torch.distributed.run", "torch/distributed/run.py", "accelerate")
@@ -65,7 +65,7 @@ def child_processes(parent: int) -> Iterator[tuple[list[str], bytes]]:
 
 def agent_pid() -> int | None:
     """This worker's agent: its parent, when the parent runs torch elastic (not a shell, srun or a notebook)."""
-    command = " ".join(engines.parent_command())
+    command = " ".join(launch_environments.parent_command())
     return os.getppid() if any(name in command for name in AGENT_COMMANDS) else None
 
 

@@ -18,12 +18,12 @@ from typing import Any
 import torch.distributed as dist
 from accelerate.utils.memory import should_reduce_batch_size
 
-from ddp_accel import engines
+from ddp_accel import launch_environments
 from ddp_accel.budget import note_command_start
 from ddp_accel.elastic import end_with_the_launcher, process_rank, report_to_launcher, stop_restarts
-from ddp_accel.engines import Outcome, record_outcome
 from ddp_accel.errors import UserError
 from ddp_accel.files import is_error
+from ddp_accel.launch_environments import Outcome, record_outcome
 from ddp_accel.loaders import end_worker_processes, kill_leftover_workers
 from ddp_accel.startup import imports_done, start_wanted_worker_server
 from ddp_accel.stopping import (
@@ -106,8 +106,8 @@ def _first_sentence(error: BaseException) -> str:
 def run_main(main: Callable[..., Any]) -> None:
     """Run a script's main(): user errors as one line (exit 2), a preemption after its checkpoint (exit 0), a clean
     distributed shutdown (exit 0). The process's StopSignals watch SIGTERM/SIGUSR1/SIGHUP from here to the exit; a main
-    that takes one argument receives them (to pass to fit). How it ended is recorded (engines.last_outcome) for a
-    launcher that ran the script in its own process."""
+    that takes one argument receives them (to pass to fit). How it ended is recorded (launch_environments.last_outcome)
+    for a launcher that ran the script in its own process."""
     imports_done()  # the collector paused for the imports runs again, what they made frozen before the fork
     start_wanted_worker_server()  # first: a fork while this process runs one thread of Python
     signals = StopSignals()
@@ -142,7 +142,7 @@ def run_main(main: Callable[..., Any]) -> None:
     if launcher_watch is not None:
         launcher_watch.set()
     record_outcome(outcome)
-    if engines.current().outlives_the_script:  # a Ray worker: its helpers serve the process, which goes on
+    if launch_environments.current().outlives_the_script:  # a Ray worker: its helpers serve the process, which goes on
         kill_leftover_workers()
     else:
         end_worker_processes()  # so that the command returns with nothing left in its process group
@@ -172,7 +172,7 @@ def _ended_while_process_0_reports(signals: StopSignals) -> bool:
     """A process other than 0 with peers: whether its launcher ended it (a signal) within PEER_REPORT_WAIT_S. Exiting
     at once, it could have the launcher end process 0 before process 0 said the error: one line per run, never
     none. Not ended by then (process 0 met no such error), it says its own."""
-    if engines.current().world_size < 2:
+    if launch_environments.current().world_size < 2:
         return False
     deadline = time.monotonic() + PEER_REPORT_WAIT_S
     while signals.received is None and time.monotonic() < deadline:

@@ -3,12 +3,12 @@ by srun tasks or a pod spec) blocks the main thread in C++ for up to --timeout-s
 and a Ctrl-C or a preemption signal is not acted on until it ends: Python runs a signal's handler only once the main
 thread is back in Python.
 
-`while_the_group_forms` puts a thread beside that wait. It says what the group waits for (the engine's
+`while_the_group_forms` puts a thread beside that wait. It says what the group waits for (the launch environment's
 `waiting_line`: the address and port, whether rank 0 answers there), after FIRST_REPORT_S (or half the timeout,
 when shorter) and then every REPORT_S. The timeout is the bound. A rank other than 0 first waits, in Python, until
 rank 0's store answers at MASTER_ADDR:MASTER_PORT (`until_it_answers`; at --timeout-s the line that the group did
-not form, the engine's `never_formed_line`, as a UserError): torch's own client would try twice the timeout and
-print some 60 lines of C++ frames at its first failed connect. Then torch's rendezvous: a timeout error of its is
+not form, the launch environment's `never_formed_line`, as a UserError): torch's own client would try twice the timeout
+and print some 60 lines of C++ frames at its first failed connect. Then torch's rendezvous: a timeout error of its is
 the same line, and where it still waits at --timeout-s plus BOUND_GRACE_S the thread says that line and ends the
 process with exit 2.
 
@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from ddp_accel import engines
+from ddp_accel import launch_environments
 from ddp_accel.errors import UserError
 from ddp_accel.startup import SIGNALS, end_forkserver, stop_before_training
 
@@ -43,8 +43,8 @@ NEVER_FORMED_EXIT_CODE = 2  # as a user error: what to change is in the line
 @contextlib.contextmanager
 def while_the_group_forms(timeout_s: float, output_dir: str | None) -> Iterator[None]:
     """Inside: the process group forms (see the module's docstring)."""
-    engine = engines.current()
-    if not engine.forms_its_own_group or threading.current_thread() is not threading.main_thread():
+    environment = launch_environments.current()
+    if not environment.forms_its_own_group or threading.current_thread() is not threading.main_thread():
         yield
         return
     woken, wake = socket.socketpair()  # signal numbers, written by Python's C-level handler
@@ -53,18 +53,18 @@ def while_the_group_forms(timeout_s: float, output_dir: str | None) -> Iterator[
         end.setblocking(False)
     previous = signal.set_wakeup_fd(wake.fileno(), warn_on_full_buffer=False)
     started = time.monotonic()  # here: the thread may first run once torch's wait has begun
-    watch = _Watch(engine, woken, formed, started, timeout_s, output_dir or ".")
+    watch = _Watch(environment, woken, formed, started, timeout_s, output_dir or ".")
     watcher = threading.Thread(target=watch.run, name="ddp_accel group", daemon=True)
     watcher.start()
     try:
         with watch.acting_on_signals():
-            store = engine.store_to_reach()
+            store = environment.store_to_reach()
             if store is not None:  # rank 0's store first, in Python: torch's failed connect prints pages of C++ frames
-                until_it_answers(store, started + timeout_s, engine.never_formed_line(timeout_s))
+                until_it_answers(store, started + timeout_s, environment.never_formed_line(timeout_s))
             yield
     except Exception as error:
         if _timed_out(error, time.monotonic() - started, timeout_s):
-            raise UserError(engine.never_formed_line(timeout_s), every_process=True) from None
+            raise UserError(environment.never_formed_line(timeout_s), every_process=True) from None
         raise
     finally:
         signal.set_wakeup_fd(previous)
@@ -76,7 +76,7 @@ def while_the_group_forms(timeout_s: float, output_dir: str | None) -> Iterator[
 
 def until_it_answers(store: tuple[str, int], deadline: float, never_formed: str) -> None:
     """Until something accepts a connection at `store` (a UserError saying `never_formed` at `deadline`)."""
-    while not engines.answers(*store, timeout=min(1.0, max(0.05, deadline - time.monotonic()))):
+    while not launch_environments.answers(*store, timeout=min(1.0, max(0.05, deadline - time.monotonic()))):
         if time.monotonic() >= deadline:
             raise UserError(never_formed, every_process=True)
         time.sleep(0.1)
@@ -94,14 +94,14 @@ class _Watch:
 
     def __init__(
         self,
-        engine: engines.Engine,
+        environment: launch_environments.LaunchEnvironment,
         woken: socket.socket,
         formed: socket.socket,
         started: float,
         timeout_s: float,
         output_dir: str,
     ):
-        self.engine, self.woken, self.formed, self.output_dir = engine, woken, formed, output_dir
+        self.environment, self.woken, self.formed, self.output_dir = environment, woken, formed, output_dir
         self.started, self.timeout_s = started, timeout_s
         self.signals_lock = threading.Lock()  # held while one of the two acts on signals or hands them back
         self.watching = True
@@ -137,8 +137,8 @@ class _Watch:
             if self.woken in ready:
                 continue
             if time.monotonic() >= bound:
-                _never_formed(self.engine, self.timeout_s)
-            line = self.engine.waiting_line(time.monotonic() - self.started, self.timeout_s)
+                _never_formed(self.environment, self.timeout_s)
+            line = self.environment.waiting_line(time.monotonic() - self.started, self.timeout_s)
             if line:
                 print(f"waiting: {line}", file=sys.stderr, flush=True)
             report_at = time.monotonic() + REPORT_S
@@ -152,10 +152,10 @@ class _Watch:
             _stop(signum, self.output_dir)
 
 
-def _never_formed(engine: engines.Engine, timeout_s: float) -> None:
+def _never_formed(environment: launch_environments.LaunchEnvironment, timeout_s: float) -> None:
     """The bound passed with the main thread still in torch's rendezvous: its line, and the process ends."""
     end_forkserver()
-    print(f"error: {engine.never_formed_line(timeout_s)}", file=sys.stderr, flush=True)
+    print(f"error: {environment.never_formed_line(timeout_s)}", file=sys.stderr, flush=True)
     os._exit(NEVER_FORMED_EXIT_CODE)
 
 

@@ -33,8 +33,8 @@ from typing import Any
 
 from ddp_accel.cli import ArgumentParser, positive
 from ddp_accel.elastic import child_processes
-from ddp_accel.engines import answers
 from ddp_accel.errors import UserError
+from ddp_accel.launch_environments import answers
 
 DEFAULT_PORT = 29500
 

@@ -3,12 +3,13 @@
     ddp-accel ray --workers 2 scripts/template.py --output-dir runs/ray --epochs 3
     ray job submit --working-dir . -- ddp-accel ray --workers 4 --gpus-per-worker 1 scripts/imagenet.py ...
 
-The driver (this process) first runs the script itself up to its Accelerator (engines.CheckOnly): a bad option,
-path or --output-dir is one `error:` line there, exit 2, before any worker starts. Then Ray Train starts the
+The driver (this process) first runs the script itself up to its Accelerator (launch_environments.CheckOnly): a bad
+option, path or --output-dir is one `error:` line there, exit 2, before any worker starts. Then Ray Train starts the
 workers; each runs the script as `__main__` with the same arguments, and the script makes its process group itself
 (Ray's backend only gives each worker the torch launcher variables), so `--timeout-s` applies as under torchrun.
 
-The script's outcome comes back typed (engines.last_outcome: run_main records it), not read from the output dir.
+The script's outcome comes back typed (launch_environments.last_outcome: run_main records it), not read from the output
+dir.
 
 - Restarts resume: `--resume-from-checkpoint latest` is added unless the command names a checkpoint; a group
   restarted after a failure (a killed worker, a lost node) continues from the newest complete checkpoint.
@@ -37,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddp_accel import engines
+from ddp_accel import launch_environments
 from ddp_accel.accelerate_config import worker_environment
 from ddp_accel.cli import ArgumentParser
 from ddp_accel.errors import UserError
@@ -114,7 +115,7 @@ def check_in_driver(job: RayJob) -> Path | int:
     sys.argv = [str(script), *job.command()]
     sys.path.insert(0, str(script.resolve().parent))
     try:
-        with engines.use(engines.CheckOnly()):
+        with launch_environments.use(launch_environments.CheckOnly()):
             runpy.run_path(str(script), run_name="__main__")
     except OptionsChecked as checked:
         return Path(checked.config.output_dir).resolve()
@@ -155,20 +156,20 @@ def train_worker(spec: dict[str, Any]) -> None:
     watching = threading.Event()
     threading.Thread(target=_watch_preemption_notice, args=(rank, watching), daemon=True).start()
     _training_ended.clear()
-    engines.forget_outcome()  # (a worker process may have run an earlier attempt)
+    launch_environments.forget_outcome()  # (a worker process may have run an earlier attempt)
     code: Any = 0
     try:
-        with engines.use(engines.RayWorker(dict(os.environ), workers=size, nodes=nodes)):
+        with launch_environments.use(launch_environments.RayWorker(dict(os.environ), workers=size, nodes=nodes)):
             runpy.run_path(spec["script"], run_name="__main__")
     except SystemExit as exit:
         code = exit.code
     finally:
         watching.set()
         _training_ended.set()
-    _report_outcome(rank, code, engines.last_outcome(), Path(spec["output_dir"]))
+    _report_outcome(rank, code, launch_environments.last_outcome(), Path(spec["output_dir"]))
 
 
-def _report_outcome(rank: int, code: Any, outcome: engines.Outcome | None, output_dir: Path) -> None:
+def _report_outcome(rank: int, code: Any, outcome: launch_environments.Outcome | None, output_dir: Path) -> None:
     """The script's outcome in Ray's terms: its metrics reported, or an error Ray's failure policy decides on (a
     user error ends the run; a stop that saved, or a crash, restarts the group, which resumes)."""
     message = outcome.message if outcome is not None else None

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from accelerate import Accelerator, InitProcessGroupKwargs
 from accelerate.utils import DataLoaderConfiguration, DistributedType, ProjectConfiguration, set_seed
 
-from ddp_accel import comm_hooks, engines
+from ddp_accel import comm_hooks, launch_environments
 from ddp_accel.comm_hooks import PLAIN_DDP, DdpOptions
 from ddp_accel.config import POWERSGD_DEFAULTS, TrainConfig
 from ddp_accel.config_file import check_launched_config, has_accelerator, launched_config, settings_named
@@ -155,7 +155,7 @@ def open_run(
     names = tracker_names(config.report_to, config.with_tracking)
     if process_rank() == 0:  # the main process logs
         check_trackers(names, config.output_dir)
-    if engines.current().checks_only():  # a launcher's driver checks the command before any worker starts
+    if launch_environments.current().checks_only():  # a launcher's driver checks the command before any worker starts
         raise OptionsChecked(config)
     # a tracker run continues only with the checkpoint it logged: `latest` without one starts a new run
     trackers = make_trackers(names, config.output_dir, resuming=folder.resumes(config.resume_from_checkpoint))
@@ -182,9 +182,9 @@ def ddp_options(config: TrainConfig, find_unused_parameters: bool = False) -> Dd
 
 
 class OptionsChecked(BaseException):
-    """Raised by make_accelerator under the CheckOnly engine (engines.use), once the options, --output-dir and the
-    trackers are checked: the launcher's driver ran the script this far, in its own process (ddp_accel.ray_launch).
-    A BaseException: no `except Exception` of a script takes it for a failure."""
+    """Raised by make_accelerator under the CheckOnly launch environment (launch_environments.use), once the options,
+    --output-dir and the trackers are checked: the launcher's driver ran the script this far, in its own process
+    (ddp_accel.ray_launch). A BaseException: no `except Exception` of a script takes it for a failure."""
 
     def __init__(self, config: TrainConfig):
         super().__init__("the command's options are checked")
@@ -242,8 +242,8 @@ def check_fsdp_config(cpu: bool) -> None:
 
 
 def check_launch_environment(env: dict[str, str] | None = None) -> None:
-    """The launcher variables a process starts with must describe one job (each engine checks its own)."""
-    engines.current(env).check()
+    """The launcher variables a process starts with must describe one job (each launch environment checks its own)."""
+    launch_environments.current(env).check()
 
 
 def available_memory_bytes() -> int | None:
@@ -279,7 +279,7 @@ def check_topology(accelerator: Accelerator) -> None:
             "Check the accelerate config (distributed_type, num_processes) or set ACCELERATE_USE_CPU=1."
         )
     if launched == 1 and "WORLD_SIZE" not in os.environ:
-        asked = processes_asked_of_accelerate_launch(engines.parent_command())
+        asked = processes_asked_of_accelerate_launch(launch_environments.parent_command())
         if asked and asked > 1:
             raise UserError(
                 f"accelerate launch was asked for {asked} processes (--num_processes), but its config starts one "
@@ -293,7 +293,7 @@ def check_topology(accelerator: Accelerator) -> None:
 
 def processes_asked_of_accelerate_launch(command: list[str]) -> int | None:
     """`--num_processes N` of an `accelerate launch` command line (None for another command)."""
-    if not engines.is_accelerate_launch(command):
+    if not launch_environments.is_accelerate_launch(command):
         return None
     for index, part in enumerate(command):
         for flag in ("--num_processes", "--num-processes"):
@@ -312,7 +312,7 @@ def check_processes_per_machine(accelerator: Accelerator) -> None:
     """Every machine runs the same number of processes: accelerate launch with another --num_processes on one
     machine formed a group of 3 from 1 + 2 and trained without a word. Said by every process; under torchrun
     (which allows it) a warning."""
-    if not engines.current().even_placement:  # Ray places workers on nodes as resources allow
+    if not launch_environments.current().even_placement:  # Ray places workers on nodes as resources allow
         return
     mine = (int(os.environ.get("GROUP_RANK", "0") or 0), int(os.environ["LOCAL_WORLD_SIZE"]))
     gathered: list[Any] = [None] * accelerator.num_processes
@@ -342,9 +342,9 @@ def topology(accelerator: Accelerator, batch_size: int | None = None, accumulati
         "device": str(accelerator.device),
         "mixed_precision": accelerator.mixed_precision,
     }
-    engine = engines.current().banner()  # a launcher that is not torch's (ddp_accel.ray_launch)
-    if engine:
-        info = {"engine": engine, **info}
+    launcher = launch_environments.current().banner()  # a launcher that is not torch's (ddp_accel.ray_launch)
+    if launcher:
+        info = {"launcher": launcher, **info}
     if batch_size is not None:
         info["batch_size_per_process"] = batch_size
         info["gradient_accumulation_steps"] = accumulation

@@ -7,7 +7,7 @@ Blocking the signals until run_main could take over was not enough: under a laun
 after its grace (torchrun: 30 s), and on a loaded node the imports outlasted it, leaving no marker at all.
 
 Standard library only, and `import ddp_accel.startup` imports nothing else of the package (its front door is lazy;
-a signal imports `ddp_accel.engines` to ask whether the launcher is ending the group for a failed peer):
+a signal imports `ddp_accel.launch_environments` to ask whether the launcher is ending the group for a failed peer):
 
     if __name__ == "__main__":
         from ddp_accel.startup import stop_during_imports
@@ -139,12 +139,13 @@ def write_marker(output_dir: Path, facts: Mapping[str, object]) -> None:
 
 
 def _ending_for_a_peer() -> bool:
-    """The engine's answer (engines.Engine.peer_failed), imported only now: a signal is rare, the guard's import cheap.
-    A signal in the middle of the imports that module needs answers no, as before that answer existed."""
+    """The launch environment's answer (launch_environments.LaunchEnvironment.peer_failed), imported only now: a signal
+    is rare, the guard's import cheap. A signal in the middle of the imports that module needs answers no, as before
+    that answer existed."""
     try:
-        from ddp_accel import engines
+        from ddp_accel import launch_environments
 
-        return engines.current().peer_failed()
+        return launch_environments.current().peer_failed()
     except Exception:
         return False
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, ClassVar
 
-from ddp_accel import engines
+from ddp_accel import launch_environments
 from ddp_accel.startup import SIGNALS, write_marker
 from ddp_accel.versions import major_minor
 
@@ -157,7 +157,9 @@ class StopSignals:
                 continue  # nohup: the user asked to outlive the terminal
             try:
                 self._previous[signum] = signal.signal(signum, self._handle)
-            except ValueError:  # not the main thread: an engine's forwarder (Ray Train), else no preemption stop
+            except (
+                ValueError
+            ):  # not the main thread: a launch environment's forwarder (Ray Train), else no preemption stop
                 if _forwarded_from_main_thread.installed:
                     StopSignals.current = self
                     self.received = self.received or _forwarded_from_main_thread.received
@@ -209,7 +211,7 @@ class StopSignals:
     def stop_before_training(self) -> None:
         """Leave the marker of a run stopped before its first step (any rank may: the signal may reach only one)
         and raise Preempted; or raise EndedForAPeer, without the marker, when the launcher is ending the group."""
-        if self.received and engines.current().peer_failed():
+        if self.received and launch_environments.current().peer_failed():
             raise EndedForAPeer(self.received)
         facts = StopFacts(Phase.STARTUP, self.name)
         if self.output_dir is not None:
@@ -243,8 +245,8 @@ _forwarded_from_main_thread = _Forwarder()
 
 
 def request_stop(signum: int) -> None:
-    """A stop asked by an engine's own notice (Ray's node preemption), from any thread: handled as that signal
-    forwarded from the main thread (the ranks agree on a step, save it and stop)."""
+    """A stop asked by a launch environment's own notice (Ray's node preemption), from any thread: handled as that
+    signal forwarded from the main thread (the ranks agree on a step, save it and stop)."""
     _forwarded_from_main_thread._record(signum, None)
 
 
@@ -274,8 +276,8 @@ def launcher_grace(parent: list[str] | None = None) -> tuple[float, str] | None:
                 if os.environ.get(name):
                     return float(os.environ[name]), RAISE_ELASTIC_GRACE
         return 30.0, RAISE_ELASTIC_GRACE
-    command = engines.parent_command() if parent is None else parent
-    if engines.is_accelerate_launch(command):
+    command = launch_environments.parent_command() if parent is None else parent
+    if launch_environments.is_accelerate_launch(command):
         from importlib.metadata import version
 
         if (major_minor(version("accelerate")) or (0, 0)) >= ACCELERATE_LAUNCH_KILLS_FROM:

@@ -19,7 +19,7 @@ from typing import Any
 
 from accelerate import Accelerator
 
-from ddp_accel import allocator, engines, loaders, rescue, run_end, run_start
+from ddp_accel import allocator, launch_environments, loaders, rescue, run_end, run_start
 from ddp_accel.agreement import StepAgreement, Verdict
 from ddp_accel.budget import command_started
 from ddp_accel.callbacks import Callback, Callbacks
@@ -160,7 +160,7 @@ class TrainingRun(contextlib.AbstractContextManager["TrainingRun"]):
             accelerator, config, self.folder, self.identity, self.total_steps, self.prepared, self.state
         )
         if complete is not None:
-            engines.note_metrics(complete)
+            launch_environments.note_metrics(complete)
             self.signals.enter(Phase.DONE)
             return complete
         if not self.folder.checked:  # fit called without make_accelerator, or `latest`: it needs the checkpoints
@@ -298,7 +298,7 @@ class TrainingRun(contextlib.AbstractContextManager["TrainingRun"]):
         )
         final = run_end.FinalArtifacts(self.model, self.ema, self.history, self.record, self.hyperparameters)
         curves = run_end.commit(self.accelerator, self.folder, metrics, final)
-        engines.note_metrics(metrics)
+        launch_environments.note_metrics(metrics)
         self.callbacks.call("on_end", self.context, metrics)
         self.signals.enter(Phase.DONE)
         self.accelerator.print(run_end.summary_line(metrics, self.folder.path, curves))

@@ -36,8 +36,8 @@ SHORT_PROBE_ARGS += ["--checkpointing-steps", "5", "--mixed-precision", "no"]
 
 def torch_elastic_worker(folder: Path, local_rank: int) -> dict[str, str]:
     """torch elastic's variables for worker `local_rank` of a 2-worker attempt, with the agent's per-worker folders
-    for their error files (FOLDER/torchelastic/attempt_0/R/error.json), as engines.TorchElastic.peer_failed reads
-    them."""
+    for their error files (FOLDER/torchelastic/attempt_0/R/error.json), as launch_environments.TorchElastic.peer_failed
+    reads them."""
     attempt = folder / "torchelastic" / "attempt_0"
     for rank in (0, 1):
         (attempt / str(rank)).mkdir(parents=True, exist_ok=True)

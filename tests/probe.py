@@ -235,7 +235,7 @@ def main(signals: StopSignals | None = None) -> None:
     run.fit(task, RunRecord(identity=identity), callbacks)
     Path(config.output_dir, f"seen_rank{accelerator.process_index}.json").write_text(json.dumps(seen))
     # torch elastic's per-worker error files (ATTEMPT/LOCAL_RANK/error.json), the layout through which a worker
-    # learns that another one failed (engines.TorchElastic.peer_failed; tests/test_launchers.py checks it)
+    # learns that another one failed (launch_environments.TorchElastic.peer_failed; tests/test_launchers.py checks it)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         attempt = Path(error_file).parent.parent

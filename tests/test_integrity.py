@@ -304,7 +304,7 @@ def test_each_launchers_grace_is_known_with_how_to_have_more(monkeypatch, capsys
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "90")
     assert stopping.launcher_grace(accelerate_launch)[0] == 90.0  # (a multi-process accelerate launch: torchrun)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
-    monkeypatch.setattr(stopping.engines, "parent_command", lambda: accelerate_launch)
+    monkeypatch.setattr(stopping.launch_environments, "parent_command", lambda: accelerate_launch)
     grace = stopping.SaveGrace(is_main_process=True)
     grace.check(4.0)
     grace.check(6.0)

@@ -57,7 +57,10 @@ def test_all_launchers_give_bitwise_identical_weights(tmp_path, short_job):
         assert metrics["world_size"] == 2 and metrics["distributed_type"] == "MULTI_CPU", launcher
     for launcher in ("accelerate", "torchrun", "torch.distributed.launch"):  # torch elastic's agent
         folder = short_job if launcher == "accelerate" else tmp_path / launcher
-        for rank in (0, 1):  # each worker's error file is ATTEMPT/LOCAL_RANK/error.json (engines.peer_failed)
+        for rank in (
+            0,
+            1,
+        ):  # each worker's error file is ATTEMPT/LOCAL_RANK/error.json (launch_environments.peer_failed)
             layout = json.loads((folder / f"error_files_rank{rank}.json").read_text())
             assert layout["own"] == str(rank) and {"0", "1"} <= set(layout["workers"]), (launcher, layout)
     reference = weights(short_job)  # accelerate launch's

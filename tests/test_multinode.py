@@ -244,7 +244,7 @@ def test_a_signal_while_the_group_forms_is_acted_on_once_by_the_watcher(tmp_path
 
 BLOCKED_PAST_THE_BOUND = """
 import os, sys, time
-from ddp_accel import engines, group_wait
+from ddp_accel import launch_environments, group_wait
 os.environ.update(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
 with group_wait.while_the_group_forms(1, None):
     time.sleep(30)  # as torch's rendezvous, stuck in C++ past its own timeout

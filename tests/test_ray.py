@@ -124,7 +124,7 @@ def test_a_signalled_then_a_killed_ray_worker_restart_the_group_which_resumes_bi
     assert len(list(pids.glob("rank*"))) == 6, sorted(p.name for p in pids.iterdir())  # two restarts of both ranks
     metrics = metrics_of(output_dir)
     assert metrics["end_reason"] == "completed" and metrics["resumed_from"], metrics
-    assert metrics["engine"].startswith("ray (2 workers on 1 node; SIGTERM/SIGUSR1 forwarded"), metrics["engine"]
+    assert metrics["launcher"].startswith("ray (2 workers on 1 node; SIGTERM/SIGUSR1 forwarded"), metrics["launcher"]
     assert "ray: training completed" in text and "checkpoints/step_95" in text, text[-2000:]
     assert (output_dir / "checkpoints" / "step_5").is_dir(), "Ray deleted none of our checkpoints"
 
@@ -154,7 +154,7 @@ def test_ray_job_submit_runs_the_command_on_the_cluster_and_fails_with_its_error
     assert "ray: training completed" in result.stdout and "succeeded" in result.stdout, result.stdout[-3000:]
     metrics = metrics_of(output_dir)
     assert metrics["end_reason"] == "completed" and metrics["world_size"] == 2, metrics
-    assert metrics["engine"].startswith("ray (2 workers on 1 node"), metrics["engine"]
+    assert metrics["launcher"].startswith("ray (2 workers on 1 node"), metrics["launcher"]
     # a bad option: the job fails with the script's one line, found by the driver before any worker started
     bad = subprocess.run([*command, "--bogus"], env=ray_head, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "unrecognized arguments: --bogus" in bad.stdout, bad.stdout[-3000:]
@@ -323,7 +323,7 @@ def test_two_ray_nodes_a_node_that_joins_grows_the_group_from_an_agreed_save(two
         options = ["--workers", "2", "--min-workers", "1", "--resize-check-s", "3", "--max-failures", "1"]
         with driver_in(two_machines["namespaces"][0], env, options, ["--step-ms", "150"], output_dir, log) as driver:
             wait_for_checkpoint(output_dir, 5, timeout=240, alive=driver)
-            assert "engine                       ray (1 workers on 1 node" in log.read_text(), log.read_text()[-3000:]
+            assert "launcher                     ray (1 workers on 1 node" in log.read_text(), log.read_text()[-3000:]
             start_node_b()
             code = finish(driver, timeout=400)
     text = log.read_text()
@@ -331,7 +331,7 @@ def test_two_ray_nodes_a_node_that_joins_grows_the_group_from_an_agreed_save(two
     assert "ray: the group is resized from 1 to 2 workers: saving at an agreed step" in text, text[-5000:]
     metrics = metrics_of(output_dir)
     assert metrics["world_size"] == 2 and metrics["end_reason"] == "completed", metrics
-    assert metrics["engine"].startswith("ray (2 workers on 2 nodes"), metrics["engine"]
+    assert metrics["launcher"].startswith("ray (2 workers on 2 nodes"), metrics["launcher"]
     assert metrics["progress"]["samples"] == 3 * 256, metrics["progress"]  # every sample of the 3 epochs, once
     # the rank saved the step it reached on the resize (not a periodic checkpoint), and the group of 2 resumed there
     saved = re.findall(r"preempted by SIGTERM at step (\d+)", text)

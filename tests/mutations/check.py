@@ -167,7 +167,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    if False:",
     ),
     "ray_workers_checked_for_even_placement": (
-        "ddp_accel/engines.py",
+        "ddp_accel/launch_environments.py",
         "    @property\n    def even_placement(self) -> bool:\n        return False",
         "    @property\n    def even_placement(self) -> bool:\n        return True",
     ),
@@ -228,7 +228,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    pass  # the collector paused for the imports runs again, what they made frozen before the fork",
     ),
     "a_failed_peer_s_error_file_goes_unseen": (
-        "ddp_accel/engines.py",
+        "ddp_accel/launch_environments.py",
         '            return any(path != Path(own) for path in Path(own).parent.parent.glob("*/error.json"))',
         "            return False",
     ),
@@ -239,7 +239,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "a_failed_peer_s_end_after_the_imports_leaves_a_marker": (
         "ddp_accel/stopping.py",
-        "        if self.received and engines.current().peer_failed():\n"
+        "        if self.received and launch_environments.current().peer_failed():\n"
         "            raise EndedForAPeer(self.received)\n",
         "",
     ),
@@ -316,7 +316,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "if key in IDENTITY_OPTIONS + MODEL_OPTIONS}",
         "if key in MODEL_OPTIONS}",
     ),
-    # and mechanisms of checkpoint.py, callback_state.py, startup.py and engines.py no test guarded
+    # and mechanisms of checkpoint.py, callback_state.py, startup.py and launch_environments.py no test guarded
     "a_stop_saves_again_what_was_just_saved": (
         "ddp_accel/checkpoint.py",
         "        if self.holds(state, identity):\n            return step_folder(self.root, state.step)\n"
@@ -334,7 +334,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "",
     ),
     "env_launch_of_one_process_wants_an_address": (
-        "ddp_accel/engines.py",
+        "ddp_accel/launch_environments.py",
         "        if world_size > 1 and missing:",
         "        if missing:",
     ),
@@ -406,7 +406,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "a_ray_worker_ends_the_processes_helpers": (
         "ddp_accel/endings.py",
-        "    if engines.current().outlives_the_script:",
+        "    if launch_environments.current().outlives_the_script:",
         "    if False:",
     ),
     "watchdog_polls_at_the_first_bound": (

@@ -1,5 +1,6 @@
-"""The engine adapters (ddp_accel.engines), each on its own: what each answers for a process it started, its check
-of the launcher's variables, and the typed outcome run_main records for a launcher in the same process."""
+"""The launch environments (ddp_accel.launch_environments), each on its own: what each answers for a process it
+started, its check of the launcher's variables, and the typed outcome run_main records for a launcher in the same
+process."""
 
 import contextlib
 import os
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import run_script, torch_elastic_worker
 
-from ddp_accel import engines, group_wait
+from ddp_accel import group_wait, launch_environments
 from ddp_accel.errors import UserError
 
 pytestmark = pytest.mark.inprocess
@@ -21,31 +22,37 @@ TORCHRUN = {"TORCHELASTIC_RUN_ID": "job", "RANK": "1", "WORLD_SIZE": "2", "TORCH
 
 
 def test_each_engine_is_read_from_its_launchers_variables_and_answers_for_it():
-    lone = engines.current({})
-    assert type(lone) is engines.Engine and (lone.rank, lone.world_size, lone.restarts) == (0, 1, 0)
-    spawned = engines.current({"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
-    assert type(spawned) is engines.EnvLaunch and (spawned.rank, spawned.world_size) == (3, 4)
-    elastic = engines.current({**TORCHRUN, "SLURM_JOB_ID": "9", "SLURM_RESTART_COUNT": "1"})
-    assert type(elastic) is engines.TorchElastic and (elastic.rank, elastic.world_size) == (1, 2)
+    lone = launch_environments.current({})
+    assert type(lone) is launch_environments.LaunchEnvironment and (lone.rank, lone.world_size, lone.restarts) == (
+        0,
+        1,
+        0,
+    )
+    spawned = launch_environments.current({"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    assert type(spawned) is launch_environments.EnvLaunch and (spawned.rank, spawned.world_size) == (3, 4)
+    elastic = launch_environments.current({**TORCHRUN, "SLURM_JOB_ID": "9", "SLURM_RESTART_COUNT": "1"})
+    assert type(elastic) is launch_environments.TorchElastic and (elastic.rank, elastic.world_size) == (1, 2)
     assert elastic.restarts == 3 and elastic.scheduler == "slurm"  # 2 agent restarts + 1 requeue
     assert "every process of the job step" in elastic.stop_signals() and "passes a SIGTERM" in elastic.stop_signals()
-    pod = engines.current({**TORCHRUN, "KUBERNETES_SERVICE_HOST": "10.0.0.1"})
+    pod = launch_environments.current({**TORCHRUN, "KUBERNETES_SERVICE_HOST": "10.0.0.1"})
     assert pod.scheduler == "kubernetes" and "first process only" in pod.stop_signals()
-    assert all(engine.even_placement and engine.banner() is None for engine in (lone, spawned, elastic, pod))
-    ray = engines.RayWorker(TORCHRUN, workers=2, nodes=1)
+    assert all(
+        environment.even_placement and environment.banner() is None for environment in (lone, spawned, elastic, pod)
+    )
+    ray = launch_environments.RayWorker(TORCHRUN, workers=2, nodes=1)
     assert not ray.even_placement and ray.restarts == 0
     assert ray.banner().startswith("ray (2 workers on 1 node; SIGTERM/SIGUSR1 forwarded")
 
 
 def test_a_launcher_in_this_process_chooses_the_engine_and_the_environment_decides_otherwise():
-    assert not engines.current().checks_only()
-    with engines.use(engines.CheckOnly()):
-        assert engines.current().checks_only()
-        with engines.use(engines.RayWorker(TORCHRUN)):
-            assert engines.current().name == "ray"
-        assert engines.current().name == "check only"
-        assert engines.current({}).name == "process"  # an explicit environment is read as such
-    assert engines.current().name != "check only"
+    assert not launch_environments.current().checks_only()
+    with launch_environments.use(launch_environments.CheckOnly()):
+        assert launch_environments.current().checks_only()
+        with launch_environments.use(launch_environments.RayWorker(TORCHRUN)):
+            assert launch_environments.current().name == "ray"
+        assert launch_environments.current().name == "check only"
+        assert launch_environments.current({}).name == "process"  # an explicit environment is read as such
+    assert launch_environments.current().name != "check only"
 
 
 @pytest.mark.parametrize(
@@ -61,43 +68,54 @@ def test_a_launcher_in_this_process_chooses_the_engine_and_the_environment_decid
 )
 def test_each_engine_checks_its_own_variables(env, message):
     with pytest.raises(UserError, match=message):
-        engines.current(env).check()
+        launch_environments.current(env).check()
 
 
 def test_run_main_records_a_typed_outcome_for_each_way_a_script_ends(tmp_path):
     result = run_script("tests/probe.py", "--output-dir", tmp_path / "done", "--max-steps", 2)
-    outcome = engines.last_outcome()
+    outcome = launch_environments.last_outcome()
     assert result.returncode == 0 and outcome.kind == "completed" and outcome.metrics["steps"] == 2
     run_script(
         "tests/probe.py", "--output-dir", tmp_path / "done", "--max-steps", 2, "--resume-from-checkpoint", "latest"
     )
-    assert engines.last_outcome().kind == "completed" and engines.last_outcome().metrics["steps"] == 2  # complete
+    assert (
+        launch_environments.last_outcome().kind == "completed"
+        and launch_environments.last_outcome().metrics["steps"] == 2
+    )  # complete
     run_script("tests/probe.py", "--output-dir", tmp_path / "bad", "--best-metric", "bogus")
-    outcome = engines.last_outcome()
+    outcome = launch_environments.last_outcome()
     assert (outcome.kind, outcome.code) == ("user_error", 2) and "--best-metric bogus" in outcome.message
     run_script("tests/probe.py", "--output-dir", tmp_path / "bad", "--no-such-option")
-    assert engines.last_outcome().kind == "user_error" and "unrecognized arguments" in engines.last_outcome().message
+    assert (
+        launch_environments.last_outcome().kind == "user_error"
+        and "unrecognized arguments" in launch_environments.last_outcome().message
+    )
     run_script("tests/probe.py", "--output-dir", tmp_path / "stop", "--batch-size", 4, "--sigterm-at-batch", 3)
-    outcome = engines.last_outcome()
+    outcome = launch_environments.last_outcome()
     assert outcome.kind == "preempted" and outcome.stop["step"] == 3 and outcome.stop["signal"] == signal.SIGTERM.name
     assert outcome.metrics is None
     run_script("tests/probe.py", "--output-dir", tmp_path / "crash", "--crash-at-step", 1)
-    outcome = engines.last_outcome()
+    outcome = launch_environments.last_outcome()
     assert (outcome.kind, outcome.code) == ("crashed", 1) and "probe: a bug at step 1" in outcome.message
 
 
 def test_a_torch_elastic_worker_knows_when_another_worker_of_its_attempt_reported_its_failure(tmp_path):
     # the agent ends the other workers after one failed: their SIGTERM is that ending, not a preemption
     env = torch_elastic_worker(tmp_path, local_rank=1)
-    worker = engines.current(env)
+    worker = launch_environments.current(env)
     assert not worker.peer_failed()
     Path(env["TORCHELASTIC_ERROR_FILE"]).write_text('{"message": "error: mine"}')
     assert not worker.peer_failed()  # its own line is no peer's
     (Path(env["TORCHELASTIC_ERROR_FILE"]).parent.parent / "0" / "error.json").write_text('{"message": "error: x"}')
     assert worker.peer_failed()
-    assert not engines.current({**env, "TORCHELASTIC_ERROR_FILE": os.devnull}).peer_failed()  # no log dir
-    assert not engines.current({k: v for k, v in env.items() if k != "TORCHELASTIC_ERROR_FILE"}).peer_failed()
-    assert not engines.Engine().peer_failed() and not engines.current({"RANK": "1", "WORLD_SIZE": "2"}).peer_failed()
+    assert not launch_environments.current({**env, "TORCHELASTIC_ERROR_FILE": os.devnull}).peer_failed()  # no log dir
+    assert not launch_environments.current(
+        {k: v for k, v in env.items() if k != "TORCHELASTIC_ERROR_FILE"}
+    ).peer_failed()
+    assert (
+        not launch_environments.LaunchEnvironment().peer_failed()
+        and not launch_environments.current({"RANK": "1", "WORLD_SIZE": "2"}).peer_failed()
+    )
 
 
 def test_a_stop_signal_from_a_launcher_ending_the_group_for_a_failed_peer_leaves_no_marker(monkeypatch, tmp_path):
@@ -118,7 +136,7 @@ def test_a_stop_signal_from_a_launcher_ending_the_group_for_a_failed_peer_leaves
 
         with pytest.raises(SystemExit) as ended:
             run_main(main)
-        return ended.value.code, engines.last_outcome()
+        return ended.value.code, launch_environments.last_outcome()
 
     code, outcome = signalled_while_starting(tmp_path / "preempted")  # no peer failed: a preemption
     assert (code, outcome.kind) == (0, "preempted") and (tmp_path / "preempted" / PREEMPTED_MARKER).exists()
@@ -163,12 +181,15 @@ def test_a_script_ends_the_processes_helpers_unless_the_process_outlives_it(monk
             endings.run_main(lambda: None)
 
     run()
-    with engines.use(engines.RayWorker(workers=2)):
+    with launch_environments.use(launch_environments.RayWorker(workers=2)):
         run()
-    with engines.use(engines.CheckOnly()):
+    with launch_environments.use(launch_environments.CheckOnly()):
         run()
     assert ended == ["workers and helpers", "workers", "workers"]
-    assert not engines.Engine().outlives_the_script and not engines.TorchElastic().outlives_the_script
+    assert (
+        not launch_environments.LaunchEnvironment().outlives_the_script
+        and not launch_environments.TorchElastic().outlives_the_script
+    )
 
 
 def test_an_env_launch_says_what_its_group_waits_for_and_a_launchers_worker_has_nothing_to_say():
@@ -177,23 +198,26 @@ def test_an_env_launch_says_what_its_group_waits_for_and_a_launchers_worker_has_
         listening.listen()
         port = listening.getsockname()[1]
         spawned = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        rank_0, rank_1 = (engines.current({**spawned, "RANK": rank}) for rank in ("0", "1"))
+        rank_0, rank_1 = (launch_environments.current({**spawned, "RANK": rank}) for rank in ("0", "1"))
         line = rank_0.waiting_line(12.3, 600)
         assert line.startswith(f"rank 0 of 2: waiting at 127.0.0.1:{port} for the other processes to join")
         assert line.endswith("12 s so far, --timeout-s 600 ends the wait")
         assert "rank 1 of 2: waiting for the group at" in rank_1.waiting_line(12, 600)
         assert "rank 0 answers there" in rank_1.waiting_line(12, 600)
     assert "nothing answers there yet" in rank_1.waiting_line(12, 600)  # closed: a peer that failed before it
-    for quiet in (engines.current({}), engines.current({**TORCHRUN, "MASTER_ADDR": "h", "MASTER_PORT": "1"})):
+    for quiet in (
+        launch_environments.current({}),
+        launch_environments.current({**TORCHRUN, "MASTER_ADDR": "h", "MASTER_PORT": "1"}),
+    ):
         assert quiet.waiting_line(12, 600) is None
-    assert engines.current({"WORLD_SIZE": "1", "RANK": "0"}).waiting_line(12, 600) is None
+    assert launch_environments.current({"WORLD_SIZE": "1", "RANK": "0"}).waiting_line(12, 600) is None
 
 
 def test_a_group_that_forms_late_is_reported_until_it_forms_and_one_that_forms_at_once_is_not(monkeypatch, capsys):
     monkeypatch.setattr(group_wait, "FIRST_REPORT_S", 0.05)
     monkeypatch.setattr(group_wait, "REPORT_S", 0.05)
-    spawned = engines.EnvLaunch({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
-    with engines.use(spawned):
+    spawned = launch_environments.EnvLaunch({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    with launch_environments.use(spawned):
         with group_wait.while_the_group_forms(30, None):
             pass
         assert capsys.readouterr().err == ""
@@ -204,7 +228,10 @@ def test_a_group_that_forms_late_is_reported_until_it_forms_and_one_that_forms_a
         time.sleep(0.2)
         assert capsys.readouterr().err == "", "the report ends when the group forms"
     assert signal.set_wakeup_fd(-1) == -1, "the wakeup descriptor is put back"
-    with engines.use(engines.TorchElastic(TORCHRUN)), group_wait.while_the_group_forms(30, None):
+    with (
+        launch_environments.use(launch_environments.TorchElastic(TORCHRUN)),
+        group_wait.while_the_group_forms(30, None),
+    ):
         time.sleep(0.2)  # a launcher's worker: nothing added
     assert capsys.readouterr().err == ""
 
@@ -213,8 +240,8 @@ def test_the_wait_is_reported_first_after_its_first_interval_then_at_its_own(mon
     # the rhythm: one line after FIRST_REPORT_S (or half the timeout), then one every REPORT_S, not every first one
     monkeypatch.setattr(group_wait, "FIRST_REPORT_S", 0.1)
     monkeypatch.setattr(group_wait, "REPORT_S", 2.0)
-    spawned = engines.EnvLaunch({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
-    with engines.use(spawned):
+    spawned = launch_environments.EnvLaunch({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    with launch_environments.use(spawned):
         with group_wait.while_the_group_forms(30, None):
             time.sleep(0.7)
         assert len(capsys.readouterr().err.splitlines()) == 1

@@ -6,8 +6,8 @@ machine runs the same number of processes, the banner's line, what it says while
 its launcher's variables describe one job (`check`). SLURM and Kubernetes are the scheduler around a launcher
 (`scheduler`): they decide who is signalled at a preemption and how a job is requeued.
 
-`current()` is this process's engine, read from its environment; a launcher that runs the script inside its own
-process (Ray's worker, the Ray driver's option check) says so with `use(engine)`, not through a variable.
+`current()` is this process's launch environment, read from its environment; a launcher that runs the script inside its
+own process (Ray's worker, the Ray driver's option check) says so with `use(environment)`, not through a variable.
 
 A run's result comes back the same way: `run_main` records an `Outcome` (completed, preempted, a user error, a
 crash) that a launcher in the same process reads with `last_outcome()`, instead of files in the output dir.
@@ -60,7 +60,7 @@ def parent_command() -> list[str]:
 
 
 @dataclass(frozen=True)
-class Engine:
+class LaunchEnvironment:
     """A lone process: rank 0 of 1, never restarted by a launcher."""
 
     env: Mapping[str, str] = field(default_factory=dict, repr=False)
@@ -97,7 +97,7 @@ class Engine:
         return "the user or the system, to this process"
 
     def banner(self) -> str | None:
-        """The banner's `engine` line, for an engine that is not torch's own launch."""
+        """The banner's `launcher` line, for a launch environment that is not torch's own launch."""
         return None
 
     def checks_only(self) -> bool:
@@ -156,7 +156,7 @@ class Engine:
 
 
 @dataclass(frozen=True)
-class EnvLaunch(Engine):
+class EnvLaunch(LaunchEnvironment):
     """WORLD_SIZE, RANK, MASTER_ADDR and MASTER_PORT exported to every process (srun tasks, mp.spawn, a shell):
     torch's env:// rendezvous, no agent to restart the group."""
 
@@ -305,7 +305,7 @@ class RayWorker(TorchElastic):
 
 
 @dataclass(frozen=True)
-class CheckOnly(Engine):
+class CheckOnly(LaunchEnvironment):
     """A launcher's driver runs the script in its own process up to its Accelerator, so that a bad option is one
     line before any worker starts (ddp_accel.ray_launch)."""
 
@@ -328,21 +328,21 @@ def answers(address: str, port: int, timeout: float = 1.0) -> bool:
         return False
 
 
-_chosen: list[Engine] = []  # set by use(): a launcher that runs the script in this process
+_chosen: list[LaunchEnvironment] = []  # set by use(): a launcher that runs the script in this process
 
 
 @contextlib.contextmanager
-def use(engine: Engine) -> Iterator[Engine]:
-    """Run the code inside under `engine` (instead of what the environment says)."""
-    _chosen.append(engine)
+def use(environment: LaunchEnvironment) -> Iterator[LaunchEnvironment]:
+    """Run the code inside under `environment` (instead of what the environment says)."""
+    _chosen.append(environment)
     try:
-        yield engine
+        yield environment
     finally:
-        _chosen.remove(engine)
+        _chosen.remove(environment)
 
 
-def current(env: Mapping[str, str] | None = None) -> Engine:
-    """This process's engine: the one a launcher in this process chose, else the environment's."""
+def current(env: Mapping[str, str] | None = None) -> LaunchEnvironment:
+    """This process's environment: the one a launcher in this process chose, else the environment's."""
     if _chosen and env is None:
         return _chosen[-1]
     env = dict(os.environ if env is None else env)
@@ -350,7 +350,7 @@ def current(env: Mapping[str, str] | None = None) -> Engine:
         return TorchElastic(env)
     if "WORLD_SIZE" in env:
         return EnvLaunch(env)
-    return Engine(env)
+    return LaunchEnvironment(env)
 
 
 @dataclass
