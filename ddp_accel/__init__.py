@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ddp_accel.stopping import Preempted, StopSignals
     from ddp_accel.sync_bn import convert_sync_batchnorm
     from ddp_accel.task import RunRecord, Task
-    from ddp_accel.training import Run, TrainingRun, fit
+    from ddp_accel.training import Run, fit
 
 _EXPORTS = {
     "ArgumentParser": "ddp_accel.cli",
@@ -41,7 +41,6 @@ _EXPORTS = {
     "StopSignals": "ddp_accel.stopping",
     "Task": "ddp_accel.task",
     "TrainConfig": "ddp_accel.config",
-    "TrainingRun": "ddp_accel.training",
     "UserError": "ddp_accel.errors",
     "add_training_args": "ddp_accel.config",
     "build_accelerator": "ddp_accel.runtime",
@@ -76,7 +75,6 @@ __all__ = [
     "StopSignals",
     "Task",
     "TrainConfig",
-    "TrainingRun",
     "UserError",
     "add_training_args",
     "build_accelerator",

@@ -33,7 +33,7 @@ from ddp_accel.checkpoint_format import (
     unwrapped_optimizer,
     write_checkpoint,
 )
-from ddp_accel.config import TrainConfig
+from ddp_accel.config import CheckpointOptions
 from ddp_accel.errors import UserError
 from ddp_accel.files import finite_or_null, writing
 from ddp_accel.identity import compare_identity
@@ -533,7 +533,7 @@ class Checkpoints:
     def of_run(
         cls,
         accelerator: Accelerator,
-        config: TrainConfig,
+        options: CheckpointOptions,
         listing: Listing,
         contents: Contents,
         covered: bool,
@@ -543,13 +543,13 @@ class Checkpoints:
         """A run's, in `listing`'s folder, saving `contents`: --checkpointing-steps (`auto`: at the interval
         AutoInterval chooses; `covered`: a survivor's save covers the failure of some ranks), --checkpoint-limit,
         --async-checkpoint (a writer of its own)."""
-        every, limit = config.checkpointing_steps, config.checkpoint_limit
+        every, limit = options.checkpointing_steps, options.checkpoint_limit
         checkpoints = cls(accelerator, listing, every, limit, contents, activity, on_saved)
-        if config.async_checkpoint:
+        if options.async_checkpoint:
             checkpoints.writer = CheckpointWriter(sharded=accelerator.distributed_type == DistributedType.FSDP)
         if every == "auto":
             restarts = launch_environments.current().restarts
-            checkpoints.auto = AutoInterval(config.mtbf, covered, restarts, launch_started_at(), accelerator.device)
+            checkpoints.auto = AutoInterval(options.mtbf, covered, restarts, launch_started_at(), accelerator.device)
         return checkpoints
 
     def due_at_step(self, step: int) -> bool:

@@ -9,7 +9,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from ddp_accel.errors import UserError
 
@@ -307,6 +307,55 @@ class TrainConfig:
     )
     hparams: dict[str, Any] | None = field(default=None, repr=False)  # what args.json records; default: this
 
+    # each component's section (SECTIONS): what it is built from
+    @property
+    def run(self) -> RunOptions:
+        return RunOptions.of(self)
+
+    @property
+    def data(self) -> DataOptions:
+        return DataOptions.of(self)
+
+    @property
+    def length(self) -> LengthOptions:
+        return LengthOptions.of(self)
+
+    @property
+    def optimization(self) -> OptimizerOptions:
+        return OptimizerOptions.of(self)
+
+    @property
+    def schedule(self) -> ScheduleOptions:
+        return ScheduleOptions.of(self)
+
+    @property
+    def checkpointing(self) -> CheckpointOptions:
+        return CheckpointOptions.of(self)
+
+    @property
+    def evaluation(self) -> EvaluationOptions:
+        return EvaluationOptions.of(self)
+
+    @property
+    def averaging(self) -> AveragingOptions:
+        return AveragingOptions.of(self)
+
+    @property
+    def tracking(self) -> TrackingOptions:
+        return TrackingOptions.of(self)
+
+    @property
+    def compilation(self) -> CompileOptions:
+        return CompileOptions.of(self)
+
+    @property
+    def communication(self) -> CommunicationOptions:
+        return CommunicationOptions.of(self)
+
+    @property
+    def watchdog(self) -> WatchdogOptions:
+        return WatchdogOptions.of(self)
+
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides: Any) -> TrainConfig:
         """The shared options of a parsed command line; every argument is kept for args.json and trackers."""
@@ -329,6 +378,155 @@ class TrainConfig:
         if self.hparams is not None:
             return self.hparams
         return {key: getattr(self, key) for key in (f.name for f in fields(self)) if key != "hparams"}
+
+
+# --- sections: each component of a run is built from its own part of the options, never from the whole ---
+SectionT = TypeVar("SectionT", bound="Section")
+
+
+@dataclass(frozen=True)
+class Section:
+    """One component's part of the options: the TrainConfig fields it reads, by the same names. The command line
+    stays flat (`--checkpoint-limit`); `config.checkpointing` is the section the checkpoints are built from."""
+
+    @classmethod
+    def of(cls: type[SectionT], config: TrainConfig) -> SectionT:
+        return cls(**{name.name: getattr(config, name.name) for name in fields(cls)})
+
+
+@dataclass(frozen=True)
+class RunOptions(Section):
+    """The run's folder, its precision and its process group's timeout: what the Accelerator is built from."""
+
+    output_dir: str
+    mixed_precision: str | None
+    timeout_s: int
+
+
+@dataclass(frozen=True)
+class DataOptions(Section):
+    """The training data's batches and order."""
+
+    batch_size: int
+    gradient_accumulation_steps: int
+    auto_batch_size: bool
+    seed: int
+
+
+@dataclass(frozen=True)
+class LengthOptions(Section):
+    """How long the run trains: epochs, a step limit, or a time budget."""
+
+    epochs: int
+    max_steps: int | None
+    time_budget: float | None
+
+
+@dataclass(frozen=True)
+class OptimizerOptions(Section):
+    """The shared optimizer (make_optimizer) and the gradient's clip."""
+
+    optimizer: str | None
+    lr: float
+    momentum: float
+    nesterov: bool
+    weight_decay: float | None
+    betas: tuple[float, float]
+    max_grad_norm: float | None
+
+
+@dataclass(frozen=True)
+class ScheduleOptions(Section):
+    """The shared learning-rate schedule (`lr` is its peak, `epochs` its length for the checks)."""
+
+    lr: float
+    epochs: int
+    lr_schedule: str | None
+    warmup_epochs: float
+    min_lr: float
+    lr_gamma: float
+    lr_step_epochs: int
+    lr_milestones: list[int] | None
+    plateau_patience: int
+
+
+@dataclass(frozen=True)
+class CheckpointOptions(Section):
+    """When checkpoints are saved, how many are kept, how they are written, and which one a run resumes."""
+
+    checkpointing_steps: int | str | None
+    mtbf: float | None
+    checkpoint_limit: int | None
+    async_checkpoint: bool
+    resume_from_checkpoint: str | None
+    overwrite_output_dir: bool
+
+
+@dataclass(frozen=True)
+class EvaluationOptions(Section):
+    """When the run evaluates, and what watches the evaluations (the best model, early stopping)."""
+
+    eval_steps: int | None
+    eval_every_epochs: int
+    best_metric: str | None
+    early_stopping_patience: int | None
+    early_stopping_min_delta: float
+
+
+@dataclass(frozen=True)
+class AveragingOptions(Section):
+    """The weights' exponential moving average."""
+
+    ema_decay: float | None
+    ema_warmup: bool
+
+
+@dataclass(frozen=True)
+class TrackingOptions(Section):
+    """What the run logs, where, and the profiler's window."""
+
+    log_steps: int
+    with_tracking: bool
+    report_to: str
+    profile_steps: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
+class CompileOptions(Section):
+    compile: str | None
+    compile_backend: str
+
+
+@dataclass(frozen=True)
+class CommunicationOptions(Section):
+    """How DDP all-reduces the gradients."""
+
+    ddp_comm_hook: str
+    powersgd_rank: int | None
+    powersgd_start_step: int | None
+
+
+@dataclass(frozen=True)
+class WatchdogOptions(Section):
+    """The hang watchdog's bound on a step without progress."""
+
+    hang_timeout_s: float | None
+
+
+SECTIONS: dict[str, type[Section]] = {
+    "run": RunOptions,
+    "data": DataOptions,
+    "length": LengthOptions,
+    "optimization": OptimizerOptions,
+    "schedule": ScheduleOptions,
+    "checkpointing": CheckpointOptions,
+    "evaluation": EvaluationOptions,
+    "averaging": AveragingOptions,
+    "tracking": TrackingOptions,
+    "compilation": CompileOptions,
+    "communication": CommunicationOptions,
+    "watchdog": WatchdogOptions,
+}
 
 
 # --- each section of the options checks itself, in one place: an option given that nothing reads, or that

@@ -12,6 +12,7 @@ from typing import Any
 import psutil
 import torch
 from accelerate import Accelerator
+from accelerate.utils import find_batch_size
 
 from ddp_accel.files import write_json
 
@@ -142,3 +143,45 @@ class LossWindow:
         self.total.zero_()
         self.batches = 0
         return value
+
+
+class LoopMeters:
+    """The loop's figures of each micro-batch: the loss window, the throughput and the data wait (a batch's wait
+    runs from the previous batch's end, or from `restart_clock` after an evaluation, a checkpoint or a worker
+    start)."""
+
+    def __init__(self, accelerator: Accelerator):
+        self.accelerator = accelerator
+        self.throughput, self.window = ThroughputMeter(), LossWindow(accelerator.device)
+        self.tick = self.created = time.perf_counter()
+
+    def restart_clock(self) -> None:
+        self.tick = time.perf_counter()
+
+    def add(self, batch: Any, loss: torch.Tensor, started: float) -> None:
+        """A micro-batch that began computing at `started` (perf_counter) ended now with `loss`."""
+        self.window.add(loss)
+        done = time.perf_counter()
+        samples = find_batch_size(batch) * self.accelerator.num_processes
+        self.throughput.add(samples, done - self.tick, started - self.tick)
+        self.tick = done
+
+    def loop_metrics(self, skipped_steps: int) -> dict[str, Any]:
+        """metrics.json's figures of the loop: the optimizer steps skipped, the throughput, the wall time."""
+        return {
+            "skipped_optimizer_steps": skipped_steps,
+            **self.throughput.summary(),
+            "wall_time_s": time.perf_counter() - self.created,
+        }
+
+    def logs(self, scheduler: Any, skipped_steps: int) -> dict[str, Any]:
+        """The loss averaged over all processes, the throughput of the last log window (global samples), the
+        learning rate, and with fp16 the gradient scaler's state: its skipped steps are never silent."""
+        speed, wait = self.throughput.window()
+        logs = {"train_loss": self.window.mean(self.accelerator), "samples_per_s": speed, "data_wait_share": wait}
+        if scheduler is not None:
+            logs["lr"] = scheduler.get_last_lr()[0]
+        scaler = self.accelerator.scaler
+        if scaler is not None:
+            logs.update(loss_scale=scaler.get_scale(), skipped_optimizer_steps=skipped_steps)
+        return logs

@@ -5,6 +5,7 @@ gives, the LR scheduler, the run's own features as callbacks, and --time-budget'
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,14 +13,22 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from ddp_accel.agreement import StepAgreement
 from ddp_accel.batch_size import find_micro_batch, with_batch_size
 from ddp_accel.budget import BudgetGuard, BudgetPlan, RunShape, Timing, budget_line, epochs_text, plan_run
 from ddp_accel.callback_state import CallbackStates
 from ddp_accel.callbacks import BestModel, Callback, EarlyStopping, ProgressBar, Trackers
 from ddp_accel.checkpoint_format import AcceleratorObjects, Contents
 from ddp_accel.comm_hooks import PowerSGD, PowerSGDStates, check_model, register_powersgd
-from ddp_accel.config import TrainConfig, check_evaluation, check_strategy
+from ddp_accel.config import (
+    AveragingOptions,
+    EvaluationOptions,
+    ScheduleOptions,
+    TrackingOptions,
+    TrainConfig,
+    WatchdogOptions,
+    check_evaluation,
+    check_strategy,
+)
 from ddp_accel.ema import WeightAverage
 from ddp_accel.loaders import exit_now
 from ddp_accel.profiling import ProfilerWindow
@@ -29,7 +38,6 @@ from ddp_accel.schedules import PlateauFeed, make_schedule
 from ddp_accel.sharding import before_prepare
 from ddp_accel.stopping import StopSignals
 from ddp_accel.task import Task
-from ddp_accel.train_step import TrainStep
 from ddp_accel.watchdog import ProgressWatchdog
 
 
@@ -132,9 +140,9 @@ def check_options_against_task(
     check_strategy(config, shards_weights(accelerator), kind == DistributedType.DEEPSPEED, fsdp_version)
 
 
-def progress_watchdog(folder: RunFolder, rank: int, config: TrainConfig, signals: StopSignals) -> ProgressWatchdog:
+def progress_watchdog(folder: RunFolder, rank: int, options: WatchdogOptions, signals: StopSignals) -> ProgressWatchdog:
     """The run's watchdog (--hang-timeout-s): it reports the run's phase, and exits with the helpers ended."""
-    return ProgressWatchdog(folder.path, rank, config.hang_timeout_s, phase=lambda: signals.phase, exit=exit_now)
+    return ProgressWatchdog(folder.path, rank, options.hang_timeout_s, phase=lambda: signals.phase, exit=exit_now)
 
 
 def checkpoint_contents(task: Task, prepared: Prepared, scheduler: Any, callbacks: list[Callback]) -> Contents:
@@ -153,7 +161,7 @@ def checkpoint_contents(task: Task, prepared: Prepared, scheduler: Any, callback
 
 def build_scheduler(
     accelerator: Accelerator,
-    config: TrainConfig,
+    options: ScheduleOptions,
     task: Task,
     optimizer: torch.optim.Optimizer,
     total_steps: int,
@@ -164,9 +172,9 @@ def build_scheduler(
     schedule's feed of evaluations."""
     scheduler: Any = None
     feed: list[Callback] = []
-    if config.lr_schedule:
-        scheduler, schedule = make_schedule(config, optimizer, total_steps, steps_per_epoch)
-        if config.lr_schedule == "plateau" and best_metric:
+    if options.lr_schedule:
+        scheduler, schedule = make_schedule(options, optimizer, total_steps, steps_per_epoch)
+        if options.lr_schedule == "plateau" and best_metric:
             feed.append(PlateauFeed(schedule, best_metric))
     elif task.make_scheduler:
         scheduler = task.make_scheduler(optimizer, total_steps, steps_per_epoch)
@@ -184,15 +192,21 @@ class Features:
 
 
 def standard_callbacks(
-    config: TrainConfig, best_metric: str | None, total_steps: int, length_chosen_by: str, given: list[Callback]
+    averaging: AveragingOptions,
+    evaluation: EvaluationOptions,
+    tracking: TrackingOptions,
+    best_metric: str | None,
+    total_steps: int,
+    length_chosen_by: str,
+    given: list[Callback],
 ) -> Features:
-    ema = WeightAverage(config.ema_decay, config.ema_warmup) if config.ema_decay else None
-    profiler = [ProfilerWindow(*config.profile_steps)] if config.profile_steps else []  # off: no callback
+    ema = WeightAverage(averaging.ema_decay, averaging.ema_warmup) if averaging.ema_decay else None
+    profiler = [ProfilerWindow(*tracking.profile_steps)] if tracking.profile_steps else []  # off: no callback
     for window in profiler:
         window.check(total_steps, length_chosen_by)
     early = (
-        [EarlyStopping(best_metric, config.early_stopping_patience, config.early_stopping_min_delta)]
-        if config.early_stopping_patience and best_metric
+        [EarlyStopping(best_metric, evaluation.early_stopping_patience, evaluation.early_stopping_min_delta)]
+        if evaluation.early_stopping_patience and best_metric
         else []
     )
     average = [ema] if ema else []
@@ -237,11 +251,13 @@ def run_length(
     prepared: Prepared,
     folder: RunFolder,
     started: float,
+    train_batch: Callable[[Any], Any],
 ) -> RunLength:
-    """--epochs and --max-steps, or --time-budget's plan (at most --epochs)."""
+    """--epochs and --max-steps, or --time-budget's plan (at most --epochs, from batches timed through the loop's
+    own `train_batch`)."""
     budget, kept = None, False
     if config.time_budget:
-        budget, kept = plan_time_budget(accelerator, config, task, prepared, folder, started)
+        budget, kept = plan_time_budget(accelerator, config, task, prepared, folder, started, train_batch)
     epochs = budget.epochs if budget else config.epochs
     total_steps = int(min(epochs * prepared.steps_per_epoch, config.max_steps or math.inf))
     return RunLength(epochs, total_steps, started, budget, kept)
@@ -254,6 +270,7 @@ def plan_time_budget(
     prepared: Prepared,
     folder: RunFolder,
     started: float,
+    train_batch: Callable[[Any], Any],
 ) -> tuple[BudgetPlan, bool]:
     """--time-budget: the plan the run made at its start (kept by a resume, or a rerun of the complete run), else
     a new one from batches timed here on the prepared objects. Returns (plan, kept?)."""
@@ -264,13 +281,10 @@ def plan_time_budget(
         kept = BudgetPlan.from_state(kept_state) if kept_state else None
     except (KeyError, TypeError, ValueError):  # unreadable: planned again
         kept = None
-    probe = TrainStep(
-        accelerator, prepared.model, prepared.optimizer, task.loss_fn, config.max_grad_norm, StepAgreement(accelerator)
-    )
     eval_loader = prepared.eval_loader if prepared.eval_loader is not None else prepared.test_loader
     timing = Timing(
         accelerator,
-        probe,
+        train_batch,
         prepared.model,
         prepared.optimizer,
         prepared.train_loader,

@@ -29,7 +29,7 @@ from ddp_accel.callbacks import Callback
 from ddp_accel.meters import improves
 
 if TYPE_CHECKING:
-    from ddp_accel.config import TrainConfig
+    from ddp_accel.config import ScheduleOptions
     from ddp_accel.context import RunContext
 
 ONECYCLE_START = 1 / 25  # torch's OneCycleLR div_factor
@@ -37,7 +37,7 @@ ONECYCLE_WARMUP_SHARE = 0.3  # torch's OneCycleLR pct_start
 
 
 class LearningRateSchedule:
-    def __init__(self, config: TrainConfig, total_steps: int, steps_per_epoch: int) -> None:
+    def __init__(self, config: ScheduleOptions, total_steps: int, steps_per_epoch: int) -> None:
         self.name = config.lr_schedule
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
         warmup = config.warmup_epochs * steps_per_epoch
@@ -88,7 +88,7 @@ class LearningRateSchedule:
 
 
 def make_schedule(
-    config: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int, steps_per_epoch: int
+    config: ScheduleOptions, optimizer: torch.optim.Optimizer, total_steps: int, steps_per_epoch: int
 ) -> tuple[Any, LearningRateSchedule]:
     """The LambdaLR of `config`'s schedule, and the schedule (reduce-on-plateau observes it)."""
     schedule = LearningRateSchedule(config, total_steps, steps_per_epoch)

@@ -1,9 +1,10 @@
-"""The one training loop every script uses: `fit`, and the run it drives (`TrainingRun`).
+"""The one way into a training run: `Run(config, signals).fit(task)` (`fit(accelerator, config, task)` is the same
+with an Accelerator of your own). `Trainer` builds the run in one place, each component from its own section of
+the options (`config.checkpointing`, `config.schedule`, ...); `train` is the loop, and `train_on` one micro-batch:
+forward -> backward -> clip -> step -> schedule -> agreement -> log, evaluate, checkpoint, on one screen.
 
-The run holds the prepared objects and drives its components through narrow interfaces: `Checkpoints` decides
-when, where and what to save and loads under the run's identity; `StepAgreement` agrees on stops; `TrainStep` runs
-a micro-batch; the callbacks (progress bar, trackers, the weights' average, the best model, early stopping, the
-profiler, the plateau schedule, yours) see a `RunContext`, never the run itself.
+The callbacks (progress bar, trackers, the weights' average, the best model, early stopping, the profiler, the
+plateau schedule, yours) see a `RunContext`, never the trainer itself.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 from accelerate import Accelerator
 
 from ddp_accel import allocator, launch_environments, loaders, rescue, run_end, run_start
@@ -29,7 +31,7 @@ from ddp_accel.context import RunContext
 from ddp_accel.endings import lost_peers
 from ddp_accel.errors import UserError
 from ddp_accel.evaluation import Evaluations
-from ddp_accel.meters import EvalHistory
+from ddp_accel.meters import EvalHistory, LoopMeters
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.run_setup import (
     build_scheduler,
@@ -44,7 +46,6 @@ from ddp_accel.runtime import exported_model, open_run
 from ddp_accel.state import RunIdentity, TrainState
 from ddp_accel.stopping import Phase, SaveGrace, StopFacts, StopSignals
 from ddp_accel.task import RunRecord, Task
-from ddp_accel.train_step import TrainStep
 
 
 class StopTraining(Exception):
@@ -61,9 +62,12 @@ def stop_on(verdict: Verdict | None) -> None:
         raise StopTraining(verdict)
 
 
-class TrainingRun(contextlib.AbstractContextManager["TrainingRun"]):
-    """One call of fit(): the prepared objects, where training is (`state`) and who the run is (`identity`), its
-    folder, checkpoints and callbacks, and the steps of the loop. fit() reads as the loop; the steps are here."""
+class Trainer(contextlib.AbstractContextManager["Trainer"]):
+    """One run, built in one place: the prepared objects, where training is (`state`) and who the run is
+    (`identity`), and each component from its section of the options: the run's length (`config.length`), the
+    schedule (`config.schedule`), the callbacks (`config.averaging`, `config.evaluation`, `config.tracking`), the
+    agreement, the watchdog (`config.watchdog`), the checkpoints (`config.checkpointing`), the evaluations. Its
+    phases are its methods (start, evaluate, stop, finish); the loop is `train`."""
 
     def __init__(
         self,
@@ -82,6 +86,7 @@ class TrainingRun(contextlib.AbstractContextManager["TrainingRun"]):
         )
         self.prepared = prepared = prepare_task(accelerator, config, task)
         self.model, self.optimizer = prepared.model, prepared.optimizer
+        self.max_grad_norm = config.optimization.max_grad_norm
         self.eval_loader = prepared.eval_loader
         self.state = TrainState(
             global_batch=prepared.micro_batch * accelerator.num_processes,
@@ -91,7 +96,7 @@ class TrainingRun(contextlib.AbstractContextManager["TrainingRun"]):
         self.best_metric = config.best_metric or task.best_metric  # --best-metric, else the script's
         check_options_against_task(accelerator, config, task, self.best_metric)
         started = command_started(time.time())
-        self.length = run_length(accelerator, config, task, prepared, self.folder, started)
+        self.length = run_length(accelerator, config, task, prepared, self.folder, started, self.optimizer_step)
         if self.length.budget:
             self.state.time_budget = self.length.budget.state_dict()
         self.epochs, self.total_steps = self.length.epochs, self.length.total_steps
@@ -102,24 +107,28 @@ class TrainingRun(contextlib.AbstractContextManager["TrainingRun"]):
         the step, the agreement, the watchdog, and what the callbacks see."""
         accelerator, config, task = self.accelerator, self.config, self.task
         self.scheduler, feed = build_scheduler(
-            accelerator, config, task, self.optimizer, self.total_steps, self.prepared.steps_per_epoch, self.best_metric
+            accelerator,
+            config.schedule,
+            task,
+            self.optimizer,
+            self.total_steps,
+            self.prepared.steps_per_epoch,
+            self.best_metric,
         )
         chosen_by, guard = self.length.guard()
-        features = standard_callbacks(
-            config, self.best_metric, self.total_steps, chosen_by, [*feed, *guard, *callbacks]
-        )
+        sections = config.averaging, config.evaluation, config.tracking
+        given = [*feed, *guard, *callbacks]
+        features = standard_callbacks(*sections, self.best_metric, self.total_steps, chosen_by, given)
         self.ema, self.callbacks = features.ema, Callbacks(features.callbacks)
         contents = checkpoint_contents(task, self.prepared, self.scheduler, features.callbacks)
         covered = rescue.rescuable(accelerator, contents)  # a survivor saves every rank's step
         self.agreement = StepAgreement(accelerator, streams=covered, generators=self.callbacks.random_generators())
         self.agreement.keep_buffers(contents.objects.models)
-        self.step = TrainStep(
-            accelerator, self.model, self.optimizer, task.loss_fn, config.max_grad_norm, self.agreement
-        )
-        self.watchdog = progress_watchdog(self.folder, accelerator.process_index, config, self.signals)
+        self.meters = LoopMeters(accelerator)
+        self.watchdog = progress_watchdog(self.folder, accelerator.process_index, config.watchdog, self.signals)
         activity = self.watchdog.activity
         self.checkpoints = Checkpoints.of_run(
-            accelerator, config, self.folder.listing, contents, covered, activity, self.after_save
+            accelerator, config.checkpointing, self.folder.listing, contents, covered, activity, self.after_save
         )
         self.history = EvalHistory(self.folder.path / "history.json")
         self.evaluations = Evaluations(
@@ -194,33 +203,19 @@ class TrainingRun(contextlib.AbstractContextManager["TrainingRun"]):
                 self.callbacks.call("on_rebase", self.context, rebase)
         run_start.switch_best_metric(accelerator, state, self.best_metric)
 
-    # --- the loop's steps ---
-    def train_step(self, batch: Any) -> bool:
-        """One micro-batch; True when it ended an optimizer step."""
-        ended = self.step(batch)
-        self.state.batches_in_epoch += 1
-        self.watchdog.beat(f"batch {self.state.batches_in_epoch} of epoch {self.state.epoch + 1}")
-        return ended
-
-    def after_optimizer_step(self) -> None:
-        """The step's callbacks, the agreement on stopping, then what is due at this step: log, evaluate,
-        checkpoint."""
-        if self.scheduler is not None:
-            self.scheduler.step()
-        state, config = self.state, self.config
-        state.step += 1
-        eval_due = self.eval_loader is not None and every(state.step, config.eval_steps)
-        checkpoint_due = self.checkpoints.due_at_step(state.step)
-        # before the stop agreement: what the callbacks update per step (the EMA) belongs to the step, and a
-        # stop saves the step whole
-        self.callbacks.call("on_step_end", self.context)
-        stop_on(self.agreement.step_done(state.step, self.signals.received, wait=eval_due or checkpoint_due))
-        if every(state.step, config.log_steps) or state.step == self.total_steps:
-            self.log_window()
-        if eval_due:
-            self.evaluate_now()
-        self.checkpoints.maybe_save(state, self.identity)
-        self.step.restart_clock()
+    # --- the loop's parts (the loop itself: `train` and `train_on`, below) ---
+    def optimizer_step(self, batch: Any) -> torch.Tensor:
+        """forward -> backward -> clip -> step of one micro-batch; its loss. Inside `accumulate`, Accelerate skips
+        the gradient all-reduce and the optimizer step between accumulation boundaries."""
+        accelerator, model, optimizer, max_grad_norm = self.accelerator, self.model, self.optimizer, self.max_grad_norm
+        with accelerator.accumulate(model):
+            loss = self.task.loss_fn(model, batch)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and max_grad_norm:
+                accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
 
     def end_of_epoch(self, epoch: int) -> None:
         stop_on(self.agreement.flush())
@@ -235,7 +230,7 @@ class TrainingRun(contextlib.AbstractContextManager["TrainingRun"]):
     def log_window(self) -> None:
         """The log window's loss and throughput to the callbacks (the progress bar, the trackers); epochs count
         from 1, as in history.json."""
-        logs = self.step.logs(self.scheduler)
+        logs = self.meters.logs(self.scheduler, self.agreement.skipped_steps)
         self.state.last_loss = logs["train_loss"]
         self.callbacks.call("on_log", self.context, {**logs, "epoch": self.state.epoch + 1})
 
@@ -288,7 +283,7 @@ class TrainingRun(contextlib.AbstractContextManager["TrainingRun"]):
         self.signals.enter(Phase.COMMIT)
         self.watchdog.stop()  # it watches training and evaluation; the commit writes files once
         trained = {
-            **self.step.loop_metrics(),
+            **self.meters.loop_metrics(self.agreement.skipped_steps),
             **self.length.budget_metrics(time.time()),
             **self.prepared.trained_metrics(self.accelerator, self.config),
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
@@ -329,15 +324,16 @@ def skipping(accelerator: Accelerator, loader: Any, batches: int, epoch: int) ->
 
 
 class Run:
-    """One training run, built from its options and the process's stop signals: its output folder (checked once,
-    before anything is built), its Accelerator (for the script's data and model) and its trackers. `fit(task)`
-    trains it. Every process builds its Run and calls fit.
+    """One training run, the one way into one: built from its options and the process's stop signals, with its
+    output folder (checked once, before anything is built), its Accelerator (for the script's data and model) and
+    its trackers. `fit(task)` trains it. Every process builds its Run and calls fit.
 
         run = Run(config, signals)                      # signals: run_main's, passed to main(signals)
         model = build_model().to(run.accelerator.device)
         run.fit(Task(model, optimizer, loader, loss_fn), RunRecord(title="my run"))
 
-    `check_output_dir=False`: not training into --output-dir (an evaluation). `find_unused_parameters`: DDP's."""
+    `check_output_dir=False`: not training into --output-dir (an evaluation). `find_unused_parameters`: DDP's.
+    `Run.around(accelerator, config)`: a run on an Accelerator of your own (its folder is checked by fit)."""
 
     def __init__(
         self,
@@ -352,9 +348,29 @@ class Run:
             config, signals, check_output_dir, find_unused_parameters=find_unused_parameters
         )
 
+    @classmethod
+    def around(cls, accelerator: Accelerator, config: TrainConfig, signals: StopSignals | None = None) -> Run:
+        run = cls.__new__(cls)
+        run.config, run.signals, run.accelerator = config, signals, accelerator
+        run.folder = RunFolder(config.output_dir)
+        return run
+
     def fit(self, task: Task, record: RunRecord | None = None, callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
-        """Train `task` (see `ddp_accel.fit`); returns the final metrics, the same on every rank."""
-        return train(self.accelerator, self.config, task, record, self.signals, self.folder, callbacks)
+        """Train `task`: checkpoint, resume, evaluate (its `eval_loader`, and `test_loader` once at the end), log;
+        then commit model.safetensors, model_best.safetensors (by `task.best_metric`), the record's `artifacts`,
+        args.json, training_curves.png and metrics.json together. Returns the final metrics (the same on every rank).
+
+        On SIGTERM/SIGUSR1/SIGHUP every rank checkpoints the step reached and fit raises `Preempted`; a loss that
+        is not finite stops with a UserError. Without the process's signals (run_main's), fit uses the installed
+        ones, or watches the signals itself while it runs (a notebook). `callbacks`: ddp_accel.callbacks.Callback."""
+        signals = self.signals or StopSignals.current
+        trainer = Trainer(
+            self.accelerator, self.config, task, record or RunRecord(), signals or StopSignals(), self.folder, callbacks
+        )
+        if trainer.signals.output_dir is None:
+            trainer.signals.set_output_dir(trainer.folder.path)
+        with trainer.signals if signals is None else contextlib.nullcontext(), trainer:
+            return train(trainer)
 
 
 def fit(
@@ -366,69 +382,73 @@ def fit(
     signals: StopSignals | None = None,
     callbacks: Sequence[Callback] = (),
 ) -> dict[str, Any]:
-    """Train `task`: checkpoint, resume, evaluate (its `eval_loader`, and `test_loader` once at the end), log; then
-    commit model.safetensors, model_best.safetensors (by `task.best_metric`), the record's `artifacts`, args.json,
-    training_curves.png and metrics.json together.
-
-    Every process calls fit(). Returns the final metrics (the same on every rank). On SIGTERM/SIGUSR1/SIGHUP every rank
-    checkpoints the step reached and fit raises `Preempted`; a loss that is not finite stops with a UserError.
-    `signals`: the process's StopSignals (run_main's); without them fit uses the installed ones, or watches the
-    signals itself while it runs (a notebook). `callbacks`: ddp_accel.callbacks.Callback hooks. With an Accelerator
-    of your own (or make_accelerator's) the output folder is checked here; `Run` checks it once, before the
-    Accelerator is built.
-    """
-    return train(accelerator, config, task, record, signals, RunFolder(config.output_dir), callbacks)
+    """`Run.around(accelerator, config, signals).fit(task, record, callbacks)`: a run on an Accelerator of your own."""
+    return Run.around(accelerator, config, signals).fit(task, record, callbacks)
 
 
-def train(
-    accelerator: Accelerator,
-    config: TrainConfig,
-    task: Task,
-    record: RunRecord | None,
-    signals: StopSignals | None,
-    folder: RunFolder,
-    callbacks: Sequence[Callback],
-) -> dict[str, Any]:
-    """The loop (`fit`'s and `Run.fit`'s), in the run's `folder`."""
-    signals = signals or StopSignals.current
-    run = TrainingRun(accelerator, config, task, record or RunRecord(), signals or StopSignals(), folder, callbacks)
-    if run.signals.output_dir is None:
-        run.signals.set_output_dir(run.folder.path)
-    with run.signals if signals is None else contextlib.nullcontext(), run:
-        committed = run.start()
-        if committed is not None:
-            return committed
-        state = run.state
-        try:
-            if state.eval_pending:  # stopped while evaluating this step: evaluate it first
-                run.evaluate_now()
-                run.watchdog.rearm()
-            for epoch in range(state.epoch, run.epochs):  # (--time-budget may have chosen fewer than --epochs)
-                if state.step >= run.total_steps or state.ended:
-                    break
-                with epoch_batches(
-                    run.accelerator, run.prepared.train_loader, run.config.seed, state, epoch
-                ) as batches:
-                    run.step.restart_clock()  # each batch timed from here
-                    for batch in batches:
-                        # --max-steps reached, or early stopping, mid-epoch: no end-of-epoch work
-                        if state.step >= run.total_steps or state.ended:
-                            break
-                        if run.train_step(batch):
-                            run.after_optimizer_step()
-                    else:  # the epoch ran to its end
-                        run.end_of_epoch(epoch)
-            run.checkpoints.finish_writes()  # --async-checkpoint: the last one is complete before the final work
-            run.final_evaluations()
-        except StopTraining as stop:
-            run.stop(stop.verdict)
-        except Exception as error:
-            after_a_crash(run, error)
-            raise
-        return run.finish()
+def train(run: Trainer) -> dict[str, Any]:
+    """The loop: every epoch's batches through `train_on`, the final evaluations, the commit; a stop saves the
+    step reached. Returns metrics.json (a complete run's, committed before, when there is nothing to train)."""
+    committed = run.start()
+    if committed is not None:
+        return committed
+    state = run.state
+    try:
+        if state.eval_pending:  # stopped while evaluating this step: evaluate it first
+            run.evaluate_now()
+            run.watchdog.rearm()
+        for epoch in range(state.epoch, run.epochs):  # (--time-budget may have chosen fewer than --epochs)
+            if state.step >= run.total_steps or state.ended:
+                break
+            with epoch_batches(run.accelerator, run.prepared.train_loader, run.config.seed, state, epoch) as batches:
+                run.meters.restart_clock()  # each batch timed from here
+                for batch in batches:
+                    if state.step >= run.total_steps or state.ended:  # --max-steps or early stopping, mid-epoch
+                        break
+                    train_on(run, batch)
+                else:  # the epoch ran to its end
+                    run.end_of_epoch(epoch)
+        run.checkpoints.finish_writes()  # --async-checkpoint: the last one is complete before the final work
+        run.final_evaluations()
+    except StopTraining as stop:
+        run.stop(stop.verdict)
+    except Exception as error:
+        after_a_crash(run, error)
+        raise
+    return run.finish()
 
 
-def after_a_crash(run: TrainingRun, error: Exception) -> None:
+def train_on(run: Trainer, batch: Any) -> None:
+    """One micro-batch: forward -> backward -> clip -> step (`optimizer_step`), then, where it ended an optimizer
+    step, the schedule, the callbacks' step (the EMA), the ranks' agreement on stopping, and what is due at this
+    step: log, evaluate, checkpoint."""
+    state, config = run.state, run.config
+    started = time.perf_counter()
+    loss = run.optimizer_step(batch)
+    run.meters.add(batch, loss, started)
+    run.agreement.observe(loss)
+    state.batches_in_epoch += 1
+    run.watchdog.beat(f"batch {state.batches_in_epoch} of epoch {state.epoch + 1}")
+    if not run.accelerator.sync_gradients:  # inside an accumulation group
+        return
+    if run.scheduler is not None:
+        run.scheduler.step()
+    state.step += 1
+    eval_due = run.eval_loader is not None and every(state.step, config.eval_steps)
+    checkpoint_due = run.checkpoints.due_at_step(state.step)
+    # before the stop agreement: what the callbacks update per step (the EMA) belongs to the step, and a stop
+    # saves the step whole
+    run.callbacks.call("on_step_end", run.context)
+    stop_on(run.agreement.step_done(state.step, run.signals.received, wait=eval_due or checkpoint_due))
+    if every(state.step, config.log_steps) or state.step == run.total_steps:
+        run.log_window()
+    if eval_due:
+        run.evaluate_now()
+    run.checkpoints.maybe_save(state, run.identity)
+    run.meters.restart_clock()
+
+
+def after_a_crash(run: Trainer, error: Exception) -> None:
     """A peer lost: the survivors save the step reached (or a line says why not). Any other crash but a UserError
     is noted, and refused when it repeats from the same start at the same step: it is deterministic, and a
     UserError then keeps the launcher from restarting it again."""

@@ -469,7 +469,7 @@ def test_before_the_first_step_of_a_resume_the_checkpoints_are_listed_once_and_e
     complete, reader, start = (
         checkpoint.complete_checkpoints,
         checkpoint.read_training_state,
-        training.TrainingRun.start,
+        training.Trainer.start,
     )
 
     def counted_complete(root, read=None):
@@ -487,7 +487,7 @@ def test_before_the_first_step_of_a_resume_the_checkpoints_are_listed_once_and_e
 
     monkeypatch.setattr(checkpoint, "complete_checkpoints", counted_complete)
     monkeypatch.setattr(checkpoint, "read_training_state", counted_read)
-    monkeypatch.setattr(training.TrainingRun, "start", counted_start)
+    monkeypatch.setattr(training.Trainer, "start", counted_start)
     check_ok(run_script(PROBE, *args, "--epochs", 2, "--time-budget", "1h", "--resume-from-checkpoint", "latest"))
     assert before_step_1["listed"] == {str(tmp_path / "run" / "checkpoints"): 1}, before_step_1
     assert before_step_1["read"] == {"step_2": 1, "step_4": 1}, before_step_1

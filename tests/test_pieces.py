@@ -876,3 +876,66 @@ def test_the_progress_bar_in_a_log_file_writes_whole_lines(monkeypatch):
     assert "\r" not in text and text.endswith("\n"), repr(text)
     lines = text.splitlines()
     assert lines[0].startswith("train:") and "4/10" in lines[0] and "7/10" in lines[-1], lines
+
+
+def test_every_option_belongs_to_a_section_and_a_section_holds_the_run_s_own_values():
+    """Each component is built from its section of the options: an option in no section would be read by none,
+    and a section must carry the values a command gave, not TrainConfig's defaults."""
+    from dataclasses import fields
+
+    from ddp_accel.config import SECTIONS
+
+    options = {field.name for field in fields(TrainConfig)} - {"hparams"}
+    in_sections = {field.name for section in SECTIONS.values() for field in fields(section)}
+    assert options - in_sections == set(), "options in no section"
+    assert in_sections - options == set(), "section fields that are no option"
+    changed = {
+        "checkpoint_limit": 3,
+        "lr_schedule": "cosine",
+        "hang_timeout_s": 7.0,
+        "ema_decay": 0.9,
+        "eval_steps": 5,
+        "profile_steps": (1, 2),
+        "batch_size": 4,
+        "max_grad_norm": 1.5,
+        "epochs": 4,
+        "compile_backend": "eager",
+        "ddp_comm_hook": "fp16",
+        "output_dir": "elsewhere",
+    }
+    config = TrainConfig(**changed)
+    for name, section_type in SECTIONS.items():
+        section = getattr(config, name)
+        assert type(section) is section_type
+        for field in fields(section):
+            assert getattr(section, field.name) == getattr(config, field.name), (name, field.name)
+    assert config.checkpointing.checkpoint_limit == 3 and config.watchdog.hang_timeout_s == 7.0
+
+
+def test_the_loop_is_forward_backward_clip_step_in_that_order(tmp_path):
+    """The trained weights are those of the hand-written loop that clips each step's gradient (and not those of
+    one that does not clip)."""
+    task = small_task()
+    task.train_loader = DataLoader(task.train_loader.dataset, batch_size=8, shuffle=False)
+    start = {key: value.clone() for key, value in task.model.state_dict().items()}
+    config = TrainConfig(output_dir=str(tmp_path / "run"), epochs=1, max_grad_norm=0.05)
+    try:
+        fit(make_accelerator(config), config, task)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+    def by_hand(clip: bool) -> dict[str, torch.Tensor]:
+        model = torch.nn.Linear(4, 2)
+        model.load_state_dict(start)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for batch in DataLoader(task.train_loader.dataset, batch_size=8, shuffle=False):
+            task.loss_fn(model, batch).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            optimizer.step()
+            optimizer.zero_grad()
+        return model.state_dict()
+
+    trained = task.model.state_dict()
+    assert all(torch.allclose(trained[key], value, atol=1e-6) for key, value in by_hand(clip=True).items())
+    assert not all(torch.allclose(trained[key], value, atol=1e-6) for key, value in by_hand(clip=False).items())

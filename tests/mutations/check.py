@@ -845,6 +845,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    streams = replica.streams if replica is not None else RandomStreams.now()",
         "    streams = RandomStreams.now()",
     ),
+    "a_component_s_section_holds_the_defaults": (
+        "ddp_accel/config.py",
+        "return cls(**{name.name: getattr(config, name.name) for name in fields(cls)})",
+        "return cls(**{name.name: getattr(type(config), name.name) for name in fields(cls)})",
+    ),
+    "the_loop_steps_without_clipping": (
+        "ddp_accel/training.py",
+        "            if accelerator.sync_gradients and max_grad_norm:\n",
+        "            if False:\n",
+    ),
 }
 
 
