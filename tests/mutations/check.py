@@ -133,12 +133,10 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     # issue 43's silently wrong pair: a stop saved the step without its EMA update; a recount left the schedule behind
     "ema_updated_after_the_stop_agreement": (
         "ddp_accel/training.py",
-        '        self.callbacks.call("on_step_end", self.context)\n'
-        "        stop_on(self.agreement.step_done(state.step, self.signals.received, "
-        "wait=eval_due or checkpoint_due))\n",
-        "        stop_on(self.agreement.step_done(state.step, self.signals.received, "
-        "wait=eval_due or checkpoint_due))\n"
-        '        self.callbacks.call("on_step_end", self.context)\n',
+        '    run.callbacks.call("on_step_end", run.context)\n'
+        "    stop_on(run.agreement.step_done(state.step, run.signals.received, wait=eval_due or checkpoint_due))\n",
+        "    stop_on(run.agreement.step_done(state.step, run.signals.received, wait=eval_due or checkpoint_due))\n"
+        '    run.callbacks.call("on_step_end", run.context)\n',
     ),
     "schedule_left_at_the_saved_step": (
         "ddp_accel/schedules.py",
@@ -400,9 +398,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "run_folder_built_again_in_fit": (
         "ddp_accel/training.py",
-        "        return train(self.accelerator, self.config, task, record, self.signals, self.folder, callbacks)",
-        "        return train(self.accelerator, self.config, task, record, self.signals, "
-        "RunFolder(self.config.output_dir), callbacks)",
+        "signals or StopSignals(), self.folder, callbacks",
+        "signals or StopSignals(), RunFolder(self.config.output_dir), callbacks",
     ),
     "a_ray_worker_ends_the_processes_helpers": (
         "ddp_accel/endings.py",
@@ -684,8 +681,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "done_said_before_the_last_write_completes": (
         "ddp_accel/training.py",
-        "            run.checkpoints.finish_writes()  # --async-checkpoint: the last one is complete before the final "
-        "work\n",
+        "        run.checkpoints.finish_writes()  # --async-checkpoint: the last one is complete before the final work\n",
         "",
     ),
     "a_lost_peer_s_survivor_saves_nothing": (
