@@ -681,7 +681,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "done_said_before_the_last_write_completes": (
         "ddp_accel/training.py",
-        "        run.checkpoints.finish_writes()  # --async-checkpoint: the last one is complete before the final work\n",
+        "        run.checkpoints.finish_writes()  # --async-checkpoint: the last one is complete before the final "
+        "work\n",
         "",
     ),
     "a_lost_peer_s_survivor_saves_nothing": (
