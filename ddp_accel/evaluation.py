@@ -16,18 +16,12 @@ from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
 from ddp_accel import loaders
-from ddp_accel.checkpoint import (
-    check_checkpoint,
-    load_checkpoint,
-    load_sharded_model,
-    load_weights,
-    model_fingerprint,
-    read_training_state,
-    resolve_resume,
-)
+from ddp_accel.checkpoint import resolve_resume
+from ddp_accel.checkpoint_format import check_checkpoint, load_checkpoint, load_sharded_model, read_training_state
 from ddp_accel.errors import UserError
-from ddp_accel.identity import compare_identity
+from ddp_accel.identity import compare_identity, model_fingerprint
 from ddp_accel.meters import EvalHistory, numbers
+from ddp_accel.plain_ddp import load_weights
 from ddp_accel.sharding import before_prepare
 from ddp_accel.state import RunIdentity, TrainState
 from ddp_accel.task import EvalFn, MetricsFn, Task

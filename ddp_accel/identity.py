@@ -19,6 +19,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ddp_accel.errors import UserError
 
 VERSIONS = ("torch", "accelerate", "numpy", "ddp-accel")
@@ -233,3 +235,32 @@ def _option(key: str, labels: Mapping[str, str] | None = None) -> str:
     if labels and key in labels:
         return labels[key]
     return key if " " in key else "--" + key.replace("_", "-")
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """Class name + hash of parameter names and shapes: tells a checkpoint of another model apart."""
+    shapes = [(name, tuple(tensor.shape)) for name, tensor in model.state_dict().items()]
+    digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]
+    return f"{type(model).__name__}:{digest}"
+
+
+# parameter-group options that decide what state the optimizer keeps (SGD's momentum buffers, Adam's max_exp_avg_sq,
+# RMSprop's grad_avg): a checkpoint's state does not fit an optimizer without them. lr, betas, weight decay and the
+# like only change the schedule and may change at a resume.
+STATE_SHAPING_OPTIONS = ("momentum", "amsgrad", "centered")
+
+
+def optimizer_fingerprint(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's type, its groups' sizes and the options that shape its state, e.g.
+    `AdamW(4 params, amsgrad off)`; several (ddp_accel.Optimizers) joined with ' + '."""
+    parts = []
+    for inner in getattr(optimizer, "optimizers", None) or [optimizer]:
+        groups = [
+            ", ".join(
+                [f"{len(group['params'])} params"]
+                + [f"{key} {'on' if group[key] else 'off'}" for key in STATE_SHAPING_OPTIONS if key in group]
+            )
+            for group in inner.param_groups
+        ]
+        parts.append(f"{type(inner).__name__}({'; '.join(groups)})")
+    return " + ".join(parts)

@@ -16,7 +16,7 @@ class RunIdentity:
 
     model_fingerprint: str = ""
     identity: dict[str, Any] = field(default_factory=dict)
-    optimizer_fingerprint: str = ""  # its type and the options that shape its state (checkpoint.optimizer_fingerprint)
+    optimizer_fingerprint: str = ""  # its type and the options that shape its state (identity.optimizer_fingerprint)
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)

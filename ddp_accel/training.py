@@ -25,12 +25,13 @@ from ddp_accel import allocator, launch_environments, loaders, rescue, run_end, 
 from ddp_accel.agreement import StepAgreement, Verdict
 from ddp_accel.budget import command_started
 from ddp_accel.callbacks import Callback, Callbacks
-from ddp_accel.checkpoint import Checkpoints, every, model_fingerprint, optimizer_fingerprint
+from ddp_accel.checkpoint import Checkpoints, every
 from ddp_accel.config import TrainConfig
 from ddp_accel.context import RunContext
 from ddp_accel.endings import lost_peers
 from ddp_accel.errors import UserError
 from ddp_accel.evaluation import Evaluations
+from ddp_accel.identity import model_fingerprint, optimizer_fingerprint
 from ddp_accel.meters import EvalHistory, LoopMeters
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.run_setup import (

@@ -10,8 +10,15 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_accel.async_save import StagedWrites
-from ddp_accel.checkpoint import load_checkpoint, save_checkpoint
-from ddp_accel.checkpoint_format import AcceleratorObjects, Contents, Replica, WriteNow, write_checkpoint
+from ddp_accel.checkpoint import save_checkpoint
+from ddp_accel.checkpoint_format import (
+    AcceleratorObjects,
+    Contents,
+    Replica,
+    WriteNow,
+    load_checkpoint,
+    write_checkpoint,
+)
 from ddp_accel.random_streams import RandomStreams
 from ddp_accel.state import RunIdentity, TrainState
 

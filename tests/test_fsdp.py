@@ -367,12 +367,12 @@ def test_a_sharded_optimizer_state_accelerate_left_unloaded_is_loaded_by_torchs_
     # back, and the resumed run went on with a fresh optimizer. What it left, torch's public API loads
     import accelerate.accelerator
 
-    from ddp_accel import checkpoint
+    from ddp_accel import checkpoint_format
 
     check_ok(one_process(tmp_path / "whole"))
     resume_copy(tmp_path / "whole", 10, tmp_path / "cut")
     monkeypatch.setattr(accelerate.accelerator, "load_fsdp_optimizer", lambda *args, **kwargs: None)
-    monkeypatch.setattr(checkpoint, "SHARDED_OPTIMIZER_LOADED_FROM", (99, 0))  # as if this were Accelerate 1.12
+    monkeypatch.setattr(checkpoint_format, "SHARDED_OPTIMIZER_LOADED_FROM", (99, 0))  # as if this were Accelerate 1.12
     output = check_ok(one_process(tmp_path / "cut", "--resume-from-checkpoint", "latest"))
     assert "resumed from" in output, output[-2000:]
     assert_same_weights(tmp_path / "cut", tmp_path / "whole")

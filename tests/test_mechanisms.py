@@ -461,7 +461,7 @@ def test_before_the_first_step_of_a_resume_the_checkpoints_are_listed_once_and_e
     # (RunFolder.listing): it was listed 4 times and each training_state.json read 4-5 times
     from collections import Counter
 
-    from ddp_accel import checkpoint, training
+    from ddp_accel import checkpoint, checkpoint_format, training
 
     args = ["--output-dir", tmp_path / "run", "--batch-size", 4, "--train-size", 16, "--checkpointing-steps", 2]
     check_ok(run_script(PROBE, *args, "--epochs", 1, "--time-budget", "1h"))
@@ -487,6 +487,7 @@ def test_before_the_first_step_of_a_resume_the_checkpoints_are_listed_once_and_e
 
     monkeypatch.setattr(checkpoint, "complete_checkpoints", counted_complete)
     monkeypatch.setattr(checkpoint, "read_training_state", counted_read)
+    monkeypatch.setattr(checkpoint_format, "read_training_state", counted_read)
     monkeypatch.setattr(training.Trainer, "start", counted_start)
     check_ok(run_script(PROBE, *args, "--epochs", 2, "--time-budget", "1h", "--resume-from-checkpoint", "latest"))
     assert before_step_1["listed"] == {str(tmp_path / "run" / "checkpoints"): 1}, before_step_1

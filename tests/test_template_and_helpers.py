@@ -5,7 +5,7 @@ import torch
 from helpers import check_ok, launch, metrics_of, run_script
 
 from ddp_accel import ArgumentParser, UserError, add_training_args
-from ddp_accel.checkpoint import load_plain_ddp_checkpoint
+from ddp_accel.plain_ddp import load_plain_ddp_checkpoint
 
 
 @pytest.mark.multiprocess

@@ -345,7 +345,7 @@ def test_latest_and_rotation_follow_training_progress_when_the_global_batch_chan
 
 def fixture_random_states_readable() -> bool:
     """The fixtures' RNG states were pickled under numpy 2, whose arrays numpy 1 cannot unpickle: there a resume of
-    them is refused in one line (ddp_accel.checkpoint.check_random_states), not continued inexactly."""
+    them is refused in one line (ddp_accel.checkpoint_format.check_random_states), not continued inexactly."""
     import numpy
 
     return int(numpy.__version__.split(".")[0]) >= 2

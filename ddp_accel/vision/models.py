@@ -9,8 +9,8 @@ import torch
 import torchvision
 from torch import nn
 
-from ddp_accel.checkpoint import load_weights, strip_module_prefix
 from ddp_accel.errors import UserError
+from ddp_accel.plain_ddp import load_weights, strip_module_prefix
 
 
 def _conv_bn_relu(in_channels: int, channels: int) -> nn.Sequential:

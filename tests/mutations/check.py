@@ -432,7 +432,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        pass\n",
     ),
     "checkpoint_strategy_not_checked": (
-        "ddp_accel/checkpoint.py",
+        "ddp_accel/checkpoint_format.py",
         "    check_strategy(accelerator, path)\n",
         "",
     ),
@@ -545,7 +545,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        [prepared.model],\n",
     ),
     "sharded_optimizer_left_as_accelerate_loaded_it": (
-        "ddp_accel/checkpoint.py",
+        "ddp_accel/checkpoint_format.py",
         "            load_sharded_optimizers(contents.objects, path)\n",
         "            pass\n",
     ),
@@ -570,7 +570,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    if True:",
     ),
     "unreadable_random_states_resumed": (
-        "ddp_accel/checkpoint.py",
+        "ddp_accel/checkpoint_format.py",
         '    if failed.item():\n        raise UserError(\n            f"checkpoint {path}: this Accelerate cannot read',
         '    if False:\n        raise UserError(\n            f"checkpoint {path}: this Accelerate cannot read',
     ),
@@ -746,7 +746,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        self.writes.append(",
     ),
     "misplaced_optimizer_state_of_an_earlier_version_resumed": (
-        "ddp_accel/checkpoint.py",
+        "ddp_accel/checkpoint_format.py",
         'if saved.get("checkpoint_format", 1) < 2:',
         'if saved.get("checkpoint_format", 1) < 1:',
     ),
