@@ -44,7 +44,11 @@ def final_metrics(
         "progress": state.progress(),  # how far, in a unit that does not change with the world size or batch
         "end_reason": state.end_reason(),
         **trained,
-        **({"best_" + best_metric.removeprefix("eval_"): state.best_metric} if best_metric else {}),
+        **(
+            {"best_" + best_metric.removeprefix("eval_"): state.best_metric, "best_metric": best_metric}
+            if best_metric
+            else {}
+        ),
         **record.extra_metrics,
         "identity": identity.identity or None,
     }

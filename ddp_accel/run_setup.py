@@ -33,7 +33,7 @@ from ddp_accel.ema import WeightAverage
 from ddp_accel.loaders import exit_now
 from ddp_accel.profiling import ProfilerWindow
 from ddp_accel.run_folder import RunFolder
-from ddp_accel.runtime import ddp_options, shards_weights, topology
+from ddp_accel.runtime import built_ddp_options, shards_weights, topology
 from ddp_accel.schedules import PlateauFeed, make_schedule
 from ddp_accel.sharding import before_prepare
 from ddp_accel.stopping import StopSignals
@@ -125,7 +125,9 @@ def prepare_task(accelerator: Accelerator, config: TrainConfig, task: Task) -> P
     test_loader = accelerator.prepare(task.test_loader) if task.test_loader is not None else None
     samples = epoch_samples(train_loader)
     prepared = Prepared(model, optimizer, prepared_train, eval_loader, test_loader, micro_batch, accumulation, samples)
-    prepared.powersgd = register_powersgd(model, ddp_options(config))  # its state goes into the checkpoints
+    prepared.powersgd = register_powersgd(
+        model, built_ddp_options(accelerator, config)
+    )  # its state goes into the checkpoints
     return prepared
 
 

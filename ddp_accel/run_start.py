@@ -15,7 +15,7 @@ from ddp_accel.config import TrainConfig
 from ddp_accel.optim import describe_optimizer
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.run_setup import Prepared
-from ddp_accel.runtime import ddp_options, print_banner
+from ddp_accel.runtime import built_ddp_options, print_banner
 from ddp_accel.schedules import move_to_step
 from ddp_accel.sharding import sharding_summary
 from ddp_accel.state import Rebase, RunIdentity, TrainState
@@ -43,7 +43,11 @@ def print_run_banner(
         **prepared.epoch_padding(accelerator.num_processes),
         **record.banner,
         **({"sharding": shards.describe()} if (shards := sharding_summary(accelerator, prepared.model)) else {}),
-        **({"ddp_comm_hook": hook} if (hook := ddp_options(config).describe(total_steps, prepared.powersgd)) else {}),
+        **(
+            {"ddp_comm_hook": hook}
+            if (hook := built_ddp_options(accelerator, config).describe(total_steps, prepared.powersgd))
+            else {}
+        ),
         **({"time_budget": budget} if budget else {}),
         **({"allocator": kept} if (kept := allocator.describe()) else {}),
         **({"a_lost_peer": lost} if (lost := rescue.describe(accelerator, checkpoints.contents)) else {}),

@@ -88,10 +88,10 @@ def build_accelerator(
             )
     with settings_named():
         adopt_fsdp_on_cpu(accelerator)  # an FSDP config on a machine without GPUs: FSDP2 over gloo, not DDP
-    untested = untested_line()
-    if untested and accelerator.is_main_process:
+    if (untested := untested_line()) and accelerator.is_main_process:
         print(untested, file=sys.stderr, flush=True)
     comm_hooks.check_hook(ddp.comm_hook, accelerator.distributed_type.value, accelerator.num_processes)
+    accelerator.ddp_options = ddp
     check_topology(accelerator)
     set_seed(seed)
     return accelerator
@@ -99,7 +99,10 @@ def build_accelerator(
 
 class ConfiguredAccelerator(Accelerator):
     """Accelerate's Accelerator whose `prepare` tells an error a setting caused (a layer class the model does not
-    have, say) in one line naming the setting and its fix, whoever calls it: fit, or a script's own loop."""
+    have, say) in one line naming the setting and its fix, whoever calls it: fit, or a script's own loop. It keeps
+    the DDP options it was built with (`ddp_options`), which the run reads instead of deriving them again."""
+
+    ddp_options: DdpOptions | None = None
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         models = [arg for arg in args if isinstance(arg, torch.nn.Module)]
@@ -169,6 +172,12 @@ def open_run(
         ddp=ddp_options(config, **kwargs),
     )
     return folder, accelerator
+
+
+def built_ddp_options(accelerator: Accelerator, config: TrainConfig) -> DdpOptions:
+    """The DDP options the Accelerator was built with (build_accelerator's), else those of the options (an
+    Accelerator of your own)."""
+    return getattr(accelerator, "ddp_options", None) or ddp_options(config)
 
 
 def ddp_options(config: TrainConfig, find_unused_parameters: bool = False) -> DdpOptions:

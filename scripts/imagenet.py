@@ -426,7 +426,7 @@ def main(signals: StopSignals) -> None:
     banner = banner_lines(args, len(classes), (len(train_set), len(val_set)), sync_bn_layers, model)
     record = RunRecord(title="imagenet", banner=banner, identity=identity_of(args, accelerator))
     metrics = run.fit(task, record, callbacks=[mixing] if mixing.active else [])
-    best = (config.best_metric or "eval_top1").removeprefix("eval_")
+    best = metrics["best_metric"].removeprefix("eval_")
     accelerator.print(f"best {best} {metrics['best_' + best]:.4f}; model_best.safetensors in {config.output_dir}")
 
 
