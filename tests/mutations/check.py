@@ -561,8 +561,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "untested_versions_run_without_a_word": (
         "ddp_accel/runtime.py",
-        "    if untested and accelerator.is_main_process:",
-        "    if untested and False:",
+        "    if (untested := untested_line()) and accelerator.is_main_process:",
+        "    if (untested := untested_line()) and False:",
     ),
     "fsdp_on_cpu_under_a_torch_whose_gloo_sums": (
         "ddp_accel/sharding.py",
