@@ -40,7 +40,7 @@ WARM_BATCHES = 2  # compilation, allocator and kernel caches: not timed
 TIMED_BATCHES = 5
 EVAL_TIMED_BATCHES = 4
 # an epoch's bookkeeping, not timed: its evaluation's history.json rewrite and log line, a best model's file, the
-# loader's start; about 10 ms measured on a 2-core CPU (the template, 861 epochs in a minute)
+# loader's start (about 10 ms an epoch on a small CPU)
 BOOKKEEPING_S = 0.015
 FIXED_RESERVE_S = 5.0  # of a plan's reserve, beside 3% of the budget: the checkpoints, the final files, the exit
 

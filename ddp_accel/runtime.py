@@ -48,8 +48,8 @@ def build_accelerator(
     """The one Accelerator every script uses.
 
     - `cpu=True` when there is no GPU: otherwise a 2-process launch of a GPU config on a CPU
-      machine gives two independent world-size-1 trainings instead of one MULTI_CPU job (measured with
-      accelerate 1.15: each process reports DistributedType.NO and world size 1).
+      machine gives two independent world-size-1 trainings instead of one MULTI_CPU job (each process sees
+      DistributedType.NO and world size 1).
     - A seedable sampler: the shuffle order of epoch e depends only on (seed, e), which makes
       mid-epoch resume and 1-vs-N-process runs reproducible.
     - The scheduler steps once per optimizer step whatever the world size (Accelerate's default

@@ -90,7 +90,7 @@ def stop_during_imports(default_output_dir: str) -> None:
 
 # What a script imports (torch, accelerate, torchvision, datasets: about 200,000 objects) lives as long as the
 # process; the cyclic collector walked all of it again each time it grew by a quarter, and every full collection
-# of the training walked it once more: ~0.4 s of CPU a process (measured on template.py, 2.9 -> 2.5 s)
+# of the training walked it once more: ~0.4 s of CPU a process
 _collector_paused = False  # stop_during_imports turned the collector off; imports_done turns it on again
 
 
