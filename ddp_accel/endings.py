@@ -25,7 +25,7 @@ from ddp_accel.errors import UserError
 from ddp_accel.files import is_error
 from ddp_accel.launch_environments import Outcome, record_outcome
 from ddp_accel.loaders import end_worker_processes, kill_leftover_workers
-from ddp_accel.startup import imports_done, start_wanted_worker_server
+from ddp_accel.startup import imports_done
 from ddp_accel.stopping import (
     PEER_STOPPED_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
@@ -108,8 +108,7 @@ def run_main(main: Callable[..., Any]) -> None:
     distributed shutdown (exit 0). The process's StopSignals watch SIGTERM/SIGUSR1/SIGHUP from here to the exit; a main
     that takes one argument receives them (to pass to fit). How it ended is recorded (launch_environments.last_outcome)
     for a launcher that ran the script in its own process."""
-    imports_done()  # the collector paused for the imports runs again, what they made frozen before the fork
-    start_wanted_worker_server()  # first: a fork while this process runs one thread of Python
+    imports_done()  # the collector paused for the imports runs again, what they made frozen
     signals = StopSignals()
     note_command_start(started_as_script=getattr(main, "__module__", None) == "__main__")  # --time-budget's clock
     launcher_watch = None

@@ -18,14 +18,15 @@ a signal imports `ddp_accel.launch_environments` to ask whether the launcher is 
 cyclic garbage collector for the imports: `run_main`'s first act (`imports_done`) freezes what they made, which lives
 as long as the process, and turns it on again.
 
-The same place says whether the command asks for DataLoader workers (`start_worker_server_early`): `run_main` then
-starts their forkserver as its first act (Python's own, through its public `set_forkserver_preload` and
-`ensure_running`), so that its imports of torch and of what the script imported run while this process builds its
-Accelerator, data and model, not while the first batch waits.
+The same place starts the DataLoader workers' forkserver when the command asks for workers
+(`start_worker_server_early`: Python's own, through its public `set_forkserver_preload` and `ensure_running`), so
+that its imports of torch and of what the script imports run on another core beside the script's own, not while the
+first batch waits.
 """
 
 from __future__ import annotations
 
+import ast
 import atexit
 import contextlib
 import gc
@@ -37,7 +38,6 @@ import signal
 import sys
 import threading
 import time
-import types
 from collections.abc import Generator, Mapping, Sequence
 from pathlib import Path
 
@@ -158,46 +158,41 @@ def workers_asked(argv: Sequence[str], flags: Sequence[str], default: int) -> in
     return int(found) if found.isdigit() else 0
 
 
-_worker_server_wanted = False  # the command asks for workers: run_main forks their forkserver before main() runs
-
-
 def start_worker_server_early(flags: Sequence[str] = ("--workers",), default: int = 0) -> bool:
-    """Have the forkserver that `ddp_accel.loaders` forks DataLoader workers from ready before the first batch, when
-    the command line asks for workers: `run_main` forks it from the training process as its first act, once the
-    script's imports are done (`start_wanted_worker_server`), so that it imports nothing again. True when asked. Not
-    in a thread other than the main one (Ray Train's), nor when DDP_ACCEL_WORKER_START asks for another start
-    method; a guess that turns out wrong costs a fork and nothing else: an unused server is ended at the exit."""
-    global _worker_server_wanted
+    """Start the forkserver that `ddp_accel.loaders` forks DataLoader workers from now, when the command line asks
+    for workers: it imports torch and what the script imports at its top level (`modules_imported_by`) on another
+    core while the script imports the same, so that it is ready before the first batch and each worker's import of
+    the script (as `__mp_main__`, as Python's forkserver has its workers do) finds them imported. True when started.
+    Not in a thread other than the main one (Ray Train's), nor when DDP_ACCEL_WORKER_START asks for another start
+    method; a guess that turns out wrong costs an idle process: an unused server is ended at the exit."""
     if threading.current_thread() is not threading.main_thread() or forkserver_running():
         return False
     if os.environ.get(WORKER_START_VARIABLE, "forkserver").strip() not in ("", "forkserver"):
         return False
     if workers_asked(sys.argv[1:], flags, default) <= 0:
         return False
-    _worker_server_wanted = True
+    main_path = getattr(sys.modules.get("__main__"), "__file__", None)
+    start_forkserver(WORKER_SERVER_MODULES + (modules_imported_by(Path(main_path)) if main_path else []))
+    atexit.register(end_forkserver)  # a main that leaves by SystemExit (--help, argparse) skips run_main's end
     return True
 
 
-def start_wanted_worker_server() -> None:
-    """The forkserver `start_worker_server_early` asked for, with what the script imported preloaded in it."""
-    global _worker_server_wanted
-    if not _worker_server_wanted or forkserver_running():
-        return
-    _worker_server_wanted = False
-    start_forkserver(WORKER_SERVER_MODULES + imported_by_main())
-    atexit.register(end_forkserver)  # a main that leaves by SystemExit (--help, argparse) skips run_main's end
-
-
-def imported_by_main() -> list[str]:
-    """The packages the script (`__main__`) imported, top level: what each DataLoader worker's import of the script
-    (as `__mp_main__`, as Python's forkserver has its workers do) finds already imported in the forkserver."""
-    main = sys.modules.get("__main__")
+def modules_imported_by(script: Path) -> list[str]:
+    """The modules a script imports at its top level (`import a.b`, `from a.b import c`: `a.b`), in its order,
+    read from its source without running it; none when it cannot be read."""
+    try:
+        tree = ast.parse(script.read_text(), str(script))
+    except (OSError, SyntaxError, ValueError):
+        return []
     found: list[str] = []
-    for value in vars(main).values() if main is not None else ():
-        name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
-        package = name.split(".")[0] if isinstance(name, str) else ""
-        if package and package not in found and not package.startswith("_") and package in sys.modules:
-            found.append(package)
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        found += [name for name in names if name != "__future__" and name not in found]
     return found
 
 

@@ -171,22 +171,38 @@ def test_the_workers_a_command_asks_for_are_read_as_argparse_will(argv, asked):
 EARLY_START = """
 import os, sys
 sys.argv = ["train.py", *sys.argv[1:]]
-from ddp_accel.startup import start_worker_server_early
+from ddp_accel.startup import FORKSERVER_COMMAND, start_worker_server_early
 asked = start_worker_server_early(("-j", "--workers"), default=0)
 import psutil
-print(asked, len(psutil.Process().children()), "torch" in sys.modules, flush=True)
+servers = [c for c in psutil.Process().children() if FORKSERVER_COMMAND in " ".join(c.cmdline())]
+print(asked, len(servers), "torch" in sys.modules, flush=True)
 """
 
 
 @inprocess
 @pytest.mark.parametrize(("args", "asked"), [(["-j", "2"], True), ([], False), (["-j", "0"], False)])
-def test_a_command_that_asks_for_workers_says_so_before_its_imports_and_starts_nothing_yet(tmp_path, args, asked):
-    # what the scripts run first; the forkserver is started by run_main, once the imports are done
+def test_a_command_that_asks_for_workers_starts_their_server_before_its_own_imports(tmp_path, args, asked):
+    # what the scripts run first: the forkserver imports beside the script, which has imported no torch yet
     result = subprocess.run(
         [sys.executable, "-c", EARLY_START, *args], capture_output=True, text=True, timeout=60, cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == [str(asked), "0", "False"]
+    assert result.stdout.split() == [str(asked), str(int(asked)), "False"]
+
+
+@inprocess
+def test_the_forkserver_preloads_the_modules_a_script_imports_at_its_top_level(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "from __future__ import annotations\n"
+        "if __name__ == '__main__':\n    import never_at_the_top\n"
+        "import os, torch.utils.data\nfrom ddp_accel.vision import build_model\nfrom . import relative\n"
+        "try:\n    import optional\nexcept ImportError:\n    pass\nimport os\n"
+    )
+    assert startup.modules_imported_by(script) == ["os", "torch.utils.data", "ddp_accel.vision"]
+    script.write_text("def broken(:\n")
+    assert startup.modules_imported_by(script) == []
+    assert startup.modules_imported_by(tmp_path / "missing.py") == []
 
 
 FORKED_SERVER = """
@@ -268,7 +284,7 @@ if __name__ == "__main__":
 
 @pytest.mark.multiprocess
 def test_the_forkserver_starts_with_what_the_script_imported_and_is_gone_when_the_command_returns(tmp_path):
-    # started at run_main's start (Python's own forkserver, what the script imported preloaded); its workers come
+    # started at the script's start (Python's own forkserver, what the script imports preloaded); its workers come
     # from it, never from the training process, whose other thread holds a lock they need; the process then leaves
     # as any Python program does, and its forkserver is gone when the command returns
     (tmp_path / "train.py").write_text(FORKED_SERVER)

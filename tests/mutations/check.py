@@ -222,8 +222,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "run_main_leaves_the_collector_paused": (
         "ddp_accel/endings.py",
-        "    imports_done()  # the collector paused for the imports runs again, what they made frozen before the fork",
-        "    pass  # the collector paused for the imports runs again, what they made frozen before the fork",
+        "    imports_done()  # the collector paused for the imports runs again, what they made frozen",
+        "    pass  # the collector paused for the imports runs again, what they made frozen",
     ),
     "a_failed_peer_s_error_file_goes_unseen": (
         "ddp_accel/launch_environments.py",
@@ -368,7 +368,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "workers_forkserver_started_at_the_first_batch": (
         "ddp_accel/startup.py",
-        "    _worker_server_wanted = True\n    return True\n",
+        '    main_path = getattr(sys.modules.get("__main__"), "__file__", None)\n',
         "    return False\n",
     ),
     "allocator_left_to_its_defaults": (
@@ -511,7 +511,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "forkserver_preloads_nothing_the_script_imported": (
         "ddp_accel/startup.py",
-        "    start_forkserver(WORKER_SERVER_MODULES + imported_by_main())",
+        "    start_forkserver(WORKER_SERVER_MODULES + (modules_imported_by(Path(main_path)) if main_path else []))",
         "    start_forkserver(WORKER_SERVER_MODULES)",
     ),
     "curves_drawn_without_the_scores": (
