@@ -9,12 +9,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 from accelerate import Accelerator
 from accelerate.utils import find_batch_size
 
 from ddp_accel.files import write_json
+from ddp_accel.startup import process_started_at, startup_phases
 
 
 def numbers(values: dict[str, Any]) -> dict[str, float]:
@@ -45,11 +45,14 @@ class ThroughputMeter:
     def __init__(self) -> None:
         self.samples, self.train_time, self.data_wait = 0, 0.0, 0.0
         self.first_step_at: float | None = None
+        self.first_batch_at: float | None = None
         self._window_start = (0, 0.0, 0.0)
         self._steady_start: tuple[int, float, float] | None = None
 
     def add(self, samples: int, step_time: float, data_wait: float) -> None:
-        self.first_step_at = self.first_step_at or time.time()
+        if self.first_step_at is None:  # its batch came after its wait for data, its step's work followed
+            self.first_step_at = time.time()
+            self.first_batch_at = self.first_step_at - (step_time - data_wait)
         self.samples += samples
         self.train_time += step_time
         self.data_wait += data_wait
@@ -77,8 +80,12 @@ class ThroughputMeter:
             if steady and after_first
             else None,
             # this process's (under a launcher: the rank's, not the launcher's); null without a step
-            "startup_s": self.first_step_at - psutil.Process().create_time() if self.first_step_at else None,
+            "startup_s": self.first_step_at - process_started_at() if self.first_step_at else None,
             "first_step_at": self.first_step_at,
+            # seconds from this process's start to each moment of its start-up (startup.mark)
+            "startup_phases": startup_phases(self.first_batch_at, self.first_step_at)
+            if self.first_batch_at and self.first_step_at
+            else None,
         }
 
 

@@ -27,7 +27,7 @@ from ddp_accel.group_wait import while_the_group_forms
 from ddp_accel.notebook import check_no_inherited_process_group
 from ddp_accel.run_folder import RunFolder
 from ddp_accel.sharding import adopt_fsdp_on_cpu, cpu_fsdp_plugin, fsdp_asked, fsdp_plugin
-from ddp_accel.startup import imports_done
+from ddp_accel.startup import imports_done, mark
 from ddp_accel.stopping import (
     StopSignals,
 )
@@ -171,6 +171,7 @@ def open_run(
         timeout_s=config.timeout_s,
         ddp=ddp_options(config, **kwargs),
     )
+    mark("accelerator")  # Accelerate's state and the process group
     return folder, accelerator
 
 

@@ -99,10 +99,42 @@ def imports_done() -> None:
     cyclic garbage collector that stop_during_imports paused runs again, what the imports made frozen out of its
     sight. Nothing when it was not paused (a notebook, a test session, a thread of Ray Train)."""
     global _collector_paused
-    if _collector_paused:
+    if _collector_paused:  # (once a process: the imports of a script that paused it)
+        mark("imports")
         _collector_paused = False
         gc.freeze()
         gc.enable()
+
+
+_moments: dict[str, float] = {}  # start-up moments this process reached (`mark`), by name: the time reached
+
+
+def mark(moment: str) -> None:
+    """This process's run reached `moment` of its start-up (a later run in the process marks it again):
+    metrics.json's `startup_phases`."""
+    _moments[moment] = time.time()
+
+
+def startup_phases(first_batch_at: float, first_step_at: float) -> dict[str, float]:
+    """Seconds from this process's start to each moment its run reached, in their order, then to its first batch and
+    to its first step's end."""
+    started = process_started_at()
+    reached = sorted((at, moment) for moment, at in _moments.items() if at <= first_batch_at)
+    phases = {moment: round(at - started, 3) for at, moment in reached}
+    return phases | {"first_batch": round(first_batch_at - started, 3), "first_step": round(first_step_at - started, 3)}
+
+
+def process_started_at() -> float:
+    """When this process started, to the kernel's clock tick: its start since boot (/proc/self/stat) against the
+    boot clock now. (psutil's create_time adds a boot time the kernel gives in whole seconds.)"""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        import psutil
+
+        return psutil.Process().create_time()
 
 
 def stop_before_training(signum: int, output_dir: str, moment: str) -> None:

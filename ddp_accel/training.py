@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from ddp_accel import allocator, launch_environments, loaders, rescue, run_end, run_start
+from ddp_accel import allocator, launch_environments, loaders, rescue, run_end, run_start, startup
 from ddp_accel.agreement import StepAgreement, Verdict
 from ddp_accel.budget import command_started
 from ddp_accel.callbacks import Callback, Callbacks
@@ -365,9 +365,11 @@ class Run:
         is not finite stops with a UserError. Without the process's signals (run_main's), fit uses the installed
         ones, or watches the signals itself while it runs (a notebook). `callbacks`: ddp_accel.callbacks.Callback."""
         signals = self.signals or StopSignals.current
+        startup.mark("data_and_model")  # what the script built before fit
         trainer = Trainer(
             self.accelerator, self.config, task, record or RunRecord(), signals or StopSignals(), self.folder, callbacks
         )
+        startup.mark("prepared")
         if trainer.signals.output_dir is None:
             trainer.signals.set_output_dir(trainer.folder.path)
         with trainer.signals if signals is None else contextlib.nullcontext(), trainer:
@@ -393,6 +395,7 @@ def train(run: Trainer) -> dict[str, Any]:
     committed = run.start()
     if committed is not None:
         return committed
+    startup.mark("started")  # resumed, banner said
     state = run.state
     try:
         if state.eval_pending:  # stopped while evaluating this step: evaluate it first

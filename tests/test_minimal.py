@@ -32,6 +32,10 @@ def test_single_process_plain_python(tmp_path, curves):
     output = check_ok(run_script("scripts/minimal.py", "--output-dir", tmp_path, curves=curves))
     assert "world_size 1" in output
     assert metrics_of(tmp_path)["world_size"] == 1
+    # the start-up's moments, in their order (the imports are marked by a script's own start only: not in-process)
+    phases = metrics_of(tmp_path)["startup_phases"]
+    assert list(phases) == ["accelerator", "data_and_model", "prepared", "started", "first_batch", "first_step"]
+    assert list(phases.values()) == sorted(phases.values()), phases
     # the one in-process run that draws its curves; without them the last line does not name them
     assert (tmp_path / "training_curves.png").is_file() == curves
     done = next(line for line in output.splitlines() if line.startswith("done: "))

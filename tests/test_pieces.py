@@ -239,8 +239,34 @@ def test_the_throughput_meter_reports_windows_and_the_steady_rate_after_the_firs
     assert summary["steady_samples_per_s"] == 400.0 and summary["steady_data_wait_share"] == 0.0
     # the start-up: from this process's start to its first step (not to the last one, nor from the meter's creation)
     age = time.time() - psutil.Process().create_time()
-    assert summary["startup_s"] < age and summary["startup_s"] > age - 5.0
+    assert summary["startup_s"] < age + 1.0 and summary["startup_s"] > age - 5.0
     assert ThroughputMeter().summary()["startup_s"] is None
+    # its phases: the moments marked before the first batch, in their order; the batch came after the first step's
+    # wait for data (0.5 s of its 1.0 s), the step's end 0.5 s later
+    phases = summary["startup_phases"]
+    assert list(phases)[-2:] == ["first_batch", "first_step"] and phases["first_step"] == pytest.approx(
+        summary["startup_s"], abs=0.002
+    )
+    assert phases["first_step"] - phases["first_batch"] == pytest.approx(0.5, abs=0.002)
+    assert list(phases.values()) == sorted(phases.values())
+
+
+def test_the_start_up_s_moments_are_marked_in_their_order_from_the_process_s_start(tmp_path):
+    script = (
+        "import time\nfrom ddp_accel import startup\n"
+        "startup.mark('a'); startup.mark('b'); time.sleep(0.05); startup.mark('a'); time.sleep(0.05)\n"
+        "batch = time.time()\n"
+        "startup.mark('after the batch'); print(startup.process_started_at(), startup.startup_phases(batch, batch + 1))"
+    )
+    before = time.time()
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    started, phases = result.stdout.split(" ", 1)
+    # the kernel's start time of the process, to its clock tick (psutil's is off by up to a second)
+    assert before - 0.02 <= float(started) <= before + 1.0
+    phases = eval(phases)  # noqa: S307  (a dict the child printed)
+    # in the order reached (a moment marked again counts at its last time), none after the first batch
+    assert list(phases) == ["b", "a", "first_batch", "first_step"] and phases["a"] - phases["b"] >= 0.05
+    assert phases["first_step"] - phases["first_batch"] == pytest.approx(1.0, abs=0.002)
 
 
 def test_a_resume_at_twice_the_global_batch_continues_from_the_same_sample():

@@ -852,6 +852,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            if accelerator.sync_gradients and max_grad_norm:\n",
         "            if False:\n",
     ),
+    "a_start_up_phase_out_of_its_order": (
+        "ddp_accel/startup.py",
+        "    reached = sorted((at, moment) for moment, at in _moments.items() if at <= first_batch_at)",
+        "    reached = [(at, moment) for moment, at in _moments.items() if at <= first_batch_at]",
+    ),
+    "the_first_batch_s_moment_taken_at_its_step_s_end": (
+        "ddp_accel/meters.py",
+        "            self.first_batch_at = self.first_step_at - (step_time - data_wait)",
+        "            self.first_batch_at = self.first_step_at",
+    ),
 }
 
 
