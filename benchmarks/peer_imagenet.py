@@ -87,7 +87,9 @@ def image_folder(images: str | None, per_class: int, into: Path) -> Path:
 def commands(peer: Path, data: Path, nproc: int, output_dir: Path) -> dict[str, list[str]]:
     work = ["-a", "resnet18", "-b", "32", "-j", "2", "--epochs", "1", "-p", "1"]
     peer_help = peer.read_text()
-    peer_args = [str(peer), str(data), *work] + (["--no-accel"] if "--no-accel" in peer_help else [])
+    # the peer runs as it is, under benchmarks/peer_phases.py, which says when it reached each moment of its start-up
+    peer_args = [str(HERE / "peer_phases.py"), str(peer), str(data), *work]
+    peer_args += ["--no-accel"] if "--no-accel" in peer_help else []
     ours_args = [str(ROOT / "scripts" / "imagenet.py"), str(data), *work, "--mixed-precision", "no"]
     ours_args += ["--output-dir", str(output_dir), "--overwrite-output-dir"]
     if nproc == 1:
@@ -124,9 +126,37 @@ def run_one(name: str, command: list[str], cwd: Path, nproc: int, output_dir: Pa
         step_times = [float(match.group(2)) for line in lines if (match := PEER_LOG_LINE.search(line))]
         # each rank logs its own steps; those after the first two are steady
         steady = nproc * 32 / statistics.median(step_times[2 * nproc :])
-        return {"wall": wall, "first_step": first_line_at[0] - started, "steady": steady}
+        phases = next(json.loads(line)["peer_phases"] for line in lines if line.startswith('{"peer_phases"'))
+        return {"wall": wall, "first_step": first_line_at[0] - started, "steady": steady, **phase_moments(phases)}
     metrics = json.loads((output_dir / "metrics.json").read_text())
-    return {"wall": wall, "first_step": metrics["first_step_at"] - started, "steady": metrics["steady_samples_per_s"]}
+    figures = {
+        "wall": wall,
+        "first_step": metrics["first_step_at"] - started,
+        "steady": metrics["steady_samples_per_s"],
+    }
+    return figures | phase_moments(metrics["startup_phases"])
+
+
+# the moments of a start-up, each side's (ours: metrics.json's startup_phases; the peer's: peer_phases.py)
+PHASES = {
+    "imports": ("imports", "imports"),
+    "process group (ours: the Accelerator)": ("accelerator", "process_group"),
+    "data and model built": ("data_and_model", "data", "model"),
+    "ready to train (ours: prepared, resumed, banner)": ("started", "data", "model"),
+    "first batch": ("first_batch", "first_batch"),
+    "first step's end": ("first_step", "first_step"),
+}
+
+
+def phase_moments(phases: dict[str, float]) -> dict[str, float]:
+    """Seconds from the process's start to each moment of PHASES; a moment a side has not (the process group of one
+    process) is the one before it."""
+    moments: dict[str, float] = {}
+    previous = 0.0
+    for label, names in PHASES.items():
+        found = [phases[name] for name in names if name in phases]
+        previous = moments[f"at: {label}"] = max(found) if found else previous
+    return moments
 
 
 def main() -> None:
@@ -183,6 +213,21 @@ def report(results: dict[str, list[dict[str, float]]], nproc: int, args: argpars
         peer, ours = median("peer", key), median("ours", key)
         ratio = ours / peer if higher_is_better else peer / ours
         rows.append(f"| {label} | {peer:.2f} | {ours:.2f} | {ratio:.3f}x | {pairs(key)} |")
+    rows += [
+        "",
+        "Where the start-up goes, rank 0 (seconds from the process's start to each moment; the phase's own time):",
+        "",
+        "| moment | peer | ours | phase: peer | ours |",
+        "|---|---|---|---|---|",
+    ]
+    before = {"peer": 0.0, "ours": 0.0}
+    for label in PHASES:
+        at = {name: median(name, f"at: {label}") for name in ("peer", "ours")}
+        rows.append(
+            f"| {label} | {at['peer']:.2f} | {at['ours']:.2f} | {at['peer'] - before['peer']:.2f} "
+            f"| {at['ours'] - before['ours']:.2f} |"
+        )
+        before = at
     text = "\n".join(rows) + "\n"
     print(text)
     (HERE / "results").mkdir(exist_ok=True)

@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 
 import torch
+from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 
 from ddp_accel import (
@@ -67,6 +68,8 @@ from ddp_accel.vision import (
     list_archs,
 )
 
+# where NHWC is the default (memory_format_nhwc): one CPU process, or CPU processes under DDP
+CPU_DATA_PARALLEL = (DistributedType.NO, DistributedType.MULTI_CPU)
 # what shapes the model and the data: a resume must use the same (ddp_accel.identity)
 IDENTITY_OPTIONS = ("arch", "image_size", "augment", "mean", "std", "dummy", "dummy_classes", "sync_bn")
 RECIPE_OPTIONS = {"auto_augment": "none", "random_erasing": 0.0, "mixup_alpha": 0.0, "cutmix_alpha": 0.0}
@@ -134,7 +137,13 @@ def parse_args(argv=None):
     parser.add_argument(
         "--label-smoothing", type=cli.probability, default=0.0, help="share of the target spread over all classes"
     )
-    parser.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster convs on GPUs)")
+    parser.add_argument(
+        "--channels-last",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="NHWC memory format: faster convolutions on the CPU (the default there) and on GPUs with mixed "
+        "precision (--no-channels-last: NCHW)",
+    )
     parser.add_argument("--image-size", type=cli.positive_int, default=224, help="training and validation crop size")
     parser.add_argument(
         "--augment",
@@ -325,6 +334,17 @@ def check_fine_tuning(args) -> None:
             check_trained_with(Path(file), identity, f"Give {option} {file} the --mean and --std it was trained with")
 
 
+def memory_format_nhwc(asked: bool | None, accelerator) -> bool:
+    """--channels-last, else NHWC where it is faster: oneDNN's convolutions on the CPU. FSDP2 shards contiguous
+    (NCHW) parameters only."""
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    if asked and fsdp:
+        raise UserError("--channels-last under FSDP: FSDP2 shards NCHW (contiguous) parameters only; leave it out")
+    if asked is None:
+        return accelerator.device.type == "cpu" and accelerator.distributed_type in CPU_DATA_PARALLEL
+    return asked
+
+
 def make_model(args, accelerator, classes: list[str]) -> tuple[torch.nn.Module, int]:
     """The model, and how many BatchNorm layers became SyncBatchNorm."""
     if not args.evaluate:
@@ -390,6 +410,7 @@ def main(signals: StopSignals) -> None:
     set_backends(args)
     run = Run(config, signals, check_output_dir=not args.evaluate)
     accelerator = run.accelerator
+    args.channels_last = memory_format_nhwc(args.channels_last, accelerator)
     train_set, val_set, classes = datasets_for(args)
     model, sync_bn_layers = make_model(args, accelerator, classes)
     model_input = make_model_input(args)

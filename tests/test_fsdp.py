@@ -277,6 +277,9 @@ def test_saved_weights_are_evaluated_under_fsdp_as_the_run_scored_them(tmp_path,
         check_ok(run_script(*common, "-e", "--resume", weights_source, env=FSDP_ENV))
         scored = json.loads((tmp_path / "run" / "evaluate.json").read_text())["eval_loss"]
         assert abs(scored - trained) < 1e-5, (weights_source, scored, trained)
+    if precision == "no":  # NHWC (the CPU's default elsewhere) is not the default here, and refused in one line
+        refused = run_script(*common, "--max-steps", 1, "--channels-last", "--overwrite-output-dir", env=FSDP_ENV)
+        assert_clean_error(refused, "--channels-last under FSDP")
 
 
 @inprocess

@@ -181,6 +181,15 @@ def test_dummy_data_and_torchvision_arch_run(tmp_path):
 
 
 @pytest.mark.inprocess
+@pytest.mark.parametrize(("option", "nhwc"), [([], True), (["--no-channels-last"], False)])
+def test_on_the_cpu_the_model_runs_in_nhwc_unless_told_not_to(tmp_path, option, nhwc):
+    # oneDNN's convolutions are faster in NHWC on the CPU (docs/benchmarks.md): the default there
+    args = ["--dummy", "-a", "cifar_resnet20", "--image-size", "32", "--dummy-classes", "4", "-b", "4", "-j", "0"]
+    out = check_ok(run_script("scripts/imagenet.py", *args, "--max-steps", "1", *option, "--output-dir", tmp_path))
+    assert re.search(rf"channels_last\s+{nhwc}\n", out), out
+
+
+@pytest.mark.inprocess
 def test_bad_input_gives_one_clear_line(tmp_path):
     data = make_image_folder(tmp_path / "images", classes=3, train=2, val=1)
 

@@ -857,6 +857,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    reached = sorted((at, moment) for moment, at in _moments.items() if at <= first_batch_at)",
         "    reached = [(at, moment) for moment, at in _moments.items() if at <= first_batch_at]",
     ),
+    "the_cpu_runs_nchw_by_default": (
+        "scripts/imagenet.py",
+        '        return accelerator.device.type == "cpu" and accelerator.distributed_type in CPU_DATA_PARALLEL',
+        "        return False",
+    ),
     "the_first_batch_s_moment_taken_at_its_step_s_end": (
         "ddp_accel/meters.py",
         "            self.first_batch_at = self.first_step_at - (step_time - data_wait)",
