@@ -2,6 +2,7 @@
 (ddp_accel/accelerate_config.py): exit 0 when it runs here, 2 when it is invalid anywhere, 3 when it is valid but
 not on this machine (a GPU precision without a GPU, a package not installed).
 `ddp-accel doctor`: check the machines under the launcher you train with (ddp_accel/doctor.py).
+`ddp-accel shard images SRC OUT`: an ImageFolder as WebDataset tar shards (ddp_accel/vision/shards.py).
 
 `accelerate launch` answers a bad config with a long traceback; this says what is wrong in one line.
 """
@@ -31,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument(
         "--min-free-gb", type=nonnegative, default=5.0, help="less free disk than this under --output-dir is a problem"
     )
+    shard = commands.add_parser("shard", help="write WebDataset tar shards from an ImageFolder: ddp-accel shard --help")
+    shard.add_argument("kind", choices=["images"], help="images: DATA_DIR's train/<class>/* and val/<class>/*")
+    shard.add_argument("source", help="the ImageFolder root (train/, val/)")
+    shard.add_argument("output", help="where train/*.tar and val/*.tar (and their manifest.json) go")
+    shard.add_argument("--samples-per-shard", type=positive_int, default=1000)
+    shard.add_argument("--seed", type=int, default=0, help="the training images' order in the shards")
     commands.add_parser(
         "launch", help="accelerate launch whose wait for the other machines speaks and ends: ddp-accel launch --help"
     )
@@ -48,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         from ddp_accel.ray_launch import RayJob, run_job
 
         return run_job(RayJob(**{key: value for key, value in vars(args).items() if key != "command"}))
+    if args.command == "shard":
+        from ddp_accel.vision.shards import write_shards  # imports torch: not for check-config
+
+        for manifest in write_shards(args.source, args.output, args.samples_per_shard, args.seed):
+            print(f"wrote {manifest}")
+        return 0
     if args.command == "doctor":
         from ddp_accel.doctor import run  # imports torch: not for check-config
 

@@ -306,13 +306,21 @@ class Trainer(contextlib.AbstractContextManager["Trainer"]):
 @contextmanager
 def epoch_batches(accelerator: Accelerator, loader: Any, seed: int, state: TrainState, epoch: int) -> Iterator[Any]:
     """This epoch's batches on this rank (after the ones a resume skips)."""
-    loader.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+    set_loader_epoch(loader, epoch)
     if loader.generator is not None:  # worker seeds (augmentations) that depend only on (seed, epoch)
         loader.generator.manual_seed(seed * 100_003 + epoch)
     skip = state.batches_in_epoch if epoch == state.epoch else 0
     state.epoch, state.batches_in_epoch = epoch, skip
     with loaders.batches(skipping(accelerator, loader, skip, epoch) if skip else loader) as batches:
         yield batches
+
+
+def set_loader_epoch(loader: Any, epoch: int) -> None:
+    """A new shuffle each epoch, the same on every rank, and the dataset's epoch (its augmentations' seeds): a
+    loader Accelerate shards over processes passes the epoch to its sampler only, not to its dataset."""
+    loader.set_epoch(epoch)
+    if hasattr(getattr(loader, "dataset", None), "set_epoch"):
+        loader.dataset.set_epoch(epoch)
 
 
 def skipping(accelerator: Accelerator, loader: Any, batches: int, epoch: int) -> Any:

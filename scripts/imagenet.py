@@ -5,8 +5,10 @@
     python scripts/imagenet.py /data/imagenet -e --resume outputs/imagenet/model_best.safetensors
     python scripts/imagenet.py --dummy -a resnet50 --channels-last --mixed-precision bf16 --max-steps 100
 
-DATA_DIR holds train/<class>/*.jpg and val/<class>/*.jpg. `-b/--batch-size` is per process (main.py's 256
-for a whole 8-GPU node is `-b 32`). Unreadable images stop the run with the file's name (see data.py).
+DATA_DIR holds train/<class>/*.jpg and val/<class>/*.jpg, or WebDataset tar shards train/*.tar and val/*.tar
+(written by `ddp-accel shard images`; read in place, in one order at any world size: docs/data.md).
+`-b/--batch-size` is per process (main.py's 256 for a whole 8-GPU node is `-b 32`). Unreadable images stop the
+run with the file's name (see data.py).
 """
 
 from __future__ import annotations
@@ -59,13 +61,16 @@ from ddp_accel.vision import (
     BatchMixing,
     DeviceDecode,
     DeviceNormalize,
+    ShardedImages,
     SyntheticImages,
     build_model,
     collate_encoded,
     encoded_image_folders,
     image_folders,
     image_transforms,
+    is_sharded,
     list_archs,
+    sharded_image_sets,
 )
 
 # where NHWC is the default (memory_format_nhwc): one CPU process, or CPU processes under DDP
@@ -266,21 +271,29 @@ def datasets_for(args):
             SyntheticImages(10 * args.batch_size, args.image_size, args.dummy_classes, args.uint8),
             [str(i) for i in range(args.dummy_classes)],
         )
+    sharded = is_sharded(args.data)
     if args.decode_on == "device":
+        if sharded:
+            raise UserError("--decode-on device reads JPEG files of an ImageFolder; tar shards: --decode-on loader")
         return encoded_image_folders(args.data, args.seed)
     transform_pair = image_transforms(
         args.image_size, args.mean, args.std, args.augment, args.uint8, args.auto_augment, args.random_erasing
     )
+    if sharded:
+        return sharded_image_sets(args.data, transform_pair, args.seed)
     return image_folders(args.data, transform_pair, args.seed)
 
 
 def loader(dataset, args, shuffle: bool) -> DataLoader:
     # workers are not persistent: new workers each epoch take that epoch's seed, which keeps augmentations
     # exact across a resume (ddp_accel.vision.data.augmentation_seed); starting them costs ~1 s an epoch
+    # tar shards: their canonical order (ddp_accel.streaming), the same at any number of processes and workers
+    sampler = dataset.sampler(shuffle) if isinstance(dataset, ShardedImages) else None
     return DataLoader(
         dataset,
         batch_size=args.batch_size,
-        shuffle=shuffle,
+        shuffle=shuffle and sampler is None,
+        sampler=sampler,
         num_workers=args.workers,
         pin_memory=torch.cuda.is_available(),
         collate_fn=collate_encoded if args.decode_on == "device" else None,

@@ -1,4 +1,4 @@
-"""Image classification: ImageFolder data, torchvision and CIFAR models, top-k metrics."""
+"""Image classification: ImageFolder data and WebDataset tar shards, torchvision and CIFAR models, top-k metrics."""
 
 from ddp_accel.vision.data import (
     AUTO_AUGMENTS,
@@ -13,6 +13,7 @@ from ddp_accel.vision.data import (
 from ddp_accel.vision.device_decode import DeviceDecode, collate_encoded, encoded_image_folders
 from ddp_accel.vision.mixing import BatchMixing
 from ddp_accel.vision.models import build_model, list_archs
+from ddp_accel.vision.shards import ShardedImages, is_sharded, sharded_image_sets, write_shards
 
 __all__ = [
     "AUTO_AUGMENTS",
@@ -21,12 +22,16 @@ __all__ = [
     "IMAGENET_STD",
     "DeviceDecode",
     "DeviceNormalize",
+    "ShardedImages",
     "SyntheticImages",
     "build_model",
     "collate_encoded",
     "encoded_image_folders",
     "image_folders",
     "image_transforms",
+    "is_sharded",
     "list_archs",
     "load_image",
+    "sharded_image_sets",
+    "write_shards",
 ]

@@ -37,7 +37,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "set_epoch_not_called": (
         "ddp_accel/training.py",
-        "    loader.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank\n",
+        "    set_loader_epoch(loader, epoch)\n",
         "",
     ),
     "nb_weights_count_held_out": (
@@ -861,6 +861,36 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "scripts/imagenet.py",
         '        return accelerator.device.type == "cpu" and accelerator.distributed_type in CPU_DATA_PARALLEL',
         "        return False",
+    ),
+    "the_shard_order_drawn_without_the_epoch": (
+        "ddp_accel/streaming.py",
+        "        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.counts))",
+        "        return np.random.default_rng([self.seed]).permutation(len(self.counts))",
+    ),
+    "a_window_shuffled_from_the_global_generator": (
+        "ddp_accel/streaming.py",
+        "                window = np.random.default_rng([self.seed, self.epoch, block]).permutation(window)",
+        "                window = np.random.permutation(window)",
+    ),
+    "a_changed_shard_read_without_a_word": (
+        "ddp_accel/streaming.py",
+        "            if (folder / shard.name).stat().st_size != shard.size:",
+        "            if False:",
+    ),
+    "a_sample_without_its_label_unnamed": (
+        "ddp_accel/vision/shards.py",
+        '        if "cls" not in files:',
+        "        if False:",
+    ),
+    "the_writer_keeps_the_class_by_class_order": (
+        "ddp_accel/vision/shards.py",
+        "            images = [images[i] for i in np.random.default_rng(seed).permutation(len(images))]\n",
+        "            pass\n",
+    ),
+    "a_sharded_loader_s_dataset_left_at_epoch_0": (
+        "ddp_accel/training.py",
+        '    if hasattr(getattr(loader, "dataset", None), "set_epoch"):\n        loader.dataset.set_epoch(epoch)\n',
+        "",
     ),
     "the_first_batch_s_moment_taken_at_its_step_s_end": (
         "ddp_accel/meters.py",
