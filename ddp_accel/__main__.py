@@ -3,6 +3,8 @@
 not on this machine (a GPU precision without a GPU, a package not installed).
 `ddp-accel doctor`: check the machines under the launcher you train with (ddp_accel/doctor.py).
 `ddp-accel shard images SRC OUT`: an ImageFolder as WebDataset tar shards (ddp_accel/vision/shards.py).
+`ddp-accel shard text FILE OUT`: a jsonl/csv/parquet file of reviews as jsonl or parquet shards
+(ddp_accel/text/streamed.py).
 
 `accelerate launch` answers a bad config with a long traceback; this says what is wrong in one line.
 """
@@ -32,12 +34,20 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument(
         "--min-free-gb", type=nonnegative, default=5.0, help="less free disk than this under --output-dir is a problem"
     )
-    shard = commands.add_parser("shard", help="write WebDataset tar shards from an ImageFolder: ddp-accel shard --help")
-    shard.add_argument("kind", choices=["images"], help="images: DATA_DIR's train/<class>/* and val/<class>/*")
-    shard.add_argument("source", help="the ImageFolder root (train/, val/)")
-    shard.add_argument("output", help="where train/*.tar and val/*.tar (and their manifest.json) go")
-    shard.add_argument("--samples-per-shard", type=positive_int, default=1000)
-    shard.add_argument("--seed", type=int, default=0, help="the training images' order in the shards")
+    shard = commands.add_parser(
+        "shard", help="write shards read in place: from an ImageFolder or a file of reviews: ddp-accel shard --help"
+    )
+    shard.add_argument(
+        "kind",
+        choices=["images", "text"],
+        help="images: an ImageFolder (train/<class>/*, val/<class>/*) as tar shards; text: a jsonl/csv/parquet file "
+        "with text and label columns as jsonl or parquet shards",
+    )
+    shard.add_argument("source", help="the ImageFolder root, or the file of reviews")
+    shard.add_argument("output", help="where the shards (and their manifest.json) go: images: OUT/train, OUT/val")
+    shard.add_argument("--samples-per-shard", type=positive_int, default=None, help="default: images 1000, text 10000")
+    shard.add_argument("--seed", type=int, default=0, help="the samples' order in the training shards")
+    shard.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl", help="text: the shards' format")
     commands.add_parser(
         "launch", help="accelerate launch whose wait for the other machines speaks and ends: ddp-accel launch --help"
     )
@@ -56,16 +66,29 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_job(RayJob(**{key: value for key, value in vars(args).items() if key != "command"}))
     if args.command == "shard":
-        from ddp_accel.vision.shards import write_shards  # imports torch: not for check-config
-
-        for manifest in write_shards(args.source, args.output, args.samples_per_shard, args.seed):
-            print(f"wrote {manifest}")
+        try:
+            for manifest in write_shards(args):
+                print(f"wrote {manifest}")
+        except UserError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "doctor":
         from ddp_accel.doctor import run  # imports torch: not for check-config
 
         return run(args.output_dir, args.timeout_s, args.megabytes, args.data, args.min_free_gb)
     return check_configs(args.files)
+
+
+def write_shards(args) -> list:
+    """The manifests `ddp-accel shard` wrote (the writers import torch: not for check-config)."""
+    if args.kind == "text":
+        from ddp_accel.text.streamed import write_text_shards
+
+        return [write_text_shards(args.source, args.output, args.samples_per_shard or 10_000, args.seed, args.format)]
+    from ddp_accel.vision.shards import write_shards as write_image_shards
+
+    return write_image_shards(args.source, args.output, args.samples_per_shard or 1000, args.seed)
 
 
 def check_configs(paths: list[str]) -> int:

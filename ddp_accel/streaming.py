@@ -1,24 +1,30 @@
-"""Sharded data read in place (WebDataset tar shards: `000123.jpg` + `000123.cls`, each sample's files side by side
-under one key), in one canonical order at any number of processes and workers.
+"""Sharded data read in place, in one canonical order at any number of processes and workers: WebDataset tar shards
+(`000123.jpg` + `000123.cls`, each sample's files side by side under one key), jsonl files (one JSON object a line)
+and parquet files (a row a sample).
 
 - The manifest (`manifest.json` beside the shards, written by `ddp-accel shard`, else read from the shards once):
-  each shard's name, size, sample count and fingerprint (sha256 of its members' names, sizes and places).
+  each shard's name, size, sample count and fingerprint (a tar's: sha256 of its members' names, sizes and places;
+  a jsonl file's: of its bytes; a parquet file's: of its footer, which holds every row group's place, size and
+  statistics).
 - The order of an epoch is a function of (seed, epoch, the manifest) alone: the shards in a permutation drawn from
   (seed, epoch), their samples one after another, then each window of `window` consecutive samples permuted by a
   draw of its own (`WindowShuffle`). A sample's global place in the epoch is its index in that order; the ranks
   and their DataLoader workers take their batches of it as of any map-style dataset (Accelerate's batch sharding),
   so a resume seeks to a place counted in samples, on any number of processes or workers.
-- Each worker opens only the shards of its own samples and reads only their bytes (the shard's index of
-  member offsets, built from its tar headers the first time the worker needs it; the last few kept): no process
-  reads the whole stream, and memory does not grow with the number of samples.
+- Each worker opens only the shards of its own samples and reads only their bytes (the shard's index: a tar's
+  member offsets from its headers, a jsonl file's line offsets, a parquet file's row groups; built the first time
+  the worker needs that shard, the last few kept): no process reads the whole stream, and memory does not grow
+  with the number of samples.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import json
 import tarfile
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -83,6 +89,137 @@ def fingerprint_of(members: Sequence[Member]) -> str:
     return digest.hexdigest()[:24]
 
 
+class ShardIndex(ABC):
+    """Where each sample of one shard is (built from the shard once, by each process that reads it)."""
+
+    suffix = ""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def fingerprint(self) -> str: ...
+
+    @abstractmethod
+    def read(self, local: int) -> tuple[str, dict]:
+        """(the sample's key, its record): a tar's files' bytes by extension, a text shard's row by column."""
+
+
+class TarIndex(ShardIndex):
+    suffix = ".tar"
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.members = read_members(path)
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def fingerprint(self) -> str:
+        return fingerprint_of(self.members)
+
+    def read(self, local: int) -> tuple[str, dict[str, bytes]]:
+        member = self.members[local]
+        with open(self.path, "rb") as file:
+            files = {}
+            for extension, (offset, size) in member.files.items():
+                file.seek(offset)
+                files[extension] = file.read(size)
+        return member.key, files
+
+
+class JsonlIndex(ShardIndex):
+    """One JSON object a line; blank lines are skipped. The index: each sample line's byte offset and number."""
+
+    suffix = ".jsonl"
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        digest, newlines, size = hashlib.sha256(), [np.zeros(0, np.int64)], 0
+        with open(path, "rb") as file:
+            for block in iter(lambda: file.read(1 << 20), b""):
+                digest.update(block)
+                newlines.append(np.flatnonzero(np.frombuffer(block, np.uint8) == ord("\n")) + size)
+                size += len(block)
+        ends = np.concatenate(newlines)
+        starts, ends = np.concatenate([[0], ends + 1]), np.concatenate([ends, [size]])
+        content = ends > starts
+        self.starts, self.ends, self.lines = starts[content], ends[content], np.flatnonzero(content) + 1
+        self.digest = digest.hexdigest()[:24]
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def fingerprint(self) -> str:
+        return self.digest
+
+    def read(self, local: int) -> tuple[str, dict]:
+        key = f"line {self.lines[local]}"
+        with open(self.path, "rb") as file:
+            file.seek(self.starts[local])
+            line = file.read(int(self.ends[local] - self.starts[local]))
+        try:
+            row = json.loads(line)
+        except ValueError as error:
+            raise UserError(f"shard {self.path}: {key} is not JSON ({error})") from None
+        if not isinstance(row, dict):
+            raise UserError(f"shard {self.path}: {key} is not a JSON object ({line[:40]!r})")
+        return key, row
+
+
+class ParquetIndex(ShardIndex):
+    """A row a sample; a worker holds the row group it reads (and the one before)."""
+
+    suffix = ".parquet"
+
+    def __init__(self, path: Path):
+        import pyarrow.parquet as pq
+
+        super().__init__(path)
+        try:
+            self.file = pq.ParquetFile(path)
+            groups = [self.file.metadata.row_group(group).num_rows for group in range(self.file.num_row_groups)]
+        except Exception as error:  # pyarrow's ArrowInvalid, OSError: a file that is not parquet, or cut short
+            raise UserError(f"shard {path} cannot be read ({type(error).__name__}: {error}); write it again") from None
+        self.starts = np.cumsum([0, *groups]).tolist()
+        self.groups: OrderedDict[int, list[dict]] = OrderedDict()
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def fingerprint(self) -> str:
+        with open(self.path, "rb") as file:  # the footer: [metadata][its length: 4 bytes]["PAR1"]
+            file.seek(-8, 2)
+            length = int.from_bytes(file.read(4), "little")
+            file.seek(-8 - length, 2)
+            return hashlib.sha256(file.read(length)).hexdigest()[:24]
+
+    def read(self, local: int) -> tuple[str, dict]:
+        group = bisect.bisect_right(self.starts, local) - 1
+        if group not in self.groups:
+            self.groups[group] = self.file.read_row_group(group).to_pylist()
+            while len(self.groups) > 2:
+                self.groups.popitem(last=False)
+        return f"row {local + 1}", self.groups[group][local - self.starts[group]]
+
+
+INDEXES = {index.suffix: index for index in (TarIndex, JsonlIndex, ParquetIndex)}
+NOT_IN_PLACE = (".gz", ".zst", ".bz2", ".xz")  # compressed files cannot be read from a sample's offset
+
+
+def shard_index(path: Path) -> ShardIndex:
+    return INDEXES[path.suffix](path)
+
+
 @dataclass(frozen=True)
 class ShardManifest:
     folder: Path
@@ -97,12 +234,18 @@ class ShardManifest:
         return sum(self.counts)
 
     @classmethod
-    def of(cls, folder: Path) -> ShardManifest:
-        """The folder's manifest.json, checked against the shards there (a shard missing, added, or of another
-        size is one line naming it); without one, the shards' own headers."""
-        names = sorted(path.relative_to(folder).as_posix() for path in folder.glob(f"*{SHARD_SUFFIX}"))
+    def of(cls, folder: Path, suffixes: Sequence[str] = (TarIndex.suffix,)) -> ShardManifest:
+        """The folder's manifest.json, checked against the shards there (files ending in one of `suffixes`; a shard
+        missing, added, or of another size is one line naming it); without one, the shards' own indexes."""
+        names = sorted(path.name for path in folder.iterdir() if path.suffix in suffixes and path.is_file())
         if not names:
-            raise UserError(f"{folder} has no {SHARD_SUFFIX} shards")
+            compressed = sorted(path.name for path in folder.glob("*") if path.suffix in NOT_IN_PLACE)
+            if compressed:
+                raise UserError(
+                    f"{folder / compressed[0]}: a compressed file cannot be read in place (a sample at a time); "
+                    f"write uncompressed {' or '.join(suffixes)} shards (ddp-accel shard)"
+                )
+            raise UserError(f"{folder} has no {' or '.join(suffixes)} shards")
         written = folder / MANIFEST
         if not written.is_file():
             return cls.scanned(folder, names)
@@ -121,9 +264,14 @@ class ShardManifest:
     def scanned(cls, folder: Path, names: Sequence[str]) -> ShardManifest:
         shards = []
         for name in names:
-            members = read_members(folder / name)
-            shards.append(Shard(name, (folder / name).stat().st_size, len(members), fingerprint_of(members)))
+            index = shard_index(folder / name)
+            shards.append(Shard(name, (folder / name).stat().st_size, len(index), index.fingerprint()))
         return cls(folder, tuple(shards))
+
+    def subset(self, names: Sequence[str]) -> ShardManifest:
+        """These shards only, in the manifest's order (a split held out by whole shards)."""
+        kept = set(names)
+        return dataclasses.replace(self, shards=tuple(shard for shard in self.shards if shard.name in kept))
 
     def write(self) -> Path:
         path = self.folder / MANIFEST
@@ -137,42 +285,36 @@ class ShardManifest:
 
 
 class ShardReader:
-    """A sample's files by its global index (shards in manifest order), read in place; each process (each
-    DataLoader worker) opens what it reads, the last OPEN_INDEXES shard indexes kept."""
+    """A sample by its global index (shards in manifest order), read in place; each process (each DataLoader
+    worker) indexes what it reads, the last OPEN_INDEXES shard indexes kept."""
 
     def __init__(self, manifest: ShardManifest):
         self.manifest = manifest
         self.starts = np.cumsum([0, *manifest.counts]).tolist()
-        self._indexes: OrderedDict[int, list[Member]] = OrderedDict()
+        self._indexes: OrderedDict[int, ShardIndex] = OrderedDict()
 
     def locate(self, index: int) -> tuple[int, int]:
         """(shard, sample within it) of global index `index`."""
         shard = bisect.bisect_right(self.starts, index) - 1
         return shard, index - self.starts[shard]
 
-    def members(self, shard: int) -> list[Member]:
+    def index(self, shard: int) -> ShardIndex:
         if shard not in self._indexes:
             path = self.manifest.folder / self.manifest.shards[shard].name
-            members = read_members(path)
-            if fingerprint_of(members) != self.manifest.shards[shard].fingerprint:
+            index = shard_index(path)
+            if index.fingerprint() != self.manifest.shards[shard].fingerprint:
                 raise UserError(f"shard {path} changed since its manifest.json was written")
-            self._indexes[shard] = members
+            self._indexes[shard] = index
             while len(self._indexes) > OPEN_INDEXES:
                 self._indexes.popitem(last=False)
         self._indexes.move_to_end(shard)
         return self._indexes[shard]
 
-    def read(self, index: int) -> tuple[str, str, dict[str, bytes]]:
-        """(the shard's path, the sample's key, its files' bytes by extension)."""
+    def read(self, index: int) -> tuple[str, str, dict]:
+        """(the shard's path, the sample's key, its record: a tar's files' bytes by extension, a row by column)."""
         shard, local = self.locate(index)
-        member = self.members(shard)[local]
-        path = self.manifest.folder / self.manifest.shards[shard].name
-        with open(path, "rb") as file:
-            files = {}
-            for extension, (offset, size) in member.files.items():
-                file.seek(offset)
-                files[extension] = file.read(size)
-        return str(path), member.key, files
+        key, record = self.index(shard).read(local)
+        return str(self.manifest.folder / self.manifest.shards[shard].name), key, record
 
 
 class WindowShuffle(Sampler[int]):

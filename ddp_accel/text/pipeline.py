@@ -22,9 +22,10 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader, Sampler
 
 from ddp_accel.errors import UserError
-from ddp_accel.files import writing
+from ddp_accel.files import write_text, writing
 from ddp_accel.identity import fingerprint_sources
 from ddp_accel.text import sources
+from ddp_accel.text.streamed import StreamedReviews, count_tokens, held_out_shards, is_text_shards, text_manifest
 from ddp_accel.text.tokenizer import basic_english
 from ddp_accel.text.vocab import Vocab
 
@@ -33,9 +34,9 @@ PIPELINE_VERSION = "basic_english-1/int32-ids"
 
 @dataclass
 class TextData:
-    train: datasets.Dataset
-    val: datasets.Dataset | None  # None with --val-fraction 0: every review trains
-    test: datasets.Dataset | None
+    train: datasets.Dataset | StreamedReviews  # StreamedReviews: a folder of shards, read in place
+    val: datasets.Dataset | StreamedReviews | None  # None with --val-fraction 0: every review trains
+    test: datasets.Dataset | StreamedReviews | None
     vocab: Vocab
     source: str
     synthetic: bool
@@ -137,6 +138,8 @@ def prepare_text_data(accelerator: Accelerator, source: TextSource, options: Tex
     both hold out whole runs of N consecutive reviews (the official IMDB split lists each movie's reviews
     together, and a movie on both sides of a split overstates the held-out accuracy).
     """
+    if is_text_shards(source.train_file):
+        return prepare_streamed_text(accelerator, source, options)
     start = time.perf_counter()
     cache = Path(options.cache_dir) if options.cache_dir else default_cache_dir()
     check_cache_dir(cache)
@@ -185,6 +188,60 @@ def prepare_text_data(accelerator: Accelerator, source: TextSource, options: Tex
         vocab_path,
         fingerprints,
     )
+
+
+def prepare_streamed_text(accelerator: Accelerator, source: TextSource, options: TextOptions) -> TextData:
+    """A folder of jsonl/parquet shards (`source.train_file`), read in place (ddp_accel.text.streamed): validation
+    holds out whole shards; the vocabulary is one pass over the training shards, cached by their manifest."""
+    start = time.perf_counter()
+    if options.group_size > 1:
+        raise UserError(
+            f"--group-size {options.group_size} holds out runs of reviews of one file; shards are held out whole: "
+            "drop --group-size"
+        )
+    cache = Path(options.cache_dir) if options.cache_dir else default_cache_dir()
+    check_cache_dir(cache)
+    shards = text_manifest(source.train_file)
+    held = held_out_shards(shards, options.val_fraction, options.fold, options.seed)
+    train = shards.subset([shard.name for shard in shards.shards if shard.name not in held])
+    val = shards.subset(held) if held else None
+    test = text_manifest(source.test_file) if source.test_file else None
+    held_out = (options.fold or options.val_fraction, sorted(held))
+    key = cache_key(train.fingerprint(), held_out, options.min_freq, options.max_vocab, options.max_length)
+    vocab_path = cache / f"vocab-shards-{cache_key(key, PIPELINE_VERSION)}.json"
+    with accelerator.main_process_first():
+        if accelerator.is_main_process and not _readable_vocab(vocab_path):
+            counts, truncated = count_tokens(train, options.max_length, show=True)
+            tokens = Vocab.from_counts(counts, options.min_freq, options.max_vocab).itos
+            write_text(vocab_path, json.dumps({"tokens": tokens, "truncated": truncated}, ensure_ascii=False))
+    vocab = Vocab.load(vocab_path)
+    if len(vocab) <= 2:
+        raise UserError(
+            f"the vocabulary is empty: no token occurs at least --min-freq {options.min_freq} times in the "
+            f"{len(train)} training reviews; lower --min-freq"
+        )
+    fingerprints = {  # the manifests': each shard's content fingerprint
+        "train data": f"shards sha256:{shards.fingerprint()}",
+        "test data": f"shards sha256:{test.fingerprint()}" if test else None,
+    }
+    return TextData(
+        *(StreamedReviews(part, vocab, options.max_length) if part else None for part in (train, val, test)),
+        vocab,
+        str(source.train_file),
+        False,
+        json.loads(vocab_path.read_text())["truncated"],
+        time.perf_counter() - start,
+        vocab_path,
+        fingerprints,
+    )
+
+
+def _readable_vocab(path: Path) -> bool:
+    try:
+        Vocab.load(path)
+        return "truncated" in json.loads(path.read_text())
+    except (OSError, ValueError, KeyError, TypeError):  # missing, or damaged: built again
+        return False
 
 
 def _hold_out(
@@ -366,7 +423,7 @@ class PadCollate:
 
 
 def make_loader(
-    encoded: datasets.Dataset,
+    encoded: datasets.Dataset | StreamedReviews,
     batch_size: int,
     pad_id: int,
     *,
@@ -375,6 +432,15 @@ def make_loader(
     min_length: int = 1,
     workers: int = 0,
 ) -> DataLoader:
+    if isinstance(encoded, StreamedReviews):  # in the shards' canonical order (ddp_accel.streaming)
+        return DataLoader(
+            encoded,
+            batch_size=batch_size,
+            sampler=encoded.sampler(shuffle, seed),
+            collate_fn=PadCollate(pad_id, min_length),
+            num_workers=workers,
+            persistent_workers=workers > 0,
+        )
     reviews = EncodedReviews(encoded)
     batches = BucketBatchSampler(reviews.lengths, batch_size, shuffle=shuffle, seed=seed)
     return DataLoader(

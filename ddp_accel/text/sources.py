@@ -20,7 +20,7 @@ from accelerate import Accelerator
 
 from ddp_accel.errors import UserError
 
-_LABEL_NAMES = {"pos": 1, "positive": 1, "1": 1, "neg": 0, "negative": 0, "0": 0}
+LABEL_NAMES = {"pos": 1, "positive": 1, "1": 1, "neg": 0, "negative": 0, "0": 0}
 _FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}  # each also gzipped (.gz)
 
 
@@ -47,13 +47,13 @@ def _normalise_labels(dataset: datasets.Dataset, source: str) -> datasets.Datase
             f"{_json_value(labels[row])!r}; use one kind for every row, 0/1 or pos/neg"
         )
     for row, label in enumerate(labels):
-        if not _is_label(label):
-            bad = sorted({repr(value) for value in labels if not _is_label(value)})
+        if not is_label(label):
+            bad = sorted({repr(value) for value in labels if not is_label(value)})
             raise UserError(
                 f"{source}: row {row + 1} has the label {label!r} ({type(label).__name__}); labels must be 0/1 or "
                 f"pos/neg (positive/negative) (found {', '.join(bad[:5])})"
             )
-    classes = {_LABEL_NAMES[str(label).strip().lower()] for label in labels}
+    classes = {LABEL_NAMES[str(label).strip().lower()] for label in labels}
     if len(classes) < 2 and len(labels) > 1:  # (one review: the split says it is too few)
         raise UserError(
             f"{source}: every review is labelled {'positive' if classes == {1} else 'negative'}; a classifier needs "
@@ -61,7 +61,7 @@ def _normalise_labels(dataset: datasets.Dataset, source: str) -> datasets.Datase
         )
 
     def to_int(batch: dict[str, list]) -> dict[str, list[int]]:
-        return {"label": [_LABEL_NAMES[str(label).strip().lower()] for label in batch["label"]]}
+        return {"label": [LABEL_NAMES[str(label).strip().lower()] for label in batch["label"]]}
 
     dataset = dataset.map(to_int, batched=True, desc="labels")
     return dataset.cast_column("label", datasets.Value("int64")).select_columns(["text", "label"])
@@ -74,8 +74,8 @@ def _json_value(text: str) -> object:
         return text
 
 
-def _is_label(value: object) -> bool:
-    return isinstance(value, int | str) and not isinstance(value, bool) and str(value).strip().lower() in _LABEL_NAMES
+def is_label(value: object) -> bool:
+    return isinstance(value, int | str) and not isinstance(value, bool) and str(value).strip().lower() in LABEL_NAMES
 
 
 def load_file(path: str | Path) -> datasets.Dataset:

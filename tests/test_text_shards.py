@@ -1,0 +1,144 @@
+"""Reviews as jsonl/parquet shards read in place (ddp_accel.text.streamed): what the writer writes, the index of a
+jsonl shard, the vocabulary and encoding against the in-memory pipeline, whole shards held out, a resume with
+another worker count, and bad data in one line."""
+
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import assert_clean_error, check_ok, run_script
+from safetensors.torch import load_file
+
+from ddp_accel.errors import UserError
+from ddp_accel.streaming import JsonlIndex, ShardManifest, ShardReader
+from ddp_accel.text.sources import synthetic_imdb
+from ddp_accel.text.streamed import held_out_shards, review_of, text_manifest, write_text_shards
+
+inprocess = pytest.mark.inprocess
+SMALL_BAG = ["--model", "bag", "--ngrams", "2", "--buckets", "1000", "--dim", "8", "--min-freq", "1"]
+
+
+def reviews_file(tmp_path: Path, size: int) -> tuple[Path, list[tuple[str, int]]]:
+    corpus = synthetic_imdb(size, seed=5)
+    rows = list(zip(corpus["text"], corpus["label"], strict=True))
+    path = tmp_path / "reviews.jsonl"
+    path.write_text("".join(json.dumps({"text": text, "label": label}) + "\n" for text, label in rows))
+    return path, rows
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+@inprocess
+def test_the_writer_s_text_shards_hold_every_review_once_in_the_seed_s_order(tmp_path, kind):
+    source, rows = reviews_file(tmp_path, 50)
+    write_text_shards(source, tmp_path / "shards", samples_per_shard=12, seed=1, kind=kind)
+    manifest = text_manifest(tmp_path / "shards")
+    assert manifest.counts == [12, 12, 12, 12, 2] and {shard.name[-len(kind) :] for shard in manifest.shards} == {kind}
+    reader = ShardReader(manifest)
+    read = [review_of(*reader.read(index)) for index in range(len(manifest))]
+    assert sorted(read) == sorted(rows) and read != rows  # every review once, in the seed's order
+
+
+@inprocess
+def test_a_jsonl_shard_s_index_skips_blank_lines_and_a_bad_row_is_named_by_its_line(tmp_path):
+    shard = tmp_path / "000000.jsonl"
+    rows = ['{"text": "a", "label": 1}', "", '{"text": "b", "label": "neg"}', '{"text": "c"}', "{not json"]
+    shard.write_text("\n".join([*rows, '{"text": "d", "label": 0}']))  # the last line without its newline
+    index = JsonlIndex(shard)
+    assert len(index) == 5 and index.lines.tolist() == [1, 3, 4, 5, 6]
+    assert review_of(str(shard), *index.read(1)) == ("b", 0)
+    assert index.read(4) == ("line 6", {"text": "d", "label": 0})
+    with pytest.raises(UserError, match=f"shard {shard}: line 4 has the label None"):
+        review_of(str(shard), *index.read(2))
+    with pytest.raises(UserError, match=f"shard {shard}: line 5 is not JSON"):
+        index.read(3)
+
+
+@inprocess
+def test_the_vocabulary_and_encoding_of_the_shards_are_the_in_memory_pipeline_s(tmp_path):
+    from accelerate import Accelerator
+
+    from ddp_accel.text.pipeline import TextOptions, TextSource, prepare_text_data
+
+    source, rows = reviews_file(tmp_path, 200)
+    write_text_shards(source, tmp_path / "shards", samples_per_shard=64)
+    options = TextOptions(cache_dir=str(tmp_path / "cache"), val_fraction=0, min_freq=2, max_length=12)
+    memory = prepare_text_data(Accelerator(cpu=True), TextSource(train_file=str(source)), options)
+    streamed = prepare_text_data(Accelerator(cpu=True), TextSource(train_file=str(tmp_path / "shards")), options)
+    assert streamed.vocab.itos == memory.vocab.itos and streamed.truncated == memory.truncated > 0
+    encoded = {text: ids for (text, _), ids in zip(rows, memory.train["input_ids"], strict=True)}
+    reader = ShardReader(streamed.train.manifest)
+    for index in range(len(streamed.train)):
+        ids, label = streamed.train[index]
+        text, expected_label = review_of(*reader.read(index))
+        assert ids.dtype == np.int32 and ids.tolist() == encoded[text] and label == expected_label
+
+
+@inprocess
+def test_validation_holds_out_whole_shards_drawn_from_the_seed(tmp_path):
+    source, _ = reviews_file(tmp_path, 100)
+    write_text_shards(source, tmp_path / "shards", samples_per_shard=10)
+    manifest = ShardManifest.of(tmp_path / "shards", (".jsonl",))
+    names = [shard.name for shard in manifest.shards]
+    held = held_out_shards(manifest, 0.2, None, seed=0)
+    assert len(held) == 2 and set(held) < set(names)
+    assert any(held_out_shards(manifest, 0.2, None, seed=seed) != held for seed in range(1, 5))
+    folds = [held_out_shards(manifest, 0, f"{i}/5", seed=0) for i in range(1, 6)]
+    assert sorted(name for fold in folds for name in fold) == names  # each shard held out once
+    assert len(held_out_shards(manifest, 0.01, None, seed=0)) == 1  # at least one
+    with pytest.raises(UserError, match="--val-fraction 0.96 of 10 shard.* holds out all"):
+        held_out_shards(manifest, 0.96, None, seed=0)
+    with pytest.raises(UserError, match="10 shard.* cannot be split into 11 folds"):
+        held_out_shards(manifest, 0, "1/11", seed=0)
+
+
+@inprocess
+def test_imdb_on_text_shards_resumed_mid_epoch_with_another_worker_count_ends_bitwise(tmp_path):
+    source, _ = reviews_file(tmp_path, 96)
+    write_text_shards(source, tmp_path / "shards", samples_per_shard=20)  # 5 shards, 1 held out: 76 reviews
+    args = ["--train-file", tmp_path / "shards", *SMALL_BAG, "--epochs", "2", "--batch-size", "8"]
+    args += ["--checkpointing-steps", "7", "--cache-dir", tmp_path / "cache"]
+    check_ok(run_script("scripts/imdb.py", *args, "--workers", "2", "--output-dir", tmp_path / "full"))
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_7", tmp_path / "cut" / "checkpoints" / "step_7")
+    shutil.copy(tmp_path / "full" / "history.json", tmp_path / "cut" / "history.json")
+    output = check_ok(
+        run_script("scripts/imdb.py", *args, "--workers", "0", "--output-dir", tmp_path / "cut", "--resume", "latest")
+    )
+    assert "skipping 7 batches" in output, output[-2000:]
+    full, resumed = (load_file(tmp_path / run / "model.safetensors") for run in ("full", "cut"))
+    assert all((full[key] == resumed[key]).all() for key in full)
+    # other shards (the same reviews in another order) are other data: the resume is refused
+    shutil.rmtree(tmp_path / "shards")
+    write_text_shards(source, tmp_path / "shards", samples_per_shard=20, seed=1)
+    output = run_script("scripts/imdb.py", *args, "--output-dir", tmp_path / "cut", "--resume", "latest")
+    assert_clean_error(output, "train data")
+
+
+@inprocess
+def test_bad_text_shards_are_one_line_naming_the_shard_and_the_row(tmp_path):
+    source, _ = reviews_file(tmp_path, 40)
+    shards = tmp_path / "shards"
+    write_text_shards(source, shards, samples_per_shard=10)
+    args = ["--train-file", shards, *SMALL_BAG, "--max-steps", "1", "--cache-dir", tmp_path / "cache"]
+    first = shards / "000000.jsonl"
+    lines = first.read_text().splitlines(keepends=True)
+    changed = lines[2].replace('"label": 1', '"label": 7').replace('"label": 0', '"label": 8')
+    first.write_text("".join([*lines[:2], changed, *lines[3:]]))  # the same size, another content
+    output = run_script("scripts/imdb.py", *args, "--output-dir", tmp_path / "a")
+    assert_clean_error(output, f"shard {first} changed since its manifest.json was written")
+    (shards / "manifest.json").unlink()  # without a manifest, the row itself is read and named
+    output = run_script("scripts/imdb.py", *args, "--output-dir", tmp_path / "b")
+    assert_clean_error(output, f"shard {first}: line 3 has the label")
+    for shard in shards.glob("*.jsonl"):
+        shard.with_suffix(".jsonl.gz").write_bytes(gzip.compress(shard.read_bytes()))
+        shard.unlink()
+    output = run_script("scripts/imdb.py", *args, "--output-dir", tmp_path / "c")
+    assert_clean_error(output, "a compressed file cannot be read in place")
+    write_text_shards(source, tmp_path / "parquet", samples_per_shard=10, kind="parquet")
+    cut = tmp_path / "parquet" / "000001.parquet"
+    cut.write_bytes(cut.read_bytes()[:-100])
+    (tmp_path / "parquet" / "manifest.json").unlink()  # else named by its size: the footer itself is read
+    output = run_script("scripts/imdb.py", *args[2:], "--train-file", tmp_path / "parquet", "--output-dir", tmp_path)
+    assert_clean_error(output, f"shard {cut} cannot be read")
