@@ -13,9 +13,9 @@ from helpers import assert_clean_error, check_ok, run_script
 from safetensors.torch import load_file
 
 from ddp_accel.errors import UserError
-from ddp_accel.streaming import JsonlIndex, ShardManifest, ShardReader
+from ddp_accel.streaming import JsonlIndex, ShardManifest, ShardReader, WindowShuffle
 from ddp_accel.text.sources import synthetic_imdb
-from ddp_accel.text.streamed import held_out_shards, review_of, text_manifest, write_text_shards
+from ddp_accel.text.streamed import WINDOW, held_out_shards, review_of, text_manifest, write_text_shards
 
 inprocess = pytest.mark.inprocess
 SMALL_BAG = ["--model", "bag", "--ngrams", "2", "--buckets", "1000", "--dim", "8", "--min-freq", "1"]
@@ -60,7 +60,7 @@ def test_a_jsonl_shard_s_index_skips_blank_lines_and_a_bad_row_is_named_by_its_l
 def test_the_vocabulary_and_encoding_of_the_shards_are_the_in_memory_pipeline_s(tmp_path):
     from accelerate import Accelerator
 
-    from ddp_accel.text.pipeline import TextOptions, TextSource, prepare_text_data
+    from ddp_accel.text.pipeline import TextOptions, TextSource, make_loader, prepare_text_data
 
     source, rows = reviews_file(tmp_path, 200)
     write_text_shards(source, tmp_path / "shards", samples_per_shard=64)
@@ -74,6 +74,15 @@ def test_the_vocabulary_and_encoding_of_the_shards_are_the_in_memory_pipeline_s(
         ids, label = streamed.train[index]
         text, expected_label = review_of(*reader.read(index))
         assert ids.dtype == np.int32 and ids.tolist() == encoded[text] and label == expected_label
+    # training in the canonical order of (seed, epoch, manifest), evaluation in the manifest's
+    shuffled = make_loader(streamed.train, 8, streamed.vocab.pad_id, shuffle=True, seed=3)
+    assert (
+        list(shuffled.sampler)
+        == list(WindowShuffle(streamed.train.manifest.counts, 3, WINDOW))
+        != sorted(shuffled.sampler)
+    )
+    listed = make_loader(streamed.train, 8, streamed.vocab.pad_id, shuffle=False, seed=3)
+    assert list(listed.sampler) == list(range(len(streamed.train)))
 
 
 @inprocess

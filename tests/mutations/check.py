@@ -882,6 +882,36 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         '        if "cls" not in files:',
         "        if False:",
     ),
+    "a_blank_jsonl_line_taken_for_a_sample": (
+        "ddp_accel/streaming.py",
+        "        content = ends > starts\n",
+        "        content = ends >= starts\n",
+    ),
+    "a_changed_text_shard_read_without_a_word": (
+        "ddp_accel/streaming.py",
+        "            if index.fingerprint() != self.manifest.shards[shard].fingerprint:",
+        "            if False:",
+    ),
+    "streamed_reviews_never_truncated": (
+        "ddp_accel/text/streamed.py",
+        "basic_english(text)[: self.max_length]",
+        "basic_english(text)",
+    ),
+    "validation_shards_not_drawn_from_the_seed": (
+        "ddp_accel/text/streamed.py",
+        "order = [names[i] for i in np.random.default_rng(seed).permutation(len(names))]",
+        "order = list(names)",
+    ),
+    "the_streamed_training_loader_never_shuffles": (
+        "ddp_accel/text/pipeline.py",
+        "sampler=encoded.sampler(shuffle, seed),",
+        "sampler=encoded.sampler(False, seed),",
+    ),
+    "a_run_on_other_text_shards_resumes": (
+        "ddp_accel/text/pipeline.py",
+        '"train data": f"shards sha256:{shards.fingerprint()}",',
+        '"train data": "shards",',
+    ),
     "the_writer_keeps_the_class_by_class_order": (
         "ddp_accel/vision/shards.py",
         "            images = [images[i] for i in np.random.default_rng(seed).permutation(len(images))]\n",
