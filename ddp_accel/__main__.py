@@ -11,6 +11,7 @@ not on this machine (a GPU precision without a GPU, a package not installed).
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from ddp_accel.accelerate_config import check_config
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     return check_configs(args.files)
 
 
-def write_shards(args) -> list:
+def write_shards(args: argparse.Namespace) -> list:
     """The manifests `ddp-accel shard` wrote (the writers import torch: not for check-config)."""
     if args.kind == "text":
         from ddp_accel.text.streamed import write_text_shards

@@ -176,9 +176,13 @@ class ParquetIndex(ShardIndex):
     suffix = ".parquet"
 
     def __init__(self, path: Path):
+        super().__init__(path)
+        self.open()
+
+    def open(self) -> None:
         import pyarrow.parquet as pq
 
-        super().__init__(path)
+        path = self.path
         try:
             self.file = pq.ParquetFile(path)
             groups = [self.file.metadata.row_group(group).num_rows for group in range(self.file.num_row_groups)]
@@ -191,7 +195,8 @@ class ParquetIndex(ShardIndex):
         return {"path": self.path}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path"])
+        self.path = state["path"]
+        self.open()
 
     def __len__(self) -> int:
         return int(self.starts[-1])

@@ -2,6 +2,7 @@
 
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml scripts/imdb.py
     python scripts/imdb.py --model gcnn --train-file train.jsonl --test-file test.jsonl
+    python scripts/imdb.py --train-file shards/ --val-fraction 0.1     # jsonl/parquet shards read in place
     python scripts/imdb.py --predict "A wonderful, moving film." --output-dir outputs/imdb
 
 Models: `bag` (fastText: mean of token + hashed n-gram embeddings; --ngrams 1 is the recipe's EmbeddingBag)
@@ -102,8 +103,15 @@ def parse_args(argv=None):
         help="'imdb' from the Hugging Face hub (falls back to synthetic offline)",
     )
     data.add_argument("--data-dir", help="the aclImdb folder of the Stanford tarball (train/, test/)")
-    data.add_argument("--train-file", help="jsonl/csv/parquet with text and label columns")
-    data.add_argument("--test-file", help="jsonl/csv/parquet evaluated at the end")
+    data.add_argument(
+        "--train-file",
+        help="jsonl/csv/parquet with text and label columns, or a folder of jsonl/parquet shards read in place "
+        "(ddp-accel shard text; docs/data.md)",
+    )
+    data.add_argument(
+        "--test-file",
+        help="jsonl/csv/parquet (or a folder of shards, with streamed training data) evaluated at the end",
+    )
     data.add_argument(
         "--val-fraction",
         type=HELD_OUT,

@@ -201,7 +201,7 @@ def prepare_streamed_text(accelerator: Accelerator, source: TextSource, options:
         )
     cache = Path(options.cache_dir) if options.cache_dir else default_cache_dir()
     check_cache_dir(cache)
-    shards = text_manifest(source.train_file)
+    shards = text_manifest(str(source.train_file))
     held = held_out_shards(shards, options.val_fraction, options.fold, options.seed)
     train = shards.subset([shard.name for shard in shards.shards if shard.name not in held])
     val = shards.subset(held) if held else None
@@ -225,7 +225,9 @@ def prepare_streamed_text(accelerator: Accelerator, source: TextSource, options:
         "test data": f"shards sha256:{test.fingerprint()}" if test else None,
     }
     return TextData(
-        *(StreamedReviews(part, vocab, options.max_length) if part else None for part in (train, val, test)),
+        StreamedReviews(train, vocab, options.max_length),
+        StreamedReviews(val, vocab, options.max_length) if val else None,
+        StreamedReviews(test, vocab, options.max_length) if test else None,
         vocab,
         str(source.train_file),
         False,
