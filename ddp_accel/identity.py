@@ -45,8 +45,8 @@ CONTENT_LIMIT = 512 * 1024**2  # a folder up to this size is fingerprinted by co
 
 
 def source_fingerprint(
-    source: str | Path | None, exclude: Iterable[str | Path] = (), content_limit: int = CONTENT_LIMIT
-) -> str | None:
+    source: str | Path | dict | None, exclude: Iterable[str | Path] = (), content_limit: int = CONTENT_LIMIT
+) -> str | dict | None:
     """A single file by its content (sha256). A folder by every file's relative path and size, and by content: all
     of it up to `content_limit` bytes, above that one file in k, every k-th in path order, so that about
     `content_limit` bytes are read whatever the size (hashing ImageNet's 150 GB at every start would take minutes).
@@ -54,8 +54,8 @@ def source_fingerprint(
     Never by modification times: the same data copied again (a requeued job staging it to node-local scratch) is the
     same data. Hidden files and folders and the `exclude` folders (a run's own output dir inside the data) are left
     out. Anything else (a hub dataset name) as it is."""
-    if source is None:
-        return None
+    if source is None or isinstance(source, dict):  # None, or shards by their manifest (`shards_identity`)
+        return source
     path = Path(source)
     if path.is_file():
         return f"file sha256:{file_sha256(path)[:24]}"
@@ -132,12 +132,12 @@ def make_identity(
 
 
 def fingerprint_sources(
-    sources: Mapping[str, str | Path | None], exclude: Iterable[str | Path] = (), accelerator: Any = None
-) -> dict[str, str | None]:
+    sources: Mapping[str, str | Path | dict | None], exclude: Iterable[str | Path] = (), accelerator: Any = None
+) -> dict[str, str | dict | None]:
     """Each source's `source_fingerprint`. With `accelerator`, the main process fingerprints and the others receive
     its fingerprints: a large folder is walked once per job, not once per rank (ImageNet: about 16 s,
     benchmarks/fingerprint.py)."""
-    fingerprints: dict[str, str | None] | None = None
+    fingerprints: dict[str, str | dict | None] | None = None
     if accelerator is None or accelerator.is_main_process:
         fingerprints = {key: source_fingerprint(source, exclude) for key, source in sorted(sources.items())}
     if accelerator is not None and accelerator.num_processes > 1:
@@ -167,7 +167,7 @@ def compare_identity(
         saved = {**saved, "options": {k: v for k, v in saved["options"].items() if k not in older}}
     labels = current.get("labels", {})
     differences = [
-        f"{_option(key, labels)} was {saved['options'].get(key)!r}, now {value!r}"
+        _difference(_option(key, labels), saved["options"][key], value)
         for key, value in current["options"].items()
         if key in saved.get("options", {}) and saved["options"][key] != value
     ]
@@ -223,7 +223,27 @@ def _identity_warnings(saved: dict[str, Any], current: dict[str, Any], what: str
 
 def _is_fingerprint(value: Any) -> bool:
     """A data source's fingerprint (not an option's value)."""
-    return isinstance(value, str) and value.startswith(("folder ", "file sha256:"))
+    return isinstance(value, str) and value.startswith(("folder ", "file sha256:")) or _is_shards(value)
+
+
+def _is_shards(value: Any) -> bool:
+    return isinstance(value, dict) and isinstance(value.get("shards"), dict)
+
+
+def shards_identity(fingerprints: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """Shards by their manifest (name -> content fingerprint): a refused resume names the shards that changed."""
+    return {"shards": dict(sorted(fingerprints.items()))}
+
+
+def _difference(option: str, saved: Any, current: Any) -> str:
+    if not (_is_shards(saved) and _is_shards(current)):
+        return f"{option} was {saved!r}, now {current!r}"
+    old, new = saved["shards"], current["shards"]
+    changes = [f"shard {name} changed" for name in old if name in new and old[name] != new[name]]
+    changes += [f"shard {name} is gone" for name in old if name not in new]
+    changes += [f"shard {name} is new" for name in new if name not in old]
+    more = f" and {len(changes) - 3} more" if len(changes) > 3 else ""
+    return f"{option}: {', '.join(changes[:3])}{more} since the checkpoint"
 
 
 def _mtime_fingerprint(value: Any) -> bool:

@@ -284,8 +284,12 @@ class ShardManifest:
         path.write_text(json.dumps(body, indent=1) + "\n")
         return path
 
+    def identity(self, prefix: str = "") -> dict[str, str]:
+        """Each shard's fingerprint by name (a run's identity: a resume on changed shards is refused naming them)."""
+        return {prefix + shard.name: shard.fingerprint for shard in self.shards}
+
     def fingerprint(self) -> str:
-        """The whole manifest's digest: a run's identity (a resume on other shards is refused)."""
+        """The whole manifest's digest (the vocabulary's cache key)."""
         return hashlib.sha256(repr([asdict(shard) for shard in self.shards]).encode()).hexdigest()[:24]
 
 

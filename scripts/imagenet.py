@@ -70,6 +70,7 @@ from ddp_accel.vision import (
     image_transforms,
     is_sharded,
     list_archs,
+    sharded_data_identity,
     sharded_image_sets,
 )
 
@@ -324,6 +325,8 @@ def identity_of(args, accelerator, evaluation: bool = False) -> dict:
         return make_identity({key: getattr(args, key) for key in EVALUATION_OPTIONS})
     options = {key: getattr(args, key) for key in (*IDENTITY_OPTIONS, *RECIPE_OPTIONS, *DECODER)}
     sources = {"data": None if args.dummy else args.data}  # by content; an --output-dir inside it is not data
+    if not args.dummy and is_sharded(args.data):  # by the manifests: a refused resume names the changed shards
+        sources["data"] = sharded_data_identity(args.data)
     # the recipes recorded only when used: a run from before they existed resumes
     unset = RECIPE_OPTIONS | DECODER
     return make_identity(options, sources, exclude=[args.output_dir], accelerator=accelerator, unset=unset)

@@ -85,6 +85,9 @@ def test_a_run_on_shards_resumed_mid_epoch_with_another_worker_count_ends_bitwis
     full = load_file(tmp_path / "full" / "model.safetensors")
     resumed = load_file(tmp_path / "cut" / "model.safetensors")
     assert all((full[key] == resumed[key]).all() for key in full)
+    write_shards(tmp_path / "images", shards, samples_per_shard=5, seed=1)  # the same images, in other shards
+    output = run_script("scripts/imagenet.py", shards, *args, *cut)
+    assert_clean_error(output, "data: shard train/000000.tar changed")
 
 
 @inprocess

@@ -122,7 +122,23 @@ def test_imdb_on_text_shards_resumed_mid_epoch_with_another_worker_count_ends_bi
     shutil.rmtree(tmp_path / "shards")
     write_text_shards(source, tmp_path / "shards", samples_per_shard=20, seed=1)
     output = run_script("scripts/imdb.py", *args, "--output-dir", tmp_path / "cut", "--resume", "latest")
-    assert_clean_error(output, "train data")
+    assert_clean_error(output, "train data: shard 000000.jsonl changed, shard 000001.jsonl changed")
+
+
+@inprocess
+def test_a_refused_resume_names_the_shards_that_changed_went_or_came():
+    from ddp_accel.identity import compare_identity, make_identity, shards_identity
+
+    saved = make_identity(
+        {"lr": 0.1}, {"train data": shards_identity({"a.jsonl": "1", "b.jsonl": "2", "c.jsonl": "3"})}
+    )
+    now = make_identity({"lr": 0.1}, {"train data": shards_identity({"a.jsonl": "1", "b.jsonl": "9", "d.jsonl": "4"})})
+    assert compare_identity(saved, saved, "the checkpoint") is None
+    with pytest.raises(UserError) as refused:
+        compare_identity(saved, now, "the checkpoint")
+    assert "train data: shard b.jsonl changed, shard c.jsonl is gone, shard d.jsonl is new since the checkpoint" in str(
+        refused.value
+    )
 
 
 @inprocess

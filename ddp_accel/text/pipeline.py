@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from ddp_accel.errors import UserError
 from ddp_accel.files import write_text, writing
-from ddp_accel.identity import fingerprint_sources
+from ddp_accel.identity import fingerprint_sources, shards_identity
 from ddp_accel.text import sources
 from ddp_accel.text.streamed import StreamedReviews, count_tokens, held_out_shards, is_text_shards, text_manifest
 from ddp_accel.text.tokenizer import basic_english
@@ -43,7 +43,7 @@ class TextData:
     truncated: int  # training reviews longer than max_length
     preprocess_s: float
     vocab_path: Path  # in the cache: fit copies it into the output dir with the model
-    sources: dict[str, str | None]  # fingerprints of the training and test data (ddp_accel.identity)
+    sources: dict[str, Any]  # fingerprints of the training and test data (ddp_accel.identity)
 
 
 def default_cache_dir() -> Path:
@@ -221,8 +221,8 @@ def prepare_streamed_text(accelerator: Accelerator, source: TextSource, options:
             f"{len(train)} training reviews; lower --min-freq"
         )
     fingerprints = {  # the manifests': each shard's content fingerprint
-        "train data": f"shards sha256:{shards.fingerprint()}",
-        "test data": f"shards sha256:{test.fingerprint()}" if test else None,
+        "train data": shards_identity(shards.identity()),
+        "test data": shards_identity(test.identity()) if test else None,
     }
     return TextData(
         StreamedReviews(train, vocab, options.max_length),
@@ -283,7 +283,7 @@ class _Encoding:
     key: str
     num_proc: int | None
     max_length: int | None
-    test_fingerprint: str | None  # train and val: in `key`
+    test_fingerprint: str | dict | None  # train and val: in `key`
 
     def tokenized(self, reviews: datasets.Dataset, desc: str, file_key: str) -> datasets.Dataset:
         return cached_map(

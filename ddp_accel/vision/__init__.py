@@ -13,7 +13,7 @@ from ddp_accel.vision.data import (
 from ddp_accel.vision.device_decode import DeviceDecode, collate_encoded, encoded_image_folders
 from ddp_accel.vision.mixing import BatchMixing
 from ddp_accel.vision.models import build_model, list_archs
-from ddp_accel.vision.shards import ShardedImages, is_sharded, sharded_image_sets, write_shards
+from ddp_accel.vision.shards import ShardedImages, is_sharded, sharded_data_identity, sharded_image_sets, write_shards
 
 __all__ = [
     "AUTO_AUGMENTS",
@@ -32,6 +32,7 @@ __all__ = [
     "is_sharded",
     "list_archs",
     "load_image",
+    "sharded_data_identity",
     "sharded_image_sets",
     "write_shards",
 ]

@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from ddp_accel.errors import UserError
+from ddp_accel.identity import shards_identity
 from ddp_accel.streaming import SHARD_SUFFIX, ShardManifest, ShardReader, WindowShuffle
 from ddp_accel.vision.data import augmentation_seed, check_image_folder, load_image, named_if_unreadable, walk_images
 
@@ -81,6 +82,14 @@ def sharded_image_sets(
             f"{root / 'train'} has no manifest.json naming its classes; write the shards with ddp-accel shard"
         )
     return train, val, classes
+
+
+def sharded_data_identity(data_dir: str | Path) -> dict:
+    """DATA_DIR's train/ and val/ shards by their manifests (a run's identity: a resume names the changed shards)."""
+    root = Path(data_dir)
+    return shards_identity(
+        {**ShardManifest.of(root / "train").identity("train/"), **ShardManifest.of(root / "val").identity("val/")}
+    )
 
 
 def write_shards(source: str | Path, output: str | Path, samples_per_shard: int = 1000, seed: int = 0) -> list[Path]:
