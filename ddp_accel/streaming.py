@@ -302,6 +302,10 @@ class ShardReader:
         self.starts = np.cumsum([0, *manifest.counts]).tolist()
         self._indexes: OrderedDict[int, ShardIndex] = OrderedDict()
 
+    def __getstate__(self) -> dict:
+        # a DataLoader worker builds the indexes of what it reads: none travels in the pickle
+        return {**self.__dict__, "_indexes": OrderedDict()}
+
     def locate(self, index: int) -> tuple[int, int]:
         """(shard, sample within it) of global index `index`."""
         shard = bisect.bisect_right(self.starts, index) - 1

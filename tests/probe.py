@@ -42,6 +42,7 @@ from ddp_accel import (
     make_optimizer,
     run_main,
 )
+from ddp_accel.streaming import ShardManifest, ShardReader, WindowShuffle
 
 
 class ComplexLinear(torch.nn.Module):
@@ -90,6 +91,32 @@ class IdDataset(Dataset):
             self.hang_marker.touch()  # once per output dir: the restarted run gets past it
             threading.Event().wait()  # a loader stuck for good (a dead network file system, a deadlock)
         return index, self.x[index], self.y[index]
+
+
+class ShardedIds(Dataset):
+    """IdDataset's samples read in place from jsonl shards (`write_id_shards`), as a streamed data set is."""
+
+    def __init__(self, folder: str):
+        self.manifest = ShardManifest.of(Path(folder), (".jsonl",))
+        self.reader = ShardReader(self.manifest)
+
+    def __len__(self):
+        return len(self.manifest)
+
+    def __getitem__(self, index):
+        _, _, row = self.reader.read(index)
+        return index, torch.tensor(row["x"]), torch.tensor(row["y"])
+
+
+def write_id_shards(folder: Path, size: int, per_shard: int) -> None:
+    samples = IdDataset(size, seed=1)
+    folder.mkdir(parents=True)
+    for first in range(0, size, per_shard):
+        rows = [
+            {"x": samples.x[i].tolist(), "y": int(samples.y[i])} for i in range(first, min(size, first + per_shard))
+        ]
+        (folder / f"{first // per_shard:06d}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    ShardManifest.scanned(folder, sorted(path.name for path in folder.glob("*.jsonl"))).write()
 
 
 class CrashAt(Callback):
@@ -149,6 +176,7 @@ def main(signals: StopSignals | None = None) -> None:
     parser.add_argument("--oom-above", type=int, help="a batch of more samples fails as out of memory does")
     parser.add_argument("--pid-dir", help="each process writes rank<R>.<pid> here at start (the fault tests' target)")
     parser.add_argument("--crash-at-step", type=int, help="rank 1 (or the only one) raises inside this step: a bug")
+    parser.add_argument("--shards", help="training samples read in place from this folder's jsonl shards")
     parser.add_argument(
         "--sigterm-at-batch", type=int, help="rank 0 sends itself SIGTERM while computing its Nth batch (a preemption)"
     )
@@ -184,6 +212,10 @@ def main(signals: StopSignals | None = None) -> None:
         )
 
     train, val = loader(args.train_size, 1, shuffle=True), loader(args.val_size, 2)
+    if args.shards:  # in the shards' canonical order (ddp_accel.streaming), windows of 24 samples
+        shards = ShardedIds(args.shards)
+        order = WindowShuffle(shards.manifest.counts, config.seed, window=24)
+        train = DataLoader(shards, batch_size=config.batch_size, sampler=order, num_workers=args.workers)
     test = loader(args.test_size, 3) if args.test_size else None
     seen: list[list[int]] = []
     crash = [CrashAt(args.crash_at_step, min(1, accelerator.num_processes - 1))] if args.crash_at_step else []

@@ -29,14 +29,16 @@ PROBE = str(ROOT / "tests" / "probe.py")
 COMMON = STANDARD_PROBE_ARGS  # the standard job: 32 steps an epoch, 3 epochs, a checkpoint every 5 steps
 
 
-def torchrun(output_dir: Path, *args, max_restarts: int = 0, env: dict | None = None) -> subprocess.Popen:
+def torchrun(
+    output_dir: Path, *args, max_restarts: int = 0, env: dict | None = None, nproc: int = 2
+) -> subprocess.Popen:
     log = open(output_dir.with_suffix(".log"), "w")
     # --standalone: the classic single-machine elastic recipe (a c10d rendezvous on localhost)
     command = [
         str(BIN / "torchrun"),
         "--standalone",
         "--nproc_per_node",
-        "2",
+        str(nproc),
         "--max_restarts",
         str(max_restarts),
         "--monitor_interval",

@@ -2,16 +2,30 @@
 another worker count, and bad data in one line."""
 
 import io
+import os
 import random
 import shutil
+import signal
 import tarfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import assert_clean_error, check_ok, launch, run_script
+from helpers import (
+    STANDARD_PROBE_ARGS,
+    assert_clean_error,
+    assert_same_weights,
+    check_ok,
+    launch,
+    rank_of,
+    run_script,
+    wait_for,
+    weights,
+    workers,
+)
 from safetensors.torch import load_file
 from test_imagenet import SMALL_ARCH, make_image_folder
 
@@ -200,3 +214,73 @@ def test_a_loader_sharded_over_processes_passes_the_epoch_to_its_dataset():
         sharded = prepare_data_loader(loader, num_processes=processes, process_index=0, put_on_device=False)
         set_loader_epoch(sharded, 3)
         assert dataset.epoch == 3 and loader.sampler.epoch == 3, processes
+
+
+SHARDED_PROBE = [*STANDARD_PROBE_ARGS, "--step-ms", "40", "--checkpointing-steps", "1000"]
+
+
+@pytest.fixture(scope="module")
+def sharded_reference(tmp_path_factory):
+    """The probe's standard job on jsonl shards read in place (256 samples in 6 shards), uninterrupted."""
+    from probe import write_id_shards
+
+    root = tmp_path_factory.mktemp("sharded")
+    write_id_shards(root / "shards", 256, per_shard=48)
+    args = [*STANDARD_PROBE_ARGS, "--shards", root / "shards", "--output-dir", root / "reference"]
+    check_ok(launch("tests/probe.py", *args, launcher="torchrun"))
+    return root
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("fault", ["rank-1-killed", "rank-1-preempted"])
+def test_on_shards_a_lost_or_preempted_rank_s_run_resumes_where_the_stream_was(sharded_reference, tmp_path, fault):
+    # killed: the survivor saves the step it reached, its place in the stream with it; preempted (SIGUSR1 to one
+    # worker): the ranks agree on a step and save it. The group restarted in place resumes there, bitwise
+    from test_faults import finish, resumed_steps, torchrun
+
+    output_dir = tmp_path / fault
+    command = [*SHARDED_PROBE, "--shards", sharded_reference / "shards", "--resume-from-checkpoint", "latest"]
+    agent = torchrun(output_dir, *command, max_restarts=1)
+    log_file = output_dir.with_suffix(".log")
+    wait_for(lambda: "train:" in log_file.read_text(), alive=agent, what="the training")
+    time.sleep(1.5)  # some steps in, mid-epoch
+    rank_1 = next(pid for pid in wait_for(lambda: workers(agent)) if rank_of(pid) == 1)
+    os.kill(rank_1, signal.SIGKILL if fault == "rank-1-killed" else signal.SIGUSR1)
+    code, log = finish(agent, output_dir)
+    assert code == 0, log[-3000:]
+    said = "saved the step it reached for the restart" if fault == "rank-1-killed" else "preempted by SIGUSR1 at step"
+    assert said in log, log[-3000:]
+    resumed = resumed_steps(log)
+    assert len(resumed) == 1 and resumed[0] % 32 != 0, log[-3000:]  # mid-epoch: a place inside the stream
+    assert_same_weights(sharded_reference / "reference", output_dir)
+
+
+@pytest.mark.multiprocess
+def test_on_shards_a_run_stopped_on_2_processes_then_on_3_ends_on_1_as_the_uninterrupted_run(tmp_path):
+    # the same global batch of 12 (2 x 6, 3 x 4, 1 x 12): each stop (SIGTERM: the step reached is saved) resumed on
+    # another number of processes goes on with the same samples in the same order; the weights end as the
+    # uninterrupted run's within float rounding (the gradient is summed in another order)
+    from probe import write_id_shards
+    from test_faults import finish, read_marker, torchrun
+
+    write_id_shards(tmp_path / "shards", 240, per_shard=50)
+    common = [*SHARDED_PROBE, "--shards", tmp_path / "shards", "--dropout", "0", "--epochs", "2"]
+    check_ok(run_script("tests/probe.py", *common, "--batch-size", "12", "--output-dir", tmp_path / "reference"))
+    output_dir = tmp_path / "resized"
+    stopped = []
+    for processes in (2, 3):
+        resume = ["--batch-size", str(12 // processes), "--resume-from-checkpoint", "latest"]
+        agent = torchrun(output_dir, *common, *resume, nproc=processes)
+        wait_for(lambda: "train:" in output_dir.with_suffix(".log").read_text(), alive=agent, what="the training")
+        time.sleep(0.6)
+        agent.send_signal(signal.SIGTERM)
+        wait_for(lambda: (read_marker(output_dir) or {}).get("step") not in (None, *stopped), timeout=60)
+        finish(agent, output_dir)
+        stopped.append(read_marker(output_dir)["step"])
+    assert stopped[0] < stopped[1] < 40, stopped  # 20 steps an epoch
+    resume = ["--batch-size", "12", "--resume-from-checkpoint", "latest", "--output-dir", output_dir]
+    output = check_ok(run_script("tests/probe.py", *common, *resume))
+    assert f"step_{stopped[1]}" in output, output[-3000:]
+    a, b = weights(tmp_path / "reference"), weights(output_dir)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-5)

@@ -4,6 +4,7 @@ another worker count, and bad data in one line."""
 
 import gzip
 import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -39,6 +40,9 @@ def test_the_writer_s_text_shards_hold_every_review_once_in_the_seed_s_order(tmp
     reader = ShardReader(manifest)
     read = [review_of(*reader.read(index)) for index in range(len(manifest))]
     assert sorted(read) == sorted(rows) and read != rows  # every review once, in the seed's order
+    # what a DataLoader worker receives: the manifest, not the indexes its parent built (it builds its own)
+    sent = pickle.loads(pickle.dumps(reader))
+    assert len(reader._indexes) == 4 and not sent._indexes and sent.read(13) == reader.read(13)
 
 
 @inprocess
