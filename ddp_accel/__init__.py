@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ddp_accel.optim import Optimizers, SparseAdamW, make_optimizer
     from ddp_accel.runtime import build_accelerator, check_memory, make_accelerator, print_banner
     from ddp_accel.stopping import Preempted, StopSignals
+    from ddp_accel.streaming import ShardManifest, ShardReader, WindowShuffle
     from ddp_accel.sync_bn import convert_sync_batchnorm
     from ddp_accel.task import RunRecord, Task
     from ddp_accel.training import Run, fit
@@ -37,11 +38,14 @@ _EXPORTS = {
     "Preempted": "ddp_accel.stopping",
     "Run": "ddp_accel.training",
     "RunRecord": "ddp_accel.task",
+    "ShardManifest": "ddp_accel.streaming",
+    "ShardReader": "ddp_accel.streaming",
     "SparseAdamW": "ddp_accel.optim",
     "StopSignals": "ddp_accel.stopping",
     "Task": "ddp_accel.task",
     "TrainConfig": "ddp_accel.config",
     "UserError": "ddp_accel.errors",
+    "WindowShuffle": "ddp_accel.streaming",
     "add_training_args": "ddp_accel.config",
     "build_accelerator": "ddp_accel.runtime",
     "check_memory": "ddp_accel.runtime",
@@ -71,11 +75,14 @@ __all__ = [
     "Preempted",
     "Run",
     "RunRecord",
+    "ShardManifest",
+    "ShardReader",
     "SparseAdamW",
     "StopSignals",
     "Task",
     "TrainConfig",
     "UserError",
+    "WindowShuffle",
     "add_training_args",
     "build_accelerator",
     "check_memory",

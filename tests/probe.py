@@ -30,10 +30,13 @@ from ddp_accel import (
     Optimizers,
     Run,
     RunRecord,
+    ShardManifest,
+    ShardReader,
     SparseAdamW,
     StopSignals,
     Task,
     TrainConfig,
+    WindowShuffle,
     add_training_args,
     classification_metrics,
     classification_names,
@@ -42,7 +45,6 @@ from ddp_accel import (
     make_optimizer,
     run_main,
 )
-from ddp_accel.streaming import ShardManifest, ShardReader, WindowShuffle
 
 
 class ComplexLinear(torch.nn.Module):
