@@ -1,11 +1,16 @@
-"""Tar shards against the same images as an ImageFolder, and what a resume and a large manifest cost.
+"""Shards against the same data held otherwise (images as an ImageFolder, reviews as one file), and what a resume
+and a large manifest cost.
 
-    python benchmarks/shards.py --images cifar10_mini.tar.gz --repeats 3
-    python benchmarks/shards.py --only seek memory        # no images needed
+    python benchmarks/shards.py --images cifar10_mini.tar.gz --reviews imdb_train.jsonl.gz --repeats 3
+    python benchmarks/shards.py --only seek memory        # no data needed
 
 - epoch: `scripts/imagenet.py` for one epoch (cifar_resnet20, 32 px, `-b 64 -j 2`) on an ImageFolder and on the
   same images written as tar shards (`ddp-accel shard images`), whole commands alternated, 1 and 2 processes
   (torchrun): metrics.json's train samples/s, medians.
+- text: `scripts/imdb.py` for one epoch (a light model: bag of words, 64 reviews a batch, `--workers 2`, 1
+  process) on a jsonl file (tokenised and encoded ahead, into the cache) and on the same reviews as jsonl shards
+  (each review read, tokenised and encoded by a worker when its batch comes): train samples/s, and the preparation
+  before the first step (the file: loading, tokenising, encoding; the shards: the vocabulary's pass), medians.
 - seek: a resume at 90% of an epoch of 1,000,000 samples (1,000 shards of 1,000): the time from the skipped loader's
   `iter()` to its first batch, through Accelerate's `skip_first_batches` of the canonical order (no sample read).
 - memory: the peak RSS of a process that builds a manifest's order and walks one epoch of it, 10,000 against
@@ -107,6 +112,41 @@ def epochs(images: str, repeats: int, temp: Path) -> list[str]:
     return rows
 
 
+def text_run(data: Path, output_dir: Path, cache: Path) -> tuple[float, float]:
+    """One epoch of imdb.py on `data`: (train samples/s, preprocess_s) from metrics.json."""
+    work = ["--model", "bag", "--ngrams", "1", "--nb-weights", "off", "--batch-size", "64", "--workers", "2"]
+    work += ["--epochs", "1", "--val-fraction", "0", "--cache-dir", str(cache)]
+    script = [sys.executable, str(ROOT / "scripts" / "imdb.py"), "--train-file", str(data), *work]
+    result = subprocess.run(
+        [*script, "--output-dir", str(output_dir), "--overwrite-output-dir"], capture_output=True, text=True, cwd=ROOT
+    )
+    if result.returncode != 0:
+        raise SystemExit(f"{data} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    return metrics["train_samples_per_s"], metrics["preprocess_s"]
+
+
+def texts(reviews: str, repeats: int, temp: Path) -> list[str]:
+    source = Path(reviews)
+    shards = temp / "text_shards"
+    subprocess.run([sys.executable, "-m", "ddp_accel", "shard", "text", str(source), str(shards)], check=True)
+    runs: dict[str, list[tuple[float, float]]] = {"file": [], "shards": []}
+    for repeat in range(repeats):
+        for name in ("file", "shards") if repeat % 2 == 0 else ("shards", "file"):
+            # a fresh cache for each: the preparation is measured from nothing, as a first run pays it
+            cache = temp / f"cache_{name}_{repeat}"
+            runs[name].append(text_run(source if name == "file" else shards, temp / "out", cache))
+            print(f"  text {name}: {runs[name][-1][0]:.0f} samples/s", file=sys.stderr, flush=True)
+    rate = {name: statistics.median(rate for rate, _ in values) for name, values in runs.items()}
+    prepare = {name: statistics.median(seconds for _, seconds in values) for name, values in runs.items()}
+    return [
+        f"| text epoch, 1 process: samples/s, one file vs shards | {rate['file']:.0f} | {rate['shards']:.0f} "
+        f"| {rate['shards'] / rate['file']:.2f}x |",
+        f"| text: preparation before the first step (file: tokenise + encode; shards: vocabulary pass) "
+        f"| {prepare['file']:.1f} s | {prepare['shards']:.1f} s | {prepare['shards'] / prepare['file']:.2f}x |",
+    ]
+
+
 def seek() -> list[str]:
     times = [float(run_python(SEEK).strip().splitlines()[-1]) for _ in range(3)]
     return [
@@ -130,8 +170,10 @@ def run_python(code: str, *args: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", help="an ImageFolder root (train/, val/) or a .tar.gz of one")
+    parser.add_argument("--reviews", help="a jsonl file of reviews (text, label), gzipped or not")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--only", nargs="+", choices=["epoch", "seek", "memory"], default=["epoch", "seek", "memory"])
+    kinds = ["epoch", "text", "seek", "memory"]
+    parser.add_argument("--only", nargs="+", choices=kinds, default=kinds)
     args = parser.parse_args()
     rows = ["| figure | base | measured | ratio |", "|---|---|---|---|"]
     with tempfile.TemporaryDirectory(prefix="shards_bench_") as temp:
@@ -139,6 +181,10 @@ def main() -> None:
             if not args.images:
                 raise SystemExit("--images: the ImageFolder (or its .tar.gz) the epochs read")
             rows += epochs(args.images, args.repeats, Path(temp))
+        if "text" in args.only:
+            if not args.reviews:
+                raise SystemExit("--reviews: the jsonl file of reviews the text epochs read")
+            rows += texts(args.reviews, args.repeats, Path(temp))
         if "seek" in args.only:
             rows += seek()
         if "memory" in args.only:
