@@ -1,9 +1,9 @@
 """SyncBatchNorm that also runs on CPU processes (gloo), so `--sync-bn` means the same on a laptop and on GPUs.
 
 torch's SyncBatchNorm refuses CPU tensors. On GPUs we use it as is; on CPU the layers become
-`CPUSyncBatchNorm`, whose training forward all-reduces the per-channel sum, sum of squares and count, and
-whose backward all-reduces the two per-channel gradient sums: the batch statistics of the global batch,
-exactly as torch's CUDA kernels compute them (up to float rounding).
+`CPUSyncBatchNorm`, whose training forward gathers each rank's count, per-channel mean and sum of squared
+deviations and combines them (Chan's parallel variance, as torch's CUDA kernels do), and whose backward
+all-reduces the two per-channel gradient sums: the batch statistics of the global batch (up to float rounding).
 """
 
 from __future__ import annotations
@@ -21,6 +21,27 @@ def _per_channel(x: torch.Tensor) -> tuple[int, list[int], list[int]]:
     return channels, [d for d in range(x.dim()) if d != 1], [1, channels] + [1] * (x.dim() - 2)
 
 
+def _global_statistics(
+    x: torch.Tensor, channels: int, dims: list[int], shape: list[int], group: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The global batch's per-channel mean and (biased) variance, and its count. Each rank's mean and sum of squared
+    deviations from it, combined in rank order: E[x^2] - E[x]^2 would lose every digit of a channel whose mean is
+    large against its spread, and the variance's error, through 1/sqrt(var + eps), grows a rounding difference
+    between two runs into a different step."""
+    local = x.numel() // channels
+    mean = x.mean(dims) if local else x.new_zeros(channels)
+    deviations = ((x - mean.view(shape)) ** 2).sum(dims) if local else x.new_zeros(channels)
+    mine = torch.cat([x.new_tensor([float(local)]), mean, deviations])
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    ranks = torch.stack(gathered)
+    counts, means, squares = ranks[:, :1], ranks[:, 1 : channels + 1], ranks[:, channels + 1 :]
+    count = counts.sum()
+    global_mean = (counts * means).sum(0) / count
+    variance = (squares.sum(0) + (counts * (means - global_mean) ** 2).sum(0)) / count
+    return global_mean, variance, count
+
+
 class _SyncBatchNormCPU(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -35,11 +56,7 @@ class _SyncBatchNormCPU(torch.autograd.Function):
         group: Any,
     ) -> torch.Tensor:
         channels, dims, shape = _per_channel(x)
-        stats = torch.cat([x.sum(dims), (x * x).sum(dims), x.new_tensor([x.numel() / channels])])
-        dist.all_reduce(stats, group=group)
-        total, squares, count = stats[:channels], stats[channels : 2 * channels], stats[-1]
-        mean = total / count
-        var = (squares / count - mean * mean).clamp_min(0)
+        mean, var, count = _global_statistics(x, channels, dims, shape, group)
         if running_mean is not None and running_var is not None:
             running_mean.mul_(1 - momentum).add_(momentum * mean)
             running_var.mul_(1 - momentum).add_(momentum * var * count / max(count.item() - 1, 1))

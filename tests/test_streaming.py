@@ -168,8 +168,10 @@ def test_the_ranks_of_any_world_size_share_out_each_global_batch_of_the_order(tm
 
 @pytest.mark.multiprocess
 def test_on_shards_two_processes_train_what_one_does_and_a_resume_on_one_goes_on_from_their_checkpoint(tmp_path):
-    shards = shards_of(tmp_path)  # 24 images, a global batch of 8: 3 steps an epoch
-    args = ["-a", SMALL_ARCH, "--image-size", "16", "--augment", "cifar", "--lr", "0.05", "-j", "0", "--epochs", "2"]
+    # 24 images, a global batch of 8: 3 steps, one epoch (in so tiny a BatchNorm net, where a channel's statistics
+    # come from a few values, a rounding difference can grow past float rounding within a few more steps)
+    shards = shards_of(tmp_path)
+    args = ["-a", SMALL_ARCH, "--image-size", "16", "--augment", "cifar", "--lr", "0.05", "-j", "0", "--epochs", "1"]
     args += ["--sync-bn", "--checkpointing-steps", "2"]  # SyncBatchNorm: the global batch's statistics, as on one
     check_ok(run_script("scripts/imagenet.py", shards, *args, "-b", "8", "--output-dir", tmp_path / "one"))
     check_ok(launch("scripts/imagenet.py", shards, *args, "-b", "4", "--output-dir", tmp_path / "two"))

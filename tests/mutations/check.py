@@ -917,6 +917,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    if not (_is_shards(saved) and _is_shards(current)):",
         "    if True:",
     ),
+    "sync_batchnorm_variance_by_one_pass": (
+        "ddp_accel/sync_bn.py",
+        "    variance = (squares.sum(0) + (counts * (means - global_mean) ** 2).sum(0)) / count",
+        "    variance = ((counts * means**2 + squares).sum(0) / count - global_mean**2).clamp_min(0)",
+    ),
     "the_writer_keeps_the_class_by_class_order": (
         "ddp_accel/vision/shards.py",
         "            images = [images[i] for i in np.random.default_rng(seed).permutation(len(images))]\n",
