@@ -37,7 +37,7 @@ from ddp_accel.errors import UserError
 
 MANIFEST = "manifest.json"
 SHARD_SUFFIX = ".tar"
-OPEN_INDEXES = 4  # shard indexes a worker keeps: a window spans one or two shards
+WINDOW = 4096  # samples shuffled together in the canonical order (WindowShuffle)
 
 
 @dataclass(frozen=True)
@@ -295,11 +295,13 @@ class ShardManifest:
 
 class ShardReader:
     """A sample by its global index (shards in manifest order), read in place; each process (each DataLoader
-    worker) indexes what it reads, the last OPEN_INDEXES shard indexes kept."""
+    worker) indexes what it reads, keeping the indexes of as many shards as a window of the order can span (and
+    one more, for the next window's first): in a window, reads jump between its shards at random."""
 
-    def __init__(self, manifest: ShardManifest):
+    def __init__(self, manifest: ShardManifest, window: int = WINDOW):
         self.manifest = manifest
         self.starts = np.cumsum([0, *manifest.counts]).tolist()
+        self.keep = shards_spanned(manifest.counts, window) + 1
         self._indexes: OrderedDict[int, ShardIndex] = OrderedDict()
 
     def __getstate__(self) -> dict:
@@ -318,7 +320,7 @@ class ShardReader:
             if index.fingerprint() != self.manifest.shards[shard].fingerprint:
                 raise UserError(f"shard {path} changed since its manifest.json was written")
             self._indexes[shard] = index
-            while len(self._indexes) > OPEN_INDEXES:
+            while len(self._indexes) > self.keep:
                 self._indexes.popitem(last=False)
         self._indexes.move_to_end(shard)
         return self._indexes[shard]
@@ -328,6 +330,17 @@ class ShardReader:
         shard, local = self.locate(index)
         key, record = self.index(shard).read(local)
         return str(self.manifest.folder / self.manifest.shards[shard].name), key, record
+
+
+def shards_spanned(counts: Sequence[int], window: int) -> int:
+    """The most shards `window` consecutive samples can span, whatever the shards' order: the smallest ones in a
+    row, and one partly at each end."""
+    total, spanned = 0, 0
+    for count in sorted(count for count in counts if count):
+        if total + count >= window:
+            break
+        total, spanned = total + count, spanned + 1
+    return min(len(counts), spanned + 2)
 
 
 class WindowShuffle(Sampler[int]):

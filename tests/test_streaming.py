@@ -20,6 +20,7 @@ from helpers import (
     assert_same_weights,
     check_ok,
     launch,
+    metrics_of,
     rank_of,
     run_script,
     wait_for,
@@ -144,6 +145,27 @@ def test_a_sample_without_its_label_is_named(tmp_path):
 
 
 @inprocess
+def test_a_reader_in_the_canonical_order_indexes_each_shard_once(tmp_path, monkeypatch):
+    # a window jumps at random between the shards it spans: a reader keeping fewer indexes than that builds them
+    # again and again (a tar shard's index is a scan of its headers)
+    import ddp_accel.streaming as streaming
+
+    for shard in range(12):
+        rows = "".join(f'{{"i": {shard * 10 + row}}}\n' for row in range(10 if shard < 11 else 3))
+        (tmp_path / f"{shard:06d}.jsonl").write_text(rows)
+    manifest = ShardManifest.of(tmp_path, (".jsonl",))
+    built = []
+    monkeypatch.setattr(streaming, "shard_index", lambda path: built.append(path.name) or streaming.JsonlIndex(path))
+    reader = ShardReader(manifest, window=35)
+    for epoch in range(3):
+        built.clear()
+        order = WindowShuffle(manifest.counts, seed=0, window=35)
+        order.set_epoch(epoch)
+        assert [reader.read(index)[2]["i"] for index in order] == list(order)
+        assert len(built) == len(set(built)) and (epoch or len(built) == 12), built  # each at most once an epoch
+
+
+@inprocess
 def test_the_ranks_of_any_world_size_share_out_each_global_batch_of_the_order(tmp_path):
     # Accelerate's batch sharding of the canonical order: N processes x B take, step by step, the samples 1 x N*B
     # takes; a rank reads its own samples only
@@ -181,6 +203,8 @@ def test_on_shards_two_processes_train_what_one_does_and_a_resume_on_one_goes_on
     resume = ["-b", "8", "--output-dir", tmp_path / "resized", "--resume", "latest"]
     output = check_ok(run_script("scripts/imagenet.py", shards, *args, *resume))
     assert "skipping 2 batches" in output, output[-2000:]
+    # every validation image counted once on 2 processes (the second's batch padded by Accelerate, dropped again)
+    assert metrics_of(tmp_path / "two")["eval_samples"] == metrics_of(tmp_path / "one")["eval_samples"] == 6
     one = load_file(tmp_path / "one" / "model.safetensors")
     for other in ("two", "resized"):  # within float rounding: the gradient is summed in another order
         weights = load_file(tmp_path / other / "model.safetensors")

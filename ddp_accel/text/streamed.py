@@ -16,13 +16,12 @@ import torch
 from tqdm.auto import tqdm
 
 from ddp_accel.errors import UserError
-from ddp_accel.streaming import JsonlIndex, ParquetIndex, ShardManifest, ShardReader, WindowShuffle
+from ddp_accel.streaming import WINDOW, JsonlIndex, ParquetIndex, ShardManifest, ShardReader, WindowShuffle
 from ddp_accel.text.sources import LABEL_NAMES, is_label
 from ddp_accel.text.tokenizer import basic_english
 from ddp_accel.text.vocab import Vocab
 
 TEXT_SUFFIXES = (JsonlIndex.suffix, ParquetIndex.suffix)
-WINDOW = 4096  # reviews shuffled together in the canonical order
 
 
 def is_text_shards(path: str | Path | None) -> bool:

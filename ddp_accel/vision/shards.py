@@ -18,11 +18,10 @@ from tqdm.auto import tqdm
 
 from ddp_accel.errors import UserError
 from ddp_accel.identity import shards_identity
-from ddp_accel.streaming import SHARD_SUFFIX, ShardManifest, ShardReader, WindowShuffle
+from ddp_accel.streaming import SHARD_SUFFIX, WINDOW, ShardManifest, ShardReader, WindowShuffle
 from ddp_accel.vision.data import augmentation_seed, check_image_folder, load_image, named_if_unreadable, walk_images
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
-WINDOW = 4096  # samples shuffled together in the canonical order: a few shards' worth of 1,000-sample shards
 
 
 def is_sharded(data_dir: str | Path) -> bool:

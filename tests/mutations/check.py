@@ -922,6 +922,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    variance = (squares.sum(0) + (counts * (means - global_mean) ** 2).sum(0)) / count",
         "    variance = ((counts * means**2 + squares).sum(0) / count - global_mean**2).clamp_min(0)",
     ),
+    "a_window_s_shards_indexed_again_and_again": (
+        "ddp_accel/streaming.py",
+        "        self.keep = shards_spanned(manifest.counts, window) + 1",
+        "        self.keep = 2",
+    ),
     "the_writer_keeps_the_class_by_class_order": (
         "ddp_accel/vision/shards.py",
         "            images = [images[i] for i in np.random.default_rng(seed).permutation(len(images))]\n",
