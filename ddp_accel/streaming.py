@@ -66,22 +66,70 @@ def sample_key(name: str) -> tuple[str, str]:
 def read_members(path: Path) -> list[Member]:
     """The samples of a tar shard in their order, from its headers (the data is not read). A truncated or
     unreadable shard is one line naming it."""
-    members: list[Member] = []
     try:
-        with tarfile.open(path, mode="r:") as archive:
-            for info in archive:
-                if not info.isfile():
-                    continue
-                key, extension = sample_key(info.name)
-                if not members or members[-1].key != key:
-                    members.append(Member(key, {}))
-                members[-1].files[extension] = (info.offset_data, info.size)
-    except (tarfile.TarError, OSError, EOFError) as error:
+        files = _ustar_files(path)
+        if files is None:  # pax or GNU extended headers: the standard library reads them
+            with tarfile.open(path, mode="r:") as archive:
+                files = [(info.name, info.offset_data, info.size) for info in archive if info.isfile()]
+    except (tarfile.TarError, OSError, EOFError, ValueError) as error:
         raise UserError(f"shard {path} cannot be read ({type(error).__name__}: {error}); write it again") from None
-    end = max((offset + size for member in members for offset, size in member.files.values()), default=0)
+    members: list[Member] = []
+    for name, offset, size in files:
+        key, extension = sample_key(name)
+        if not members or members[-1].key != key:
+            members.append(Member(key, {}))
+        members[-1].files[extension] = (offset, size)
+    end = max((offset + size for _, offset, size in files), default=0)
     if end > path.stat().st_size:
         raise UserError(f"shard {path} is truncated (its last sample ends past the file's end); write it again")
     return members
+
+
+def _ustar_files(path: Path) -> list[tuple[str, int, int]] | None:
+    """(name, data offset, size) of each regular file of a tar, read header by header: ustar headers, each
+    perhaps after a pax header or a GNU long name (what Python's tarfile and WebDataset's writers write), at a
+    third of tarfile's time (a worker indexes each shard it reads, every epoch). None where a rarer header (pax
+    global, GNU long link, base-256 sizes) asks for the standard library."""
+    files = []
+    extended: dict[bytes, bytes] = {}  # the next member's pax records (path, size) or GNU long name
+    with open(path, "rb") as archive:
+        offset = 0
+        while True:
+            archive.seek(offset)
+            header = archive.read(512)
+            if len(header) < 512:
+                raise EOFError("unexpected end of data")
+            if header.count(0) == 512:  # the end-of-archive blocks
+                return files
+            if int(header[148:156].strip(b"\0 ") or b"0", 8) != sum(header[:148]) + 256 + sum(header[156:]):
+                raise tarfile.HeaderError(f"bad checksum at byte {offset}")
+            kind = header[156:157]
+            if kind in (b"g", b"K") or header[124] & 0x80:
+                return None
+            size = int(header[124:136].strip(b"\0 ") or b"0", 8)
+            if kind in (b"x", b"L"):
+                data = archive.read(size)
+                extended = _pax_records(data) if kind == b"x" else {b"path": data.split(b"\0", 1)[0]}
+            elif kind in (b"0", b"\0", b"7"):
+                name = header[:100].split(b"\0", 1)[0]
+                if header[257:262] == b"ustar" and header[345] != 0:
+                    name = header[345:500].split(b"\0", 1)[0] + b"/" + name
+                name, size = extended.get(b"path", name), int(extended.get(b"size", size))
+                files.append((name.decode("utf-8", "surrogateescape"), offset + 512, size))
+                extended = {}
+            offset += 512 + -(-size // 512) * 512
+
+
+def _pax_records(data: bytes) -> dict[bytes, bytes]:
+    """A pax header's records: "LENGTH KEY=VALUE\n" one after another."""
+    records, position = {}, 0
+    while position < len(data) and data[position] != 0:
+        space = data.index(b" ", position)
+        length = int(data[position:space])
+        key, _, value = data[space + 1 : position + length - 1].partition(b"=")
+        records[key] = value
+        position += length
+    return records
 
 
 def fingerprint_of(members: Sequence[Member]) -> str:

@@ -144,6 +144,32 @@ def test_a_sample_without_its_label_is_named(tmp_path):
     assert_clean_error(output, f"sample {unlabelled} has no label (.cls)")
 
 
+@pytest.mark.parametrize("kind", ["ustar", "gnu", "pax"])
+@inprocess
+def test_a_tar_shard_s_index_is_what_tarfile_reads_in_each_format(tmp_path, kind):
+    # headers read one by one, pax records and GNU long names included (the writers' formats); a member a header
+    # of another kind announces is left to the standard library
+    shard = tmp_path / "000000.tar"
+    long = "x" * 120 if kind != "ustar" else "x"
+    with tarfile.open(shard, "w", format=getattr(tarfile, f"{kind.upper()}_FORMAT")) as archive:
+        for number, name in enumerate(["000.jpg", f"000.{long}.cls", "sub/001.png", f"{'y' * 90}/001.cls"]):
+            info = tarfile.TarInfo(name if kind != "ustar" or len(name) < 100 else name[-20:])
+            info.size, info.mtime = 7 * number + 3, 1.5
+            archive.addfile(info, io.BytesIO(bytes(info.size)))
+        folder = tarfile.TarInfo("folder")
+        folder.type = tarfile.DIRTYPE  # not a sample
+        archive.addfile(folder)
+    with tarfile.open(shard) as archive:
+        expected = [(info.name, info.offset_data, info.size) for info in archive if info.isfile()]
+    members = read_members(shard)
+    assert [(f"{m.key}.{ext}", *place) for m in members for ext, place in m.files.items()] == expected
+    corrupt = bytearray(shard.read_bytes())
+    corrupt[5] ^= 0x01  # a byte of the first header: its checksum no longer matches
+    shard.write_bytes(bytes(corrupt))
+    with pytest.raises(UserError, match=f"shard {shard} cannot be read"):
+        read_members(shard)
+
+
 @inprocess
 def test_a_reader_in_the_canonical_order_indexes_each_shard_once(tmp_path, monkeypatch):
     # a window jumps at random between the shards it spans: a reader keeping fewer indexes than that builds them

@@ -42,7 +42,7 @@ def test_the_writer_s_text_shards_hold_every_review_once_in_the_seed_s_order(tmp
     assert sorted(read) == sorted(rows) and read != rows  # every review once, in the seed's order
     # what a DataLoader worker receives: the manifest, not the indexes its parent built (it builds its own)
     sent = pickle.loads(pickle.dumps(reader))
-    assert len(reader._indexes) == 4 and not sent._indexes and sent.read(13) == reader.read(13)
+    assert len(reader._indexes) == 5 and not sent._indexes and sent.read(13) == reader.read(13)
 
 
 @inprocess

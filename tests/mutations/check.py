@@ -927,6 +927,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        self.keep = shards_spanned(manifest.counts, window) + 1",
         "        self.keep = 2",
     ),
+    "a_pax_or_gnu_long_name_ignored": (
+        "ddp_accel/streaming.py",
+        'name, size = extended.get(b"path", name), int(extended.get(b"size", size))',
+        "name, size = name, size",
+    ),
+    "a_tar_header_s_checksum_unchecked": (
+        "ddp_accel/streaming.py",
+        '                raise tarfile.HeaderError(f"bad checksum at byte {offset}")',
+        "                pass",
+    ),
     "the_writer_keeps_the_class_by_class_order": (
         "ddp_accel/vision/shards.py",
         "            images = [images[i] for i in np.random.default_rng(seed).permutation(len(images))]\n",
