@@ -90,7 +90,7 @@ def _ustar_files(path: Path) -> list[tuple[str, int, int]] | None:
     perhaps after a pax header or a GNU long name (what Python's tarfile and WebDataset's writers write), at a
     third of tarfile's time (a worker indexes each shard it reads, every epoch). None where a rarer header (pax
     global, GNU long link, base-256 sizes) asks for the standard library."""
-    files = []
+    files: list[tuple[str, int, int]] = []
     extended: dict[bytes, bytes] = {}  # the next member's pax records (path, size) or GNU long name
     with open(path, "rb") as archive:
         offset = 0
