@@ -157,7 +157,7 @@ class ShardIndex(ABC):
 
 
 class TarIndex(ShardIndex):
-    suffix = ".tar"
+    suffix = SHARD_SUFFIX
 
     def __init__(self, path: Path):
         super().__init__(path)
@@ -224,13 +224,9 @@ class ParquetIndex(ShardIndex):
     suffix = ".parquet"
 
     def __init__(self, path: Path):
-        super().__init__(path)
-        self.open()
-
-    def open(self) -> None:
         import pyarrow.parquet as pq
 
-        path = self.path
+        super().__init__(path)
         try:
             self.file = pq.ParquetFile(path)
             groups = [self.file.metadata.row_group(group).num_rows for group in range(self.file.num_row_groups)]
@@ -238,13 +234,6 @@ class ParquetIndex(ShardIndex):
             raise UserError(f"shard {path} cannot be read ({type(error).__name__}: {error}); write it again") from None
         self.starts = np.cumsum([0, *groups]).tolist()
         self.groups: OrderedDict[int, list[dict]] = OrderedDict()
-
-    def __getstate__(self) -> dict:
-        return {"path": self.path}
-
-    def __setstate__(self, state: dict) -> None:
-        self.path = state["path"]
-        self.open()
 
     def __len__(self) -> int:
         return int(self.starts[-1])

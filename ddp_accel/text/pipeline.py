@@ -210,11 +210,14 @@ def prepare_streamed_text(accelerator: Accelerator, source: TextSource, options:
     key = cache_key(train.fingerprint(), held_out, options.min_freq, options.max_vocab, options.max_length)
     vocab_path = cache / f"vocab-shards-{cache_key(key, PIPELINE_VERSION)}.json"
     with accelerator.main_process_first():
-        if accelerator.is_main_process and not _readable_vocab(vocab_path):
+        if accelerator.is_main_process and _cached_vocab(vocab_path) is None:
             counts, truncated = count_tokens(train, options.max_length, show=True)
             tokens = Vocab.from_counts(counts, options.min_freq, options.max_vocab).itos
             write_text(vocab_path, json.dumps({"tokens": tokens, "truncated": truncated}, ensure_ascii=False))
-    vocab = Vocab.load(vocab_path)
+    cached = _cached_vocab(vocab_path)
+    if cached is None:  # written by the main process just before: unreadable here is a broken cache folder
+        raise UserError(f"the vocabulary {vocab_path} cannot be read; delete it, or give another --cache-dir")
+    vocab, truncated = cached
     if len(vocab) <= 2:
         raise UserError(
             f"the vocabulary is empty: no token occurs at least --min-freq {options.min_freq} times in the "
@@ -231,19 +234,20 @@ def prepare_streamed_text(accelerator: Accelerator, source: TextSource, options:
         vocab,
         str(source.train_file),
         False,
-        json.loads(vocab_path.read_text())["truncated"],
+        truncated,
         time.perf_counter() - start,
         vocab_path,
         fingerprints,
     )
 
 
-def _readable_vocab(path: Path) -> bool:
+def _cached_vocab(path: Path) -> tuple[Vocab, int] | None:
+    """The vocabulary and truncated-review count of a cache file; None where it is missing or damaged."""
     try:
-        Vocab.load(path)
-        return "truncated" in json.loads(path.read_text())
-    except (OSError, ValueError, KeyError, TypeError):  # missing, or damaged: built again
-        return False
+        saved = json.loads(path.read_text())
+        return Vocab(saved["tokens"]), int(saved["truncated"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _hold_out(
@@ -434,20 +438,16 @@ def make_loader(
     min_length: int = 1,
     workers: int = 0,
 ) -> DataLoader:
+    reviews: StreamedReviews | EncodedReviews
     if isinstance(encoded, StreamedReviews):  # in the shards' canonical order (ddp_accel.streaming)
-        return DataLoader(
-            encoded,
-            batch_size=batch_size,
-            sampler=encoded.sampler(shuffle, seed),
-            collate_fn=PadCollate(pad_id, min_length),
-            num_workers=workers,
-            persistent_workers=workers > 0,
-        )
-    reviews = EncodedReviews(encoded)
-    batches = BucketBatchSampler(reviews.lengths, batch_size, shuffle=shuffle, seed=seed)
+        reviews = encoded
+        batching: dict[str, Any] = {"batch_size": batch_size, "sampler": encoded.sampler(shuffle, seed)}
+    else:
+        reviews = EncodedReviews(encoded)
+        batching = {"batch_sampler": BucketBatchSampler(reviews.lengths, batch_size, shuffle=shuffle, seed=seed)}
     return DataLoader(
         reviews,
-        batch_sampler=batches,
+        **batching,
         collate_fn=PadCollate(pad_id, min_length),
         num_workers=workers,
         persistent_workers=workers > 0,

@@ -20,7 +20,7 @@ from accelerate import Accelerator
 
 from ddp_accel.errors import UserError
 
-LABEL_NAMES = {"pos": 1, "positive": 1, "1": 1, "neg": 0, "negative": 0, "0": 0}
+_LABEL_NAMES = {"pos": 1, "positive": 1, "1": 1, "neg": 0, "negative": 0, "0": 0}
 _FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}  # each also gzipped (.gz)
 
 
@@ -53,7 +53,7 @@ def _normalise_labels(dataset: datasets.Dataset, source: str) -> datasets.Datase
                 f"{source}: row {row + 1} has the label {label!r} ({type(label).__name__}); labels must be 0/1 or "
                 f"pos/neg (positive/negative) (found {', '.join(bad[:5])})"
             )
-    classes = {LABEL_NAMES[str(label).strip().lower()] for label in labels}
+    classes = {label_value(label) for label in labels}
     if len(classes) < 2 and len(labels) > 1:  # (one review: the split says it is too few)
         raise UserError(
             f"{source}: every review is labelled {'positive' if classes == {1} else 'negative'}; a classifier needs "
@@ -61,7 +61,7 @@ def _normalise_labels(dataset: datasets.Dataset, source: str) -> datasets.Datase
         )
 
     def to_int(batch: dict[str, list]) -> dict[str, list[int]]:
-        return {"label": [LABEL_NAMES[str(label).strip().lower()] for label in batch["label"]]}
+        return {"label": [label_value(label) for label in batch["label"]]}
 
     dataset = dataset.map(to_int, batched=True, desc="labels")
     return dataset.cast_column("label", datasets.Value("int64")).select_columns(["text", "label"])
@@ -75,7 +75,12 @@ def _json_value(text: str) -> object:
 
 
 def is_label(value: object) -> bool:
-    return isinstance(value, int | str) and not isinstance(value, bool) and str(value).strip().lower() in LABEL_NAMES
+    return isinstance(value, int | str) and not isinstance(value, bool) and str(value).strip().lower() in _LABEL_NAMES
+
+
+def label_value(value: object) -> int:
+    """1 (positive) or 0 (negative) of a label `is_label` accepts."""
+    return _LABEL_NAMES[str(value).strip().lower()]
 
 
 def load_file(path: str | Path) -> datasets.Dataset:

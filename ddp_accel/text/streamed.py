@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from ddp_accel.errors import UserError
 from ddp_accel.streaming import WINDOW, JsonlIndex, ParquetIndex, ShardManifest, ShardReader, WindowShuffle
-from ddp_accel.text.sources import LABEL_NAMES, is_label
+from ddp_accel.text.sources import is_label, label_value
 from ddp_accel.text.tokenizer import basic_english
 from ddp_accel.text.vocab import Vocab
 
@@ -48,7 +48,7 @@ def review_of(path: str, key: str, row: dict) -> tuple[str, int]:
     label = row.get("label")
     if not is_label(label):
         raise UserError(f"shard {path}: {key} has the label {label!r}; labels must be 0/1 or pos/neg")
-    return row["text"], LABEL_NAMES[str(label).strip().lower()]
+    return row["text"], label_value(label)
 
 
 class StreamedReviews(torch.utils.data.Dataset):

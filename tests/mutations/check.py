@@ -904,8 +904,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "the_streamed_training_loader_never_shuffles": (
         "ddp_accel/text/pipeline.py",
-        "sampler=encoded.sampler(shuffle, seed),",
-        "sampler=encoded.sampler(False, seed),",
+        '"sampler": encoded.sampler(shuffle, seed)}',
+        '"sampler": encoded.sampler(False, seed)}',
     ),
     "a_run_on_other_text_shards_resumes": (
         "ddp_accel/text/pipeline.py",
