@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ from accelerate.utils import DistributedType
 from ddp_accel.errors import UserError
 
 Tensors = Any  # a tensor, or a tuple, list or dict of them: a batch as a loader gives it
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+_piece_seed: ContextVar[int | None] = ContextVar("exact_piece_seed", default=None)
 
 
 def refusal(accelerator: Accelerator, model: torch.nn.Module, micro_batch: int) -> str | None:
@@ -49,15 +52,25 @@ def pieces(batch: Tensors, size: int) -> list[Tensors]:
     if isinstance(batch, torch.Tensor):
         return list(torch.split(batch, size))
     if isinstance(batch, dict):
-        parts = {key: pieces(value, size) for key, value in batch.items()}
-        return [type(batch)(zip(parts, values)) for values in zip(*parts.values())]
+        keys = list(batch)
+        return [type(batch)(zip(keys, values, strict=True)) for values in side_by_side(batch.values(), size)]
     if isinstance(batch, (tuple, list)):
-        columns = [pieces(value, size) for value in batch]
-        return [type(batch)(values) for values in zip(*columns)]
+        rebuild = (lambda values: type(batch)(*values)) if hasattr(batch, "_fields") else type(batch)  # a namedtuple
+        return [rebuild(values) for values in side_by_side(batch, size)]
     raise UserError(
         f"--exact-micro-batch cuts a batch into pieces: a tensor, or a tuple, list or dict of tensors; this loader "
         f"gives {type(batch).__name__}"
     )
+
+
+def side_by_side(values: Any, size: int) -> list[tuple]:
+    """The pieces of each value, zipped: one tuple a piece."""
+    columns = [pieces(value, size) for value in values]
+    if len({len(column) for column in columns}) > 1:
+        raise UserError(
+            "--exact-micro-batch cuts a batch's tensors alike: this batch's hold different numbers of samples"
+        )
+    return list(zip(*columns, strict=True))
 
 
 def samples_in(batch: Tensors) -> int:
@@ -85,12 +98,12 @@ class ExactReduction:
         self.rows: list[torch.Tensor] = []  # one per piece: its gradient, flat (zeros for a batch's missing piece)
         self.counts: list[int] = []  # each row's samples
 
-    def compute(self, batch: Tensors, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], step: int) -> torch.Tensor:
+    def compute(self, batch: Tensors, loss_fn: LossFn, step: int) -> torch.Tensor:
         """Forward and backward of each piece of this process's micro-batch; the batch's mean loss."""
         accelerator = self.accelerator
         batch_index = len(self.rows) // self.pieces_per_batch  # within the step: the accumulation's micro-batch
         first = (batch_index * accelerator.num_processes + accelerator.process_index) * self.pieces_per_batch
-        total, samples = 0.0, 0
+        total, samples = torch.zeros(()), 0
         cut = pieces(batch, self.micro_batch)
         for offset in range(self.pieces_per_batch):
             if offset >= len(cut):
@@ -130,19 +143,28 @@ class ExactReduction:
         for row in in_order:  # one addition at a time, in the global order: no reduction kernel's own grouping
             total += row
         total /= counts.sum().item() / self.micro_batch
-        start = 0
-        for parameter in self.parameters:
-            size = parameter.numel() * (2 if parameter.is_complex() else 1)
-            flat = total[start : start + size]
-            grad = torch.view_as_complex(flat.view(*parameter.shape, 2)) if parameter.is_complex() else flat.view_as(parameter)
-            parameter.grad = grad.clone()
-            start += size
+        sizes = [parameter.numel() * (2 if parameter.is_complex() else 1) for parameter in self.parameters]
+        for parameter, flat in zip(self.parameters, total.split(sizes), strict=True):
+            if parameter.is_complex():
+                parameter.grad = torch.view_as_complex(flat.view(*parameter.shape, 2)).clone()
+            else:
+                parameter.grad = flat.view(parameter.shape).clone()
         self.rows, self.counts = [], []
 
 
 @contextmanager
 def random_draws(seed: int) -> Iterator[None]:
     """The global generators (CPU, and this process's GPU) seeded for one piece, and restored after it."""
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-        torch.manual_seed(seed)
-        yield
+    token = _piece_seed.set(seed)
+    try:
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            torch.manual_seed(seed)
+            yield
+    finally:
+        _piece_seed.reset(token)
+
+
+def piece_in_progress() -> int | None:
+    """The seed of the --exact-micro-batch piece being computed, None outside one: a draw of a whole batch (MixUp's
+    weight, CutMix's box) keys on it to be the same at any world size."""
+    return _piece_seed.get()
