@@ -4,10 +4,11 @@ DDP sums each process's gradient in an order that depends on how many processes 
 gradient is itself a sum over its own batch: 1 x 12 and 3 x 4 agree only within float rounding. Here every
 process cuts its batch into pieces of M samples (the same pieces at any world size: the global batch's samples
 in the order of the data), computes each piece's gradient alone (`no_sync`: no all-reduce), and the pieces'
-gradients are all-gathered and added in the order of the global batch on every process. A piece's dropout draws
-from a generator keyed by (seed, step, piece), not by which process computes it. The cost: one forward and
-backward per M samples, and an all-gather of every piece's gradient (pieces x parameters, in place of one
-all-reduce of the parameters).
+gradients are added one at a time in the order of the global batch: a running total goes from rank to rank, each
+adding its own pieces, and the last rank broadcasts it. A piece's dropout draws from a generator keyed by (seed,
+step, piece), not by which process computes it. The cost: one forward and backward per M samples, a process's
+pieces' gradients held until the step's end, and the world size's hops of one gradient, one after another, where
+DDP's all-reduce overlaps the backward.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from contextvars import ContextVar
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
@@ -32,6 +34,8 @@ _piece_seed: ContextVar[int | None] = ContextVar("exact_piece_seed", default=Non
 def refusal(accelerator: Accelerator, model: torch.nn.Module, micro_batch: int) -> str | None:
     """Why this run cannot keep its gradients exact across world sizes, in one line (None: it can)."""
     option = f"--exact-micro-batch {micro_batch}"
+    if accelerator.distributed_type == DistributedType.XLA:
+        return f"{option} sends gradients between processes with torch.distributed: not on XLA devices"
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         return f"{option} adds whole gradients on every process: not under FSDP or DeepSpeed, whose shards are reduced"
     if accelerator.scaler is not None:
@@ -86,13 +90,40 @@ def piece_seed(seed: int, step: int, piece: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
+class ProcessChain:
+    """What the ordered sum sends between the processes (torch.distributed's default group)."""
+
+    def send(self, tensor: torch.Tensor, rank: int) -> None:
+        dist.send(tensor, rank)
+
+    def receive(self, tensor: torch.Tensor, rank: int) -> None:
+        dist.recv(tensor, rank)
+
+    def broadcast(self, tensor: torch.Tensor, rank: int) -> None:
+        dist.broadcast(tensor, rank)
+
+    def sum(self, count: int, device: torch.device) -> int:
+        total = torch.tensor(count, dtype=torch.int64, device=device)
+        dist.all_reduce(total)
+        return int(total.item())
+
+
 class ExactReduction:
     """The pieces of one optimizer step: `compute` each micro-batch piece by piece (its gradients kept, one row
-    each), `reduce` at the step's end: every process's rows gathered and added in the global batch's order, their
-    mean written into the parameters' `.grad`."""
+    each), `reduce` at the step's end: the rows of every process added in the global batch's order, their mean
+    written into the parameters' `.grad`."""
 
-    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, micro_batch: int, batch_size: int, seed: int):
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        model: torch.nn.Module,
+        micro_batch: int,
+        batch_size: int,
+        seed: int,
+        chain: ProcessChain | None = None,
+    ):
         self.accelerator, self.model, self.micro_batch, self.seed = accelerator, model, micro_batch, seed
+        self.chain = chain or ProcessChain()
         self.pieces_per_batch = -(-batch_size // micro_batch)
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         self.rows: list[torch.Tensor] = []  # one per piece: its gradient, flat (zeros for a batch's missing piece)
@@ -132,17 +163,24 @@ class ExactReduction:
         self.counts.append(size)
 
     def reduce(self) -> None:
-        """All processes' rows, added in the global batch's order (micro-batch, process, piece): the same sum at
-        any world size; divided by the samples' count in pieces and written into `.grad`."""
-        accelerator, processes = self.accelerator, self.accelerator.num_processes
-        rows = accelerator.gather(torch.stack(self.rows)[None])  # (processes, batches x pieces, parameters)
-        counts = accelerator.gather(torch.tensor([self.counts], device=rows.device))
-        batches = len(self.rows) // self.pieces_per_batch
-        in_order = rows.view(processes, batches, self.pieces_per_batch, -1).transpose(0, 1).reshape(-1, rows.shape[-1])
-        total = torch.zeros_like(in_order[0])
-        for row in in_order:  # one addition at a time, in the global order: no reduction kernel's own grouping
-            total += row
-        total /= counts.sum().item() / self.micro_batch
+        """Every process's rows added one at a time in the global batch's order (micro-batch, process, piece), the
+        same sum at any world size: a running total passed from rank to rank, each adding its pieces of the
+        micro-batch (pieces x parameters held per process, one total sent a hop); the last rank's total broadcast,
+        divided by the samples' count in pieces and written into `.grad`."""
+        processes, rank = self.accelerator.num_processes, self.accelerator.process_index
+        batches, per_batch = len(self.rows) // self.pieces_per_batch, self.pieces_per_batch
+        total, count = torch.zeros_like(self.rows[0]), sum(self.counts)
+        for batch in range(batches):
+            if processes > 1 and (batch or rank):  # the global batch's pieces before this process's
+                self.chain.receive(total, (rank - 1) % processes)
+            for row in self.rows[batch * per_batch : (batch + 1) * per_batch]:
+                total += row  # one addition at a time: no reduction kernel's own grouping
+            if processes > 1 and (batch < batches - 1 or rank < processes - 1):
+                self.chain.send(total, (rank + 1) % processes)
+        if processes > 1:
+            self.chain.broadcast(total, processes - 1)
+            count = self.chain.sum(count, total.device)
+        total /= count / self.micro_batch
         sizes = [parameter.numel() * (2 if parameter.is_complex() else 1) for parameter in self.parameters]
         for parameter, flat in zip(self.parameters, total.split(sizes), strict=True):
             if parameter.is_complex():

@@ -1,8 +1,9 @@
 """--exact-micro-batch M (ddp_accel.exact_reduction): a step's gradient bitwise the same on any number of processes.
-The processes are faked in this process (one thread each for the all-gather); tests/test_streaming.py proves it
+The processes are faked in this process (one thread each for the ordered sum); tests/test_streaming.py proves it
 launched, across a resume on another world size."""
 
 import contextlib
+import queue
 import threading
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from helpers import assert_clean_error, assert_same_weights, check_ok, run_script
 
 from ddp_accel import UserError
-from ddp_accel.exact_reduction import ExactReduction, pieces, refusal
+from ddp_accel.exact_reduction import ExactReduction, ProcessChain, pieces, refusal
 from ddp_accel.vision.mixing import BatchMixing
 
 PROBE = "tests/probe.py"
@@ -19,31 +20,50 @@ pytestmark = pytest.mark.inprocess
 
 
 class FakeGroup:
-    """Processes of one fake world: `gather` concatenates what every process hands in, as an all-gather does."""
+    """The processes of one fake world, one thread each for `reduce`: what ProcessChain does over torch.distributed,
+    through queues and a barrier."""
 
     def __init__(self, size: int):
         self.size, self.slots = size, [None] * size
         self.barrier = threading.Barrier(size)
+        self.mailboxes = {(a, b): queue.Queue() for a in range(size) for b in range(size)}
 
-    def gather(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
-        self.slots[rank] = tensor
+    def chain(self, rank: int) -> "FakeChain":
+        return FakeChain(self, rank)
+
+    def all_gather(self, rank: int, value):
+        self.slots[rank] = value
         self.barrier.wait()
-        gathered = torch.cat(self.slots)
-        self.barrier.wait()  # every process has read the slots before the next gather writes them
+        gathered = list(self.slots)
+        self.barrier.wait()  # every process has read the slots before the next exchange writes them
         return gathered
+
+
+class FakeChain(ProcessChain):
+    def __init__(self, group: FakeGroup, rank: int):
+        self.group, self.rank = group, rank
+
+    def send(self, tensor, rank):
+        self.group.mailboxes[self.rank, rank].put(tensor.clone())
+
+    def receive(self, tensor, rank):
+        tensor.copy_(self.group.mailboxes[rank, self.rank].get(timeout=30))
+
+    def broadcast(self, tensor, rank):
+        tensor.copy_(self.group.all_gather(self.rank, tensor.clone())[rank])
+
+    def sum(self, count, device):
+        return sum(self.group.all_gather(self.rank, count))
 
 
 class FakeAccelerator:
     """The parts of an Accelerator ExactReduction uses, for one rank of a FakeGroup."""
 
     def __init__(self, group: FakeGroup, rank: int):
-        self.group, self.num_processes, self.process_index = group, group.size, rank
+        self.num_processes, self.process_index = group.size, rank
 
     def no_sync(self, model):
         return contextlib.nullcontext()
-
-    def gather(self, tensor):
-        return self.group.gather(self.process_index, tensor)
 
 
 def make_model(dropout: float = 0.3) -> torch.nn.Module:
@@ -83,7 +103,7 @@ def step_gradients(
     losses = [mixed_loss_fn(BatchMixing(3, seed=5, mixup_alpha=mixup)) if mixup else loss_fn for _ in range(processes)]
     models = [make_model(dropout) for _ in range(processes)]
     reductions = [
-        ExactReduction(FakeAccelerator(group, rank), models[rank], micro_batch, batch_size, seed=5)
+        ExactReduction(FakeAccelerator(group, rank), models[rank], micro_batch, batch_size, 5, group.chain(rank))
         for rank in range(processes)
     ]
     results = []

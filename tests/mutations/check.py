@@ -957,10 +957,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "random_draws(piece_seed(self.seed, step, first + offset))",
         "random_draws(piece_seed(self.seed, step, offset))",
     ),
-    "exact_pieces_added_process_by_process": (
+    "exact_a_process_s_pieces_summed_first": (
         "ddp_accel/exact_reduction.py",
-        ".transpose(0, 1).reshape(-1, rows.shape[-1])",
-        ".reshape(-1, rows.shape[-1])",
+        "            for row in self.rows[batch * per_batch : (batch + 1) * per_batch]:\n"
+        "                total += row  # one addition at a time: no reduction kernel's own grouping\n",
+        "            total += torch.stack(self.rows[batch * per_batch : (batch + 1) * per_batch]).sum(0)\n",
     ),
     "exact_pieces_all_reduced_as_they_go": (
         "ddp_accel/exact_reduction.py",
