@@ -148,7 +148,8 @@ def test_a_one_process_run_with_complex_weights_trains_as_without_it(tmp_path):
     # the pieces' mean is the batch's mean; a complex parameter's gradient goes through the rows as its real view
     common = [PROBE, "--complex", "--dropout", "0", "--batch-size", "4", "--epochs", "1"]
     check_ok(run_script(*common, "--output-dir", tmp_path / "plain"))
-    check_ok(run_script(*common, "--exact-micro-batch", "2", "--output-dir", tmp_path / "exact"))
+    output = check_ok(run_script(*common, "--exact-micro-batch", "2", "--output-dir", tmp_path / "exact"))
+    assert "gradients                    pieces of 2 samples added in the global batch's order" in output, output[:3000]
     assert_same_weights(tmp_path / "plain", tmp_path / "exact", atol=1e-5)
 
 
