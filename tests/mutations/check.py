@@ -973,6 +973,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "% 2**63 if piece is None else piece",
         "% 2**63",
     ),
+    "the_vocabulary_pass_error_raised_through_the_barrier": (
+        "ddp_accel/text/pipeline.py",
+        "                problem = str(error)\n",
+        "                raise\n",
+    ),
 }
 
 
