@@ -132,7 +132,7 @@ CHANGEABLE_AT_RESUME = (
     *("lr", "lr_schedule", "warmup_epochs", "min_lr", "lr_gamma", "lr_step_epochs", "lr_milestones"),
     *("plateau_patience", "momentum", "nesterov", "weight_decay", "betas", "max_grad_norm", "ema_decay"),
     *("ema_warmup", "early_stopping_patience", "early_stopping_min_delta"),
-    *("ddp_comm_hook", "powersgd_rank", "powersgd_start_step"),
+    *("ddp_comm_hook", "powersgd_rank", "powersgd_start_step", "exact_micro_batch"),
 )
 LR_SCHEDULES = ("constant", "step", "multistep", "cosine", "onecycle", "plateau", "linear")
 ENDING_AT_MIN_LR = ("cosine", "onecycle", "linear")  # the schedules --min-lr shapes
@@ -287,6 +287,15 @@ class TrainConfig:
         "how DDP all-reduces the gradients: fp16/bf16 send half the bytes; powersgd sends low-rank factors with "
         "error feedback (kept in checkpoints). Several processes, not under FSDP",
         choices=["none", "fp16", "bf16", "powersgd"],
+    )
+    exact_micro_batch: int | None = option(
+        None,
+        "add the gradients in one order at any number of processes: each process's batch computed in pieces of M "
+        "samples, every piece's gradient all-gathered and added in the global batch's order, so that a run "
+        "resumed on another number of processes (the same global batch) stays bitwise equal. Slower: a forward "
+        "and backward per M samples; no BatchNorm running statistics, FSDP, fp16 or comm hook",
+        type=positive_int,
+        metavar="M",
     )
     powersgd_rank: int | None = option(None, "PowerSGD's matrix rank (default 1)", type=positive_int, metavar="R")
     powersgd_start_step: int | None = option(
@@ -504,6 +513,7 @@ class CommunicationOptions(Section):
     ddp_comm_hook: str
     powersgd_rank: int | None
     powersgd_start_step: int | None
+    exact_micro_batch: int | None
 
 
 @dataclass(frozen=True)
@@ -629,11 +639,20 @@ def check_evaluation(
 
 
 def check_communication(config: TrainConfig) -> None:
-    """--powersgd-* belong to --ddp-comm-hook powersgd."""
+    """--powersgd-* belong to --ddp-comm-hook powersgd; --exact-micro-batch cuts --batch-size into whole pieces."""
     given = [name for name in ("powersgd_rank", "powersgd_start_step") if getattr(config, name) is not None]
     if given and config.ddp_comm_hook != "powersgd":
         options = " and ".join("--" + name.replace("_", "-") for name in given)
         raise UserError(f"{options}: only with --ddp-comm-hook powersgd")
+    exact = config.exact_micro_batch
+    if exact and config.ddp_comm_hook != "none":
+        raise UserError(f"--exact-micro-batch {exact} adds the gradients itself: not with --ddp-comm-hook")
+    if exact and config.auto_batch_size:
+        raise UserError(f"--exact-micro-batch {exact} bounds a forward's memory itself: drop --auto-batch-size")
+    if exact and config.batch_size % exact:
+        raise UserError(
+            f"--exact-micro-batch {exact}: --batch-size {config.batch_size} is not a whole number of pieces of {exact}"
+        )
 
 
 def check_strategy(

@@ -48,6 +48,11 @@ def print_run_banner(
             if (hook := built_ddp_options(accelerator, config).describe(total_steps, prepared.powersgd))
             else {}
         ),
+        **(
+            {"gradients": f"pieces of {exact} samples added in the global batch's order: bitwise at any world size"}
+            if (exact := config.communication.exact_micro_batch)
+            else {}
+        ),
         **({"time_budget": budget} if budget else {}),
         **({"allocator": kept} if (kept := allocator.describe()) else {}),
         **({"a_lost_peer": lost} if (lost := rescue.describe(accelerator, checkpoints.contents)) else {}),

@@ -31,6 +31,7 @@ from ddp_accel.context import RunContext
 from ddp_accel.endings import lost_peers
 from ddp_accel.errors import UserError
 from ddp_accel.evaluation import Evaluations
+from ddp_accel.exact_reduction import ExactReduction, refusal
 from ddp_accel.identity import model_fingerprint, optimizer_fingerprint
 from ddp_accel.meters import EvalHistory, LoopMeters
 from ddp_accel.run_folder import RunFolder
@@ -88,6 +89,7 @@ class Trainer(contextlib.AbstractContextManager["Trainer"]):
         self.prepared = prepared = prepare_task(accelerator, config, task)
         self.model, self.optimizer = prepared.model, prepared.optimizer
         self.max_grad_norm = config.optimization.max_grad_norm
+        self.exact = exact_reduction(accelerator, config, prepared.model)
         self.eval_loader = prepared.eval_loader
         self.state = TrainState(
             global_batch=prepared.micro_batch * accelerator.num_processes,
@@ -210,8 +212,13 @@ class Trainer(contextlib.AbstractContextManager["Trainer"]):
         the gradient all-reduce and the optimizer step between accumulation boundaries."""
         accelerator, model, optimizer, max_grad_norm = self.accelerator, self.model, self.optimizer, self.max_grad_norm
         with accelerator.accumulate(model):
-            loss = self.task.loss_fn(model, batch)
-            accelerator.backward(loss)
+            if self.exact:  # --exact-micro-batch: piece by piece, added in one order at the step's end
+                loss = self.exact.compute(batch, self.task.loss_fn, self.state.step)
+                if accelerator.sync_gradients:
+                    self.exact.reduce()
+            else:
+                loss = self.task.loss_fn(model, batch)
+                accelerator.backward(loss)
             if accelerator.sync_gradients and max_grad_norm:
                 accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
             optimizer.step()
@@ -301,6 +308,17 @@ class Trainer(contextlib.AbstractContextManager["Trainer"]):
         if line := self.length.end_line(time.time(), self.resumed_from is not None):
             self.accelerator.print(line)
         return metrics
+
+
+def exact_reduction(accelerator: Accelerator, config: TrainConfig, model: torch.nn.Module) -> ExactReduction | None:
+    """--exact-micro-batch's reduction, or the line that refuses it for this run."""
+    micro_batch = config.communication.exact_micro_batch
+    if not micro_batch:
+        return None
+    problem = refusal(accelerator, model, micro_batch)
+    if problem:
+        raise UserError(problem)
+    return ExactReduction(accelerator, model, micro_batch, config.batch_size, config.seed)
 
 
 @contextmanager

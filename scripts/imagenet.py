@@ -319,14 +319,14 @@ def make_eval_fn(model_input: DeviceNormalize | DeviceDecode, tta_flip: bool = F
     return eval_fn
 
 
-def identity_of(args, accelerator, evaluation: bool = False) -> dict:
+def identity_of(args, accelerator, evaluation: bool = False, data_sets: tuple = ()) -> dict:
     """What shapes the model and the data: a resume must match it; an evaluation, what its predictions depend on."""
     if evaluation:
         return make_identity({key: getattr(args, key) for key in EVALUATION_OPTIONS})
     options = {key: getattr(args, key) for key in (*IDENTITY_OPTIONS, *RECIPE_OPTIONS, *DECODER)}
     sources = {"data": None if args.dummy else args.data}  # by content; an --output-dir inside it is not data
-    if not args.dummy and is_sharded(args.data):  # by the manifests: a refused resume names the changed shards
-        sources["data"] = sharded_data_identity(args.data)
+    if data_sets and isinstance(data_sets[0], ShardedImages):  # by the manifests: a refusal names the changed shards
+        sources["data"] = sharded_data_identity(*data_sets)
     # the recipes recorded only when used: a run from before they existed resumes
     unset = RECIPE_OPTIONS | DECODER
     return make_identity(options, sources, exclude=[args.output_dir], accelerator=accelerator, unset=unset)
@@ -461,7 +461,8 @@ def main(signals: StopSignals) -> None:
         metric_names=classification_names(len(classes), topk=(1, 5)),
     )
     banner = banner_lines(args, len(classes), (len(train_set), len(val_set)), sync_bn_layers, model)
-    record = RunRecord(title="imagenet", banner=banner, identity=identity_of(args, accelerator))
+    identity = identity_of(args, accelerator, data_sets=(train_set, val_set))
+    record = RunRecord(title="imagenet", banner=banner, identity=identity)
     metrics = run.fit(task, record, callbacks=[mixing] if mixing.active else [])
     best = metrics["best_metric"].removeprefix("eval_")
     accelerator.print(f"best {best} {metrics['best_' + best]:.4f}; model_best.safetensors in {config.output_dir}")

@@ -89,23 +89,30 @@ class IdDataset(Dataset):
         return len(self.x)
 
     def __getitem__(self, index):
-        if index == self.hang_at and self.hang_marker is not None and not self.hang_marker.exists():
-            self.hang_marker.touch()  # once per output dir: the restarted run gets past it
-            threading.Event().wait()  # a loader stuck for good (a dead network file system, a deadlock)
+        hang_once(index, self.hang_at, self.hang_marker)
         return index, self.x[index], self.y[index]
+
+
+def hang_once(index: int, hang_at: int | None, marker: Path | None) -> None:
+    """Reading sample `hang_at` blocks forever, the first time in this output dir (`marker`): the rerun gets past."""
+    if index == hang_at and marker is not None and not marker.exists():
+        marker.touch()
+        threading.Event().wait()  # a loader stuck for good (a dead network file system, a deadlock)
 
 
 class ShardedIds(Dataset):
     """IdDataset's samples read in place from jsonl shards (`write_id_shards`), as a streamed data set is."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, hang_at: int | None = None, hang_marker: Path | None = None):
         self.manifest = ShardManifest.of(Path(folder), (".jsonl",))
         self.reader = ShardReader(self.manifest)
+        self.hang_at, self.hang_marker = hang_at, hang_marker
 
     def __len__(self):
         return len(self.manifest)
 
     def __getitem__(self, index):
+        hang_once(index, self.hang_at, self.hang_marker)  # a shard's read that never returns
         _, _, row = self.reader.read(index)
         return index, torch.tensor(row["x"]), torch.tensor(row["y"])
 
@@ -215,7 +222,7 @@ def main(signals: StopSignals | None = None) -> None:
 
     train, val = loader(args.train_size, 1, shuffle=True), loader(args.val_size, 2)
     if args.shards:  # in the shards' canonical order (ddp_accel.streaming), windows of 24 samples
-        shards = ShardedIds(args.shards)
+        shards = ShardedIds(args.shards, args.hang_at_sample, Path(config.output_dir) / "hung_once")
         order = WindowShuffle(shards.manifest.counts, config.seed, window=24)
         train = DataLoader(shards, batch_size=config.batch_size, sampler=order, num_workers=args.workers)
     test = loader(args.test_size, 3) if args.test_size else None

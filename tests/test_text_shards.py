@@ -5,12 +5,13 @@ another worker count, and bad data in one line."""
 import gzip
 import json
 import pickle
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import assert_clean_error, check_ok, run_script
+from helpers import assert_clean_error, check_ok, launch, run_script
 from safetensors.torch import load_file
 
 from ddp_accel.errors import UserError
@@ -143,6 +144,30 @@ def test_a_refused_resume_names_the_shards_that_changed_went_or_came():
     assert "train data: shard b.jsonl changed, shard c.jsonl is gone, shard d.jsonl is new since the checkpoint" in str(
         refused.value
     )
+
+
+@pytest.mark.multiprocess
+def test_a_bad_text_shard_met_by_the_vocabulary_s_pass_is_one_line_on_2_processes(tmp_path):
+    # the pass runs on rank 0 inside main_process_first: its error reaches rank 1 instead of leaving it at the barrier
+    source, _ = reviews_file(tmp_path, 40)
+    shards = tmp_path / "shards"
+    write_text_shards(source, shards, samples_per_shard=10)
+    first = shards / "000000.jsonl"
+    lines = first.read_text().splitlines(keepends=True)
+    first.write_text(
+        "".join(
+            [*lines[:2], lines[2].replace('"label": 1', '"label": 7').replace('"label": 0', '"label": 8'), *lines[3:]]
+        )
+    )
+    (shards / "manifest.json").unlink()
+    args = ["--train-file", shards, *SMALL_BAG, "--max-steps", "1", "--cache-dir", tmp_path / "cache"]
+    result = launch("scripts/imdb.py", *args, "--output-dir", tmp_path / "run")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"shard {first}: line 3 has the label" in errors[0], output[-3000:]
+    assert "lost contact" not in output, output[-3000:]  # rank 1 ended on the same error, not on a lost peer
+    assert re.search(r"traceback\s*:\s*error: shard", output), output[-3000:]  # the launcher's report: our line
 
 
 @inprocess

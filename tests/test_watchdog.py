@@ -11,6 +11,7 @@ from helpers import check_ok, launch, run_script, weights
 from torch.utils.data import DataLoader, Dataset
 
 from ddp_accel import loaders
+from ddp_accel.streaming import WindowShuffle
 from ddp_accel.watchdog import HANG_EXIT_CODE, Bounds, ProgressWatchdog
 
 
@@ -131,8 +132,18 @@ def test_a_fixed_bound_and_off(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_one_process_with_a_hung_worker_exits_4_and_the_rerun_resumes_to_identical_weights(tmp_path):
-    args = [
+@pytest.mark.parametrize("data", ["in-memory", "shards"])
+def test_one_process_with_a_hung_worker_exits_4_and_the_rerun_resumes_to_identical_weights(tmp_path, data):
+    # shards: a worker's read of a shard that never returns (a dead network file system), at the sample that comes
+    # 71st in the first epoch's order (after the first steps: a start-up is bounded apart)
+    args, sample = [], 70
+    if data == "shards":
+        from probe import write_id_shards
+
+        write_id_shards(tmp_path / "shards", 96, per_shard=30)
+        order = WindowShuffle([30, 30, 30, 6], seed=0, window=24)  # the probe's order of its shards
+        args, sample = ["--shards", tmp_path / "shards"], list(order)[70]
+    args += [
         "--batch-size",
         "4",
         "--train-size",
@@ -146,7 +157,7 @@ def test_one_process_with_a_hung_worker_exits_4_and_the_rerun_resumes_to_identic
     ]
     args += ["--workers", "1"]
     check_ok(run_script("tests/probe.py", *args, "--output-dir", tmp_path / "reference"))  # in this process
-    hung = [*args, "--hang-at-sample", "70", "--hang-timeout-s", "3", "--resume-from-checkpoint", "latest"]
+    hung = [*args, "--hang-at-sample", sample, "--hang-timeout-s", "3", "--resume-from-checkpoint", "latest"]
     started = time.monotonic()
     first = launch("tests/probe.py", *hung, "--output-dir", tmp_path / "hung", launcher="python")
     took = time.monotonic() - started

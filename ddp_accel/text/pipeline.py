@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 from torch.utils.data import DataLoader, Sampler
 
 from ddp_accel.errors import UserError
@@ -209,11 +210,21 @@ def prepare_streamed_text(accelerator: Accelerator, source: TextSource, options:
     held_out = (options.fold or options.val_fraction, sorted(held))
     key = cache_key(train.fingerprint(), held_out, options.min_freq, options.max_vocab, options.max_length)
     vocab_path = cache / f"vocab-shards-{cache_key(key, PIPELINE_VERSION)}.json"
+    problem = None  # a bad shard met by the pass: raised on every rank (through main_process_first, only rank 0
+    # would leave it, and the others would wait at its barrier until they lost contact)
     with accelerator.main_process_first():
         if accelerator.is_main_process and _cached_vocab(vocab_path) is None:
-            counts, truncated = count_tokens(train, options.max_length, show=True)
-            tokens = Vocab.from_counts(counts, options.min_freq, options.max_vocab).itos
-            write_text(vocab_path, json.dumps({"tokens": tokens, "truncated": truncated}, ensure_ascii=False))
+            try:
+                counts, truncated = count_tokens(train, options.max_length, show=True)
+            except UserError as error:
+                problem = str(error)
+            else:
+                tokens = Vocab.from_counts(counts, options.min_freq, options.max_vocab).itos
+                write_text(vocab_path, json.dumps({"tokens": tokens, "truncated": truncated}, ensure_ascii=False))
+    if accelerator.num_processes > 1:
+        problem = broadcast_object_list([problem])[0]
+    if problem:
+        raise UserError(problem)
     cached = _cached_vocab(vocab_path)
     if cached is None:  # written by the main process just before: unreadable here is a broken cache folder
         raise UserError(f"the vocabulary {vocab_path} cannot be read; delete it, or give another --cache-dir")

@@ -4,7 +4,8 @@ torchvision's MixUp and CutMix draw the mixing weight, the box and the choice be
 generator, whose state depends on everything drawn before (dropout, and a process's history). Here each batch's
 draws come from a seed of its own, the run's seed and the batch's position in training (the optimizer step and
 the micro-batch within gradient accumulation), the same on every rank: a run resumed mid-epoch, on another worker
-count or world size, mixes each batch as the uninterrupted run did. The global generator is put back afterwards.
+count or world size, mixes each batch as the uninterrupted run did. Under --exact-micro-batch each piece is mixed
+alone, from its own piece's seed. The global generator is put back afterwards.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torchvision.transforms import v2
 
 from ddp_accel.callbacks import Callback
+from ddp_accel.exact_reduction import piece_in_progress
 
 if TYPE_CHECKING:
     from ddp_accel.context import RunContext
@@ -68,7 +70,10 @@ class BatchMixing(Callback):
             return images, targets
         step, micro_batch = self.position()
         state = torch.default_generator.get_state()
-        torch.default_generator.manual_seed(((self.seed * 100_003 + step) * 1_009 + micro_batch) % 2**63)
+        piece = piece_in_progress()  # --exact-micro-batch: a piece of the global batch, wherever it is computed
+        torch.default_generator.manual_seed(
+            ((self.seed * 100_003 + step) * 1_009 + micro_batch) % 2**63 if piece is None else piece
+        )
         try:
             if torch.rand(()) >= self.probability:  # unmixed: the same one-hot form for the loss
                 return images, torch.nn.functional.one_hot(targets, self.num_classes).to(images.dtype)

@@ -83,12 +83,9 @@ def sharded_image_sets(
     return train, val, classes
 
 
-def sharded_data_identity(data_dir: str | Path) -> dict:
-    """DATA_DIR's train/ and val/ shards by their manifests (a run's identity: a resume names the changed shards)."""
-    root = Path(data_dir)
-    return shards_identity(
-        {**ShardManifest.of(root / "train").identity("train/"), **ShardManifest.of(root / "val").identity("val/")}
-    )
+def sharded_data_identity(train: ShardedImages, val: ShardedImages) -> dict:
+    """The train/ and val/ shards by their manifests (a run's identity: a resume names the changed shards)."""
+    return shards_identity({**train.manifest.identity("train/"), **val.manifest.identity("val/")})
 
 
 def write_shards(source: str | Path, output: str | Path, samples_per_shard: int = 1000, seed: int = 0) -> list[Path]:

@@ -122,8 +122,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "mixing_draws_from_the_global_generator": (
         "ddp_accel/vision/mixing.py",
-        "        torch.default_generator.manual_seed(((self.seed * 100_003 + step) * 1_009 + micro_batch) % 2**63)\n",
-        "",
+        "        torch.default_generator.manual_seed(\n",
+        "        torch.Generator().manual_seed(\n",
     ),
     "ray_user_error_retried": (
         "ddp_accel/ray_launch.py",
@@ -951,6 +951,32 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "ddp_accel/meters.py",
         "            self.first_batch_at = self.first_step_at - (step_time - data_wait)",
         "            self.first_batch_at = self.first_step_at",
+    ),
+    "an_exact_piece_seeded_by_its_place_on_its_process": (
+        "ddp_accel/exact_reduction.py",
+        "random_draws(piece_seed(self.seed, step, first + offset))",
+        "random_draws(piece_seed(self.seed, step, offset))",
+    ),
+    "exact_a_process_s_pieces_summed_first": (
+        "ddp_accel/exact_reduction.py",
+        "            for row in self.rows[batch * per_batch : (batch + 1) * per_batch]:\n"
+        "                total += row  # one addition at a time: no reduction kernel's own grouping\n",
+        "            total += torch.stack(self.rows[batch * per_batch : (batch + 1) * per_batch]).sum(0)\n",
+    ),
+    "exact_pieces_all_reduced_as_they_go": (
+        "ddp_accel/exact_reduction.py",
+        "            with accelerator.no_sync(self.model), random_draws(",
+        "            with random_draws(",
+    ),
+    "exact_pieces_mixed_by_their_place_on_their_process": (
+        "ddp_accel/vision/mixing.py",
+        "% 2**63 if piece is None else piece",
+        "% 2**63",
+    ),
+    "the_vocabulary_pass_error_raised_through_the_barrier": (
+        "ddp_accel/text/pipeline.py",
+        "                problem = str(error)\n",
+        "                raise\n",
     ),
 }
 
