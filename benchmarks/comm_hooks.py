@@ -7,7 +7,7 @@ Runs benchmarks/overhead_accel.py (an MLP, `--hidden` wide, batch 64 a process) 
 variant in turn, alternating: each --ddp-comm-hook (none, fp16, bf16, powersgd from step 3 at rank 4) and
 --exact-micro-batch M (pieces of M samples, their gradients all-gathered). It reports the median samples/s and the
 bytes each rank sends per step, counted from the model's gradient shapes the way each variant packs them (PowerSGD:
-torch's own rule for which matrices are worth compressing; exact: a row of every gradient per piece). A markdown
+torch's own rule for which matrices are worth compressing; exact: the running total, one gradient, sent on once). A markdown
 table goes to stdout and benchmarks/results/comm_hooks.md (or comm_hooks_VARIANTS.md with --only).
 """
 
@@ -44,9 +44,7 @@ def bytes_per_step(hook: str, hidden: int, rank: int = 4) -> int:
     total = 0
     for parameter in model.parameters():
         numel = parameter.numel()
-        if hook.startswith("exact-"):
-            total += 4 * numel * (BATCH // int(hook.removeprefix("exact-")))
-        elif hook in ("fp16", "bf16"):
+        if hook in ("fp16", "bf16"):
             total += 2 * numel
         elif hook == "powersgd" and parameter.dim() > 1:
             rows, columns = parameter.shape[0], numel // parameter.shape[0]
