@@ -5,10 +5,10 @@
 
 Runs benchmarks/overhead_accel.py (an MLP, `--hidden` wide, batch 64 a process) under accelerate launch with each
 variant in turn, alternating: each --ddp-comm-hook (none, fp16, bf16, powersgd from step 3 at rank 4) and
---exact-micro-batch M (pieces of M samples, their gradients all-gathered). It reports the median samples/s and the
-bytes each rank sends per step, counted from the model's gradient shapes the way each variant packs them (PowerSGD:
-torch's own rule for which matrices are worth compressing; exact: the running total, one gradient, sent on once). A markdown
-table goes to stdout and benchmarks/results/comm_hooks.md (or comm_hooks_VARIANTS.md with --only).
+--exact-micro-batch M (pieces of M samples, their gradients added along the ranks). It reports the median samples/s
+and the bytes each rank sends per step, counted from the model's gradient shapes the way each variant packs them
+(PowerSGD: torch's own rule for which matrices are worth compressing; exact: the running total, one gradient, sent
+on once). A markdown table goes to stdout and benchmarks/results/comm_hooks.md (or comm_hooks_VARIANTS.md with --only).
 """
 
 import argparse
