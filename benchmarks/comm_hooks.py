@@ -37,7 +37,7 @@ LABELS = {
 
 
 def bytes_per_step(hook: str, hidden: int, rank: int = 4) -> int:
-    """What each rank puts into the all-reduce(s) or the all-gather of one step (fp32 gradients)."""
+    """What each rank sends in the all-reduce(s) or the chain of running totals of one step (fp32 gradients)."""
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
 
     model, _, _ = build_task("mlp", hidden=hidden)

@@ -291,7 +291,7 @@ class TrainConfig:
     exact_micro_batch: int | None = option(
         None,
         "add the gradients in one order at any number of processes: each process's batch computed in pieces of M "
-        "samples, every piece's gradient all-gathered and added in the global batch's order, so that a run "
+        "samples, every piece's gradient added in the global batch's order along the ranks, so that a run "
         "resumed on another number of processes (the same global batch) stays bitwise equal. Slower: a forward "
         "and backward per M samples; no BatchNorm running statistics, FSDP, fp16 or comm hook",
         type=positive_int,
