@@ -8,11 +8,12 @@ import contextlib
 import json
 import os
 import shutil
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 
 from ddp_accel.checkpoint import Listing
 from ddp_accel.errors import UserError
@@ -24,6 +25,24 @@ from ddp_accel.tracking import TRACKER_RUNS
 
 FINAL_STAGING = ".final"  # under checkpoints/: the final model and the best model, until the commit moves them
 COMMITTED = "metrics.json"  # written last by a commit: a run is complete once it exists for its steps
+
+
+def check_weights_writable(model: torch.nn.Module) -> None:
+    """Checkpoints and model.safetensors are safetensors files: a dtype of `model`'s that the installed safetensors
+    cannot write is refused in one line before training, not after it (complex64 needs safetensors >= 0.7)."""
+    names_by_dtype: dict[torch.dtype, str] = {}
+    for name, tensor in model.state_dict().items():
+        if isinstance(tensor, torch.Tensor):
+            names_by_dtype.setdefault(tensor.dtype, name)
+    for dtype, name in names_by_dtype.items():
+        try:
+            save({"weights": torch.zeros(1, dtype=dtype)})
+        except Exception:  # safetensors says KeyError or TypeError, by version
+            raise UserError(
+                f"the model's {name} is {str(dtype).removeprefix('torch.')}, which safetensors "
+                f"{version('safetensors')} cannot write (checkpoints and model.safetensors are safetensors files): "
+                "pip install -U safetensors, or keep the weights in a dtype it writes"
+            ) from None
 
 
 def ended_by_early_stopping(metrics: dict[str, Any]) -> bool:

@@ -34,7 +34,7 @@ from ddp_accel.evaluation import Evaluations
 from ddp_accel.exact_reduction import ExactReduction, refusal
 from ddp_accel.identity import model_fingerprint, optimizer_fingerprint
 from ddp_accel.meters import EvalHistory, LoopMeters
-from ddp_accel.run_folder import RunFolder
+from ddp_accel.run_folder import RunFolder, check_weights_writable
 from ddp_accel.run_setup import (
     build_scheduler,
     check_options_against_task,
@@ -83,6 +83,7 @@ class Trainer(contextlib.AbstractContextManager["Trainer"]):
     ):
         self.accelerator, self.config, self.task, self.record, self.signals = accelerator, config, task, record, signals
         self.folder = folder
+        check_weights_writable(task.model)
         self.identity = RunIdentity(
             model_fingerprint(task.model), record.identity, optimizer_fingerprint(task.optimizer)
         )

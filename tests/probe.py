@@ -48,18 +48,16 @@ from ddp_accel import (
 
 
 class ComplexLinear(torch.nn.Module):
-    """y = x W^T + b with complex64 weights: the parameters DDP must all-reduce as complex numbers."""
+    """y = x W^T + b with complex weights: the parameters DDP must all-reduce as complex numbers."""
 
-    def __init__(self, inputs: int, outputs: int):
+    def __init__(self, inputs: int, outputs: int, dtype: torch.dtype):
         super().__init__()
         generator = torch.Generator().manual_seed(0)
-        self.weight = torch.nn.Parameter(
-            torch.randn(outputs, inputs, dtype=torch.complex64, generator=generator) / inputs**0.5
-        )
-        self.bias = torch.nn.Parameter(torch.zeros(outputs, dtype=torch.complex64))
+        self.weight = torch.nn.Parameter(torch.randn(outputs, inputs, dtype=dtype, generator=generator) / inputs**0.5)
+        self.bias = torch.nn.Parameter(torch.zeros(outputs, dtype=dtype))
 
     def forward(self, x):
-        return x.to(torch.complex64) @ self.weight.T + self.bias
+        return x.to(self.weight.dtype) @ self.weight.T + self.bias
 
 
 class QuantizedBag(torch.nn.Module):
@@ -75,7 +73,7 @@ class QuantizedBag(torch.nn.Module):
 
 class Magnitude(torch.nn.Module):
     def forward(self, z):
-        return z.abs()
+        return z.abs().float()
 
 
 class IdDataset(Dataset):
@@ -169,7 +167,9 @@ def main(signals: StopSignals | None = None) -> None:
     parser.add_argument("--dropout", type=float, default=0.2)
     parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after the first layer (buffers)")
     parser.add_argument("--step-ms", type=float, default=0, help="stand-in for a real step's compute time")
-    parser.add_argument("--complex", action="store_true", help="a complex-valued layer (|z| feeds the rest)")
+    parser.add_argument(
+        "--complex", nargs="?", const="complex64", choices=["complex64", "complex128"], help="a complex layer (|z| next)"
+    )
     parser.add_argument(
         "--sparse-embedding",
         action="store_true",
@@ -196,7 +196,7 @@ def main(signals: StopSignals | None = None) -> None:
 
     layers: list[torch.nn.Module] = [QuantizedBag(args.hidden, sparse=True)] if args.sparse_embedding else []
     if args.complex:  # after the table when both are asked: one job proves both all-reduces
-        layers.append(ComplexLinear(args.hidden if layers else 8, args.hidden))
+        layers.append(ComplexLinear(args.hidden if layers else 8, args.hidden, getattr(torch, args.complex)))
     layers = layers or [torch.nn.Linear(8, args.hidden)]
     layers += [torch.nn.BatchNorm1d(args.hidden)] if args.batchnorm else []
     activation = Magnitude() if args.complex else torch.nn.ReLU()

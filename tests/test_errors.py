@@ -200,6 +200,14 @@ def test_an_empty_vocabulary_is_refused(tmp_path):
     assert_clean_error(result, "vocabulary is empty", "--min-freq")
 
 
+@inprocess
+def test_weights_safetensors_cannot_write_are_refused_before_training(tmp_path):
+    # checkpoints and model.safetensors are safetensors: complex128 (no version writes it) ends the run at its start
+    result = run_script("tests/probe.py", "--complex", "complex128", "--output-dir", tmp_path)
+    assert_clean_error(result, "the model's 0.weight is complex128, which safetensors", "pip install -U safetensors")
+    assert "step " not in result.stdout + result.stderr
+
+
 @multiprocess
 def test_a_loss_that_becomes_infinite_stops_every_rank_with_one_line(tmp_path):
     result = launch(
