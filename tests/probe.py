@@ -168,7 +168,7 @@ def main(signals: StopSignals | None = None) -> None:
     parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after the first layer (buffers)")
     parser.add_argument("--step-ms", type=float, default=0, help="stand-in for a real step's compute time")
     parser.add_argument(
-        "--complex", nargs="?", const="complex64", choices=["complex64", "complex128"], help="a complex layer (|z| next)"
+        "--complex", nargs="?", const="complex64", choices=["complex64", "complex128"], help="a complex layer"
     )
     parser.add_argument(
         "--sparse-embedding",

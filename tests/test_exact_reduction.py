@@ -10,7 +10,6 @@ import threading
 import pytest
 import torch
 from helpers import assert_clean_error, assert_same_weights, check_ok, run_script
-
 from packaging import version
 
 from ddp_accel import UserError
