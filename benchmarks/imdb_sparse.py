@@ -86,10 +86,10 @@ def bytes_per_step(args, work: str) -> tuple[int, float]:
     """Dense: the whole table and the head. Sparse: the rows one global batch touches (values + indices)."""
     vocab, train = load_encoded(work)
     from ddp_accel.text.models import NgramBag, TextModelConfig
-    from ddp_accel.text.pipeline import make_loader
+    from ddp_accel.text.pipeline import PadCollate, make_loader
 
     model = NgramBag(len(vocab), vocab.pad_id, TextModelConfig("bag", dim=64, ngrams=2, buckets=args.buckets))
-    loader = make_loader(train, 128, vocab.pad_id, shuffle=True, seed=0)
+    loader = make_loader(train, 128, PadCollate(vocab.pad_id), shuffle=True, seed=0)
     rows = []
     for index, (input_ids, _) in enumerate(loader):
         rows.append(len(model.ngram_ids(input_ids).unique()))
@@ -110,7 +110,7 @@ def phases_worker(work: str, buckets: int, steps: int = 60) -> None:
     vocab, train = load_encoded(work)
     from ddp_accel.optim import SparseAdamW
     from ddp_accel.text.models import NgramBag, TextModelConfig
-    from ddp_accel.text.pipeline import make_loader
+    from ddp_accel.text.pipeline import PadCollate, make_loader
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     dist.init_process_group("gloo")
@@ -119,7 +119,7 @@ def phases_worker(work: str, buckets: int, steps: int = 60) -> None:
     model = NgramBag(len(vocab), vocab.pad_id, config, sparse=True)
     table_optimizer = SparseAdamW([model.embedding.weight], lr=5e-3, weight_decay=0.5)
     head_optimizer = torch.optim.AdamW([model.fc.weight, model.fc.bias], lr=5e-3, weight_decay=0.5, fused=True)
-    loader = make_loader(train, 128 // world, vocab.pad_id, shuffle=True, seed=0)
+    loader = make_loader(train, 128 // world, PadCollate(vocab.pad_id), shuffle=True, seed=0)
     batches = [batch for index, batch in zip(range(steps * world), loader, strict=False) if index % world == rank]
     times = {name: [] for name in ("forward", "backward", "all-reduce", "table update", "head update", "whole step")}
     for index, (input_ids, labels) in enumerate(batches):

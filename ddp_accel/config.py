@@ -132,7 +132,7 @@ CHANGEABLE_AT_RESUME = (
     *("lr", "lr_schedule", "warmup_epochs", "min_lr", "lr_gamma", "lr_step_epochs", "lr_milestones"),
     *("plateau_patience", "momentum", "nesterov", "weight_decay", "betas", "max_grad_norm", "ema_decay"),
     *("ema_warmup", "early_stopping_patience", "early_stopping_min_delta"),
-    *("ddp_comm_hook", "powersgd_rank", "powersgd_start_step", "exact_micro_batch"),
+    *("ddp_comm_hook", "powersgd_rank", "powersgd_start_step", "exact_micro_batch", "skip_bad_samples"),
 )
 LR_SCHEDULES = ("constant", "step", "multistep", "cosine", "onecycle", "plateau", "linear")
 ENDING_AT_MIN_LR = ("cosine", "onecycle", "linear")  # the schedules --min-lr shapes
@@ -193,6 +193,14 @@ class TrainConfig:
     lr_step_epochs: int = option(30, "step: a decay every this many epochs", type=positive_int)
     lr_milestones: list[int] | None = option(None, "multistep: the epochs of the decays", type=positive_int, nargs="+")
     plateau_patience: int = option(2, "plateau: evaluations without improvement before a decay", type=positive_int)
+    skip_bad_samples: int = option(
+        0,
+        "at most N training samples that cannot be read (an unreadable image, a sample without its label, a row "
+        "that is not JSON): each said once, replaced by the next readable sample, listed in "
+        "OUTPUT_DIR/bad_samples.jsonl and counted at the end; one more ends the run. Default 0: the first is an error",
+        type=nonnegative_int,
+        metavar="N",
+    )
     auto_batch_size: bool = option(
         False,
         "per process, the largest divisor of --batch-size that fits in memory (tried before training); the global "
@@ -420,6 +428,7 @@ class DataOptions(Section):
     gradient_accumulation_steps: int
     auto_batch_size: bool
     seed: int
+    skip_bad_samples: int
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save, save_file
 
+from ddp_accel import bad_samples
 from ddp_accel.checkpoint import Listing
 from ddp_accel.errors import UserError
 from ddp_accel.files import write_json, writing
@@ -197,7 +198,7 @@ class RunFolder:
         self.listing.refresh()
         shutil.rmtree(self.path / "tensorboard", ignore_errors=True)
         shutil.rmtree(self.path / "failures", ignore_errors=True)
-        for name in ("history.json", PREEMPTED_MARKER, TRACKER_RUNS):
+        for name in ("history.json", PREEMPTED_MARKER, TRACKER_RUNS, bad_samples.LOG):
             (self.path / name).unlink(missing_ok=True)
 
     def repeated_failure(self, rank: int, resumed_from: Path | None, step: int, error: BaseException) -> str | None:

@@ -13,6 +13,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
+from ddp_accel.bad_samples import SkippingBadSamples
 from ddp_accel.batch_size import find_micro_batch, with_batch_size
 from ddp_accel.budget import BudgetGuard, BudgetPlan, RunShape, Timing, budget_line, epochs_text, plan_run
 from ddp_accel.callback_state import CallbackStates
@@ -30,6 +31,7 @@ from ddp_accel.config import (
     check_strategy,
 )
 from ddp_accel.ema import WeightAverage
+from ddp_accel.errors import UserError
 from ddp_accel.loaders import exit_now
 from ddp_accel.profiling import ProfilerWindow
 from ddp_accel.run_folder import RunFolder
@@ -140,6 +142,11 @@ def check_options_against_task(
     kind = accelerator.distributed_type
     fsdp_version = accelerator.state.fsdp_plugin.fsdp_version if kind == DistributedType.FSDP else None
     check_strategy(config, shards_weights(accelerator), kind == DistributedType.DEEPSPEED, fsdp_version)
+    if config.skip_bad_samples and not isinstance(getattr(task.train_loader, "dataset", None), SkippingBadSamples):
+        raise UserError(
+            f"--skip-bad-samples {config.skip_bad_samples}: this script's training loader does not read its samples "
+            "through run.skipping_bad_samples(dataset), so none would be skipped"
+        )
 
 
 def progress_watchdog(folder: RunFolder, rank: int, options: WatchdogOptions, signals: StopSignals) -> ProgressWatchdog:

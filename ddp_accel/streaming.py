@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 from torch.utils.data import Sampler
 
+from ddp_accel.bad_samples import BadSample
 from ddp_accel.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -212,9 +213,9 @@ class JsonlIndex(ShardIndex):
         try:
             row = json.loads(line)
         except ValueError as error:
-            raise UserError(f"shard {self.path}: {key} is not JSON ({error})") from None
+            raise BadSample(f"shard {self.path}: {key} is not JSON ({error})") from None
         if not isinstance(row, dict):
-            raise UserError(f"shard {self.path}: {key} is not a JSON object ({line[:40]!r})")
+            raise BadSample(f"shard {self.path}: {key} is not a JSON object ({line[:40]!r})")
         return key, row
 
 

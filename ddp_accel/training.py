@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from ddp_accel import allocator, launch_environments, loaders, rescue, run_end, run_start, startup
+from ddp_accel import allocator, bad_samples, launch_environments, loaders, rescue, run_end, run_start, startup
 from ddp_accel.agreement import StepAgreement, Verdict
 from ddp_accel.budget import command_started
 from ddp_accel.callbacks import Callback, Callbacks
@@ -296,6 +296,7 @@ class Trainer(contextlib.AbstractContextManager["Trainer"]):
             **self.length.budget_metrics(time.time()),
             **self.prepared.trained_metrics(self.accelerator, self.config),
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+            **({"bad_samples": bad_samples.count(self.folder.path)} if self.config.skip_bad_samples else {}),
         }
         metrics = run_end.final_metrics(
             self.state, self.test_metrics, trained, self.best_metric, self.record, self.identity
@@ -308,6 +309,10 @@ class Trainer(contextlib.AbstractContextManager["Trainer"]):
         self.accelerator.print(run_end.summary_line(metrics, self.folder.path, curves))
         if line := self.length.end_line(time.time(), self.resumed_from is not None):
             self.accelerator.print(line)
+        if metrics.get("bad_samples"):
+            self.accelerator.print(
+                f"skipped {metrics['bad_samples']} bad sample(s), listed in {bad_samples.log_of(self.folder.path)}"
+            )
         return metrics
 
 
@@ -375,6 +380,11 @@ class Run:
         self.folder, self.accelerator = open_run(
             config, signals, check_output_dir, find_unused_parameters=find_unused_parameters
         )
+
+    def skipping_bad_samples(self, dataset: Any) -> Any:
+        """The training dataset under --skip-bad-samples N: a sample that cannot be read is replaced by the next
+        readable one, said and counted (ddp_accel.bad_samples); `dataset` itself without the option."""
+        return bad_samples.skipping_bad_samples(dataset, self.config.output_dir, self.config.skip_bad_samples)
 
     @classmethod
     def around(cls, accelerator: Accelerator, config: TrainConfig, signals: StopSignals | None = None) -> Run:

@@ -285,13 +285,13 @@ def datasets_for(args):
     return image_folders(args.data, transform_pair, args.seed)
 
 
-def loader(dataset, args, shuffle: bool) -> DataLoader:
+def loader(dataset, args, shuffle: bool, run: Run | None = None) -> DataLoader:
     # workers are not persistent: new workers each epoch take that epoch's seed, which keeps augmentations
     # exact across a resume (ddp_accel.vision.data.augmentation_seed); starting them costs ~1 s an epoch
     # tar shards: their canonical order (ddp_accel.streaming), the same at any number of processes and workers
     sampler = dataset.sampler(shuffle) if isinstance(dataset, ShardedImages) else None
     return DataLoader(
-        dataset,
+        run.skipping_bad_samples(dataset) if run else dataset,  # training: --skip-bad-samples
         batch_size=args.batch_size,
         shuffle=shuffle and sampler is None,
         sampler=sampler,
@@ -452,7 +452,7 @@ def main(signals: StopSignals) -> None:
     task = Task(
         model,
         optimizer,
-        loader(train_set, args, True),
+        loader(train_set, args, True, run),
         loss_fn,
         eval_loader=loader(val_set, args, False),
         eval_fn=eval_fn,

@@ -52,6 +52,7 @@ from ddp_accel import (
 from ddp_accel.text import (
     KERNEL_SIZE,
     STRIDE,
+    PadCollate,
     TextModelConfig,
     TextOptions,
     TextSource,
@@ -334,6 +335,7 @@ def train(args: argparse.Namespace, signals: StopSignals) -> None:
             max_length=args.max_length,
             seed=config.seed,
             cache_dir=args.cache_dir,
+            skip_bad_samples=config.skip_bad_samples,
         ),
     )
     if args.model == "bag" and accelerator.distributed_type.name == "FSDP":  # its table is updated by rows
@@ -346,7 +348,7 @@ def train(args: argparse.Namespace, signals: StopSignals) -> None:
     rows = len(text.vocab) + (args.buckets if args.model == "bag" and args.ngrams > 1 else 0)
     check_memory(rows * args.dim * 4 * 4, f"a table of {rows:,} rows x --dim {args.dim}")
     model = model_config(args).build(len(text.vocab), text.vocab.pad_id, sparse=sparse)
-    task = make_task(args, config, text, model)
+    task = make_task(args, run, text, model)
     banner = {
         "data": ("SYNTHETIC corpus (offline fallback)" if text.synthetic else text.source),
         "train/val/test reviews": "/".join(str(len(part) if part else 0) for part in (text.train, text.val, text.test)),
@@ -376,28 +378,28 @@ def train(args: argparse.Namespace, signals: StopSignals) -> None:
     run.fit(task, record)
 
 
-def make_task(args: argparse.Namespace, config: TrainConfig, text, model: torch.nn.Module) -> Task:
+def make_task(args: argparse.Namespace, run: Run, text, model: torch.nn.Module) -> Task:
     """Loaders (length-bucketed), the NB weights and the optimizer around `model`."""
-    min_length = getattr(model, "min_length", 1)
+    config, min_length = run.config, getattr(model, "min_length", 1)
 
-    def loader(split, shuffle):
+    def loader(split, shuffle, training=False):
         return make_loader(
             split,
             config.batch_size,
-            text.vocab.pad_id,
+            PadCollate(text.vocab.pad_id, min_length),
             shuffle=shuffle,
             seed=config.seed,
-            min_length=min_length,
             workers=args.workers,
+            read_through=run.skipping_bad_samples if training else None,  # --skip-bad-samples
         )
 
     if getattr(model, "nb_weights", None) is not None:  # every process fits the same weights on the same reviews
-        model.fit_nb_weights(loader(text.train, False), alpha=args.nb_alpha)
+        model.fit_nb_weights(loader(text.train, False, training=True), alpha=args.nb_alpha)
 
     return Task(
         model,
         make_model_optimizer(model, args, config.lr),
-        loader(text.train, True),
+        loader(text.train, True, training=True),
         loss_function(args.loss),
         eval_loader=loader(text.val, False) if text.val is not None else None,
         eval_fn=eval_fn,

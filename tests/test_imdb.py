@@ -404,7 +404,7 @@ def test_val_fraction_0_trains_a_final_model_on_every_review_measured_by_the_tes
     from accelerate import Accelerator
     from safetensors.torch import load_file
 
-    from ddp_accel.text.pipeline import TextOptions, TextSource, make_loader, prepare_text_data
+    from ddp_accel.text.pipeline import PadCollate, TextOptions, TextSource, make_loader, prepare_text_data
 
     rows = [{"text": f"{'great fun' if i % 2 else 'awful mess'} film {i}", "label": i % 2} for i in range(60)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -422,7 +422,7 @@ def test_val_fraction_0_trains_a_final_model_on_every_review_measured_by_the_tes
     )
     assert text.val is None and len(text.train) == 60
     bag = NgramBag(len(text.vocab), text.vocab.pad_id, TextModelConfig("bag", ngrams=2, buckets=500, nb_weights=True))
-    bag.fit_nb_weights(make_loader(text.train, 64, text.vocab.pad_id, shuffle=False, seed=0), alpha=4.0)
+    bag.fit_nb_weights(make_loader(text.train, 64, PadCollate(text.vocab.pad_id), shuffle=False, seed=0), alpha=4.0)
     assert torch.equal(load_file(str(tmp_path / "out" / "model.safetensors"))["nb_weights"], bag.nb_weights)
     for wrong, said in (
         (["--group-size", 50], "--group-size 50 holds out runs"),
@@ -441,7 +441,7 @@ def test_nb_weights_are_fitted_on_the_training_part_only(tmp_path):
     from accelerate import Accelerator
     from safetensors.torch import load_file
 
-    from ddp_accel.text.pipeline import TextOptions, TextSource, make_loader, prepare_text_data
+    from ddp_accel.text.pipeline import PadCollate, TextOptions, TextSource, make_loader, prepare_text_data
 
     rows = [
         {"text": f"{'great fun' if i % 2 else 'awful mess'} film {i} word{i % 7}", "label": i % 2} for i in range(80)
@@ -458,7 +458,7 @@ def test_nb_weights_are_fitted_on_the_training_part_only(tmp_path):
         Accelerator(cpu=True), TextSource(train_file=str(train_file)), TextOptions(val_fraction=0.25, min_freq=1)
     )
     bag = NgramBag(len(text.vocab), text.vocab.pad_id, TextModelConfig("bag", ngrams=2, buckets=500, nb_weights=True))
-    bag.fit_nb_weights(make_loader(text.train, 64, text.vocab.pad_id, shuffle=False, seed=0), alpha=2.5)
+    bag.fit_nb_weights(make_loader(text.train, 64, PadCollate(text.vocab.pad_id), shuffle=False, seed=0), alpha=2.5)
     assert torch.equal(trained, bag.nb_weights)
     # the smoothing shapes the model: a resume under another one is refused, and where no NB weights are fitted
     # the option is one error line rather than silently ignored

@@ -65,7 +65,7 @@ def test_a_jsonl_shard_s_index_skips_blank_lines_and_a_bad_row_is_named_by_its_l
 def test_the_vocabulary_and_encoding_of_the_shards_are_the_in_memory_pipeline_s(tmp_path):
     from accelerate import Accelerator
 
-    from ddp_accel.text.pipeline import TextOptions, TextSource, make_loader, prepare_text_data
+    from ddp_accel.text.pipeline import PadCollate, TextOptions, TextSource, make_loader, prepare_text_data
 
     source, rows = reviews_file(tmp_path, 200)
     write_text_shards(source, tmp_path / "shards", samples_per_shard=64)
@@ -80,13 +80,13 @@ def test_the_vocabulary_and_encoding_of_the_shards_are_the_in_memory_pipeline_s(
         text, expected_label = review_of(*reader.read(index))
         assert ids.dtype == np.int32 and ids.tolist() == encoded[text] and label == expected_label
     # training in the canonical order of (seed, epoch, manifest), evaluation in the manifest's
-    shuffled = make_loader(streamed.train, 8, streamed.vocab.pad_id, shuffle=True, seed=3)
+    shuffled = make_loader(streamed.train, 8, PadCollate(streamed.vocab.pad_id), shuffle=True, seed=3)
     assert (
         list(shuffled.sampler)
         == list(WindowShuffle(streamed.train.manifest.counts, 3, WINDOW))
         != sorted(shuffled.sampler)
     )
-    listed = make_loader(streamed.train, 8, streamed.vocab.pad_id, shuffle=False, seed=3)
+    listed = make_loader(streamed.train, 8, PadCollate(streamed.vocab.pad_id), shuffle=False, seed=3)
     assert list(listed.sampler) == list(range(len(streamed.train)))
 
 

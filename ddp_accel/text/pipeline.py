@@ -8,7 +8,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,6 +128,7 @@ class TextOptions:
     max_length: int | None = None
     seed: int = 0
     cache_dir: str | None = None
+    skip_bad_samples: int = 0  # --skip-bad-samples: the vocabulary's pass skips as many bad training reviews
 
 
 def prepare_text_data(accelerator: Accelerator, source: TextSource, options: TextOptions) -> TextData:
@@ -215,7 +216,7 @@ def prepare_streamed_text(accelerator: Accelerator, source: TextSource, options:
     with accelerator.main_process_first():
         if accelerator.is_main_process and _cached_vocab(vocab_path) is None:
             try:
-                counts, truncated = count_tokens(train, options.max_length, show=True)
+                counts, truncated = count_tokens(train, options.max_length, show=True, skip=options.skip_bad_samples)
             except UserError as error:
                 problem = str(error)
             else:
@@ -442,13 +443,14 @@ class PadCollate:
 def make_loader(
     encoded: datasets.Dataset | StreamedReviews,
     batch_size: int,
-    pad_id: int,
+    collate: PadCollate,
     *,
     shuffle: bool,
     seed: int,
-    min_length: int = 1,
     workers: int = 0,
+    read_through: Callable[[Any], Any] | None = None,
 ) -> DataLoader:
+    """`read_through`: what wraps the reviews (the training set's Run.skipping_bad_samples)."""
     reviews: StreamedReviews | EncodedReviews
     if isinstance(encoded, StreamedReviews):  # in the shards' canonical order (ddp_accel.streaming)
         reviews = encoded
@@ -457,9 +459,9 @@ def make_loader(
         reviews = EncodedReviews(encoded)
         batching = {"batch_sampler": BucketBatchSampler(reviews.lengths, batch_size, shuffle=shuffle, seed=seed)}
     return DataLoader(
-        reviews,
+        read_through(reviews) if read_through else reviews,
         **batching,
-        collate_fn=PadCollate(pad_id, min_length),
+        collate_fn=collate,
         num_workers=workers,
         persistent_workers=workers > 0,
     )

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ddp_accel.bad_samples import BadSample
 from ddp_accel.errors import UserError
 from ddp_accel.streaming import WINDOW, JsonlIndex, ParquetIndex, ShardManifest, ShardReader, WindowShuffle
 from ddp_accel.text.sources import is_label, label_value
@@ -44,10 +45,10 @@ def review_of(path: str, key: str, row: dict) -> tuple[str, int]:
     """(text, label 1/0) of a row; one line naming the shard and the row where one is missing or unreadable."""
     if not isinstance(row.get("text"), str):
         what = "no text" if row.get("text") is None else f"a text of type {type(row['text']).__name__}"
-        raise UserError(f"shard {path}: {key} has {what}; each row needs 'text' (a string) and 'label'")
+        raise BadSample(f"shard {path}: {key} has {what}; each row needs 'text' (a string) and 'label'")
     label = row.get("label")
     if not is_label(label):
-        raise UserError(f"shard {path}: {key} has the label {label!r}; labels must be 0/1 or pos/neg")
+        raise BadSample(f"shard {path}: {key} has the label {label!r}; labels must be 0/1 or pos/neg")
     return row["text"], label_value(label)
 
 
@@ -70,14 +71,25 @@ class StreamedReviews(torch.utils.data.Dataset):
         return np.asarray(ids, dtype=np.int32), label
 
 
-def count_tokens(manifest: ShardManifest, max_length: int | None, show: bool) -> tuple[Counter[str], int]:
+def count_tokens(
+    manifest: ShardManifest, max_length: int | None, show: bool, skip: int = 0
+) -> tuple[Counter[str], int]:
     """Each token's count over the shards, in one pass (memory: the vocabulary), and how many reviews are longer
-    than `max_length`."""
+    than `max_length`. Up to `skip` bad reviews are left out (--skip-bad-samples: training says each)."""
     counts: Counter[str] = Counter()
-    truncated = 0
+    truncated, bad = 0, 0
     reader = ShardReader(manifest)
     for index in tqdm(range(len(manifest)), desc="vocabulary", unit="review", disable=not show, mininterval=1):
-        tokens = basic_english(review_of(*reader.read(index))[0])
+        try:
+            text = review_of(*reader.read(index))[0]
+        except BadSample as error:
+            bad += 1
+            if bad > skip:
+                raise BadSample(
+                    f"{error}{f' (bad sample {bad}: more than --skip-bad-samples {skip})' if skip else ''}"
+                ) from None
+            continue
+        tokens = basic_english(text)
         counts.update(tokens)
         truncated += bool(max_length and len(tokens) > max_length)
     return counts, truncated

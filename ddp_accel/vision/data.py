@@ -15,6 +15,7 @@ from torch.utils.data import Dataset
 from torchvision import datasets, transforms
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
+from ddp_accel.bad_samples import BadSample
 from ddp_accel.errors import UserError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -138,12 +139,12 @@ def named_if_unreadable(path: str) -> Iterator[None]:
     try:
         yield
     except Image.DecompressionBombError:
-        raise UserError(
+        raise BadSample(
             f"image {path} has more pixels than PIL's decompression-bomb limit ({Image.MAX_IMAGE_PIXELS}); "
             "delete it or replace it with a smaller copy"
         ) from None
     except (OSError, ValueError, SyntaxError) as error:  # PIL's UnidentifiedImageError is an OSError
-        raise UserError(f"cannot read image {path} ({type(error).__name__}); delete or replace it") from None
+        raise BadSample(f"cannot read image {path} ({type(error).__name__}); delete or replace it") from None
 
 
 @contextlib.contextmanager

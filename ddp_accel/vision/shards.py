@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from ddp_accel.bad_samples import BadSample
 from ddp_accel.errors import UserError
 from ddp_accel.identity import shards_identity
 from ddp_accel.streaming import SHARD_SUFFIX, WINDOW, ShardManifest, ShardReader, WindowShuffle
@@ -52,13 +53,13 @@ class ShardedImages(Dataset):
         path, key, files = self.reader.read(index)
         image = next((files[extension] for extension in IMAGE_EXTENSIONS if extension in files), None)
         if image is None:
-            raise UserError(f"shard {path}: sample {key} has no image ({', '.join(IMAGE_EXTENSIONS)})")
+            raise BadSample(f"shard {path}: sample {key} has no image ({', '.join(IMAGE_EXTENSIONS)})")
         if "cls" not in files:
-            raise UserError(f"shard {path}: sample {key} has no label (.cls)")
+            raise BadSample(f"shard {path}: sample {key} has no label (.cls)")
         try:
             target = int(files["cls"].decode().strip())
         except ValueError:
-            raise UserError(
+            raise BadSample(
                 f"shard {path}: sample {key}'s label is not a class index ({files['cls'][:20]!r})"
             ) from None
         with named_if_unreadable(f"{key} in shard {path}"):
