@@ -43,11 +43,13 @@ class SkippingBadSamples(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int) -> Any:
+    def __getitem__(self, key: int | tuple) -> Any:
+        # a key may carry more than the index (streaming.Place: the width to pad to): the stand-in keeps the rest
+        index, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, None)
         size = len(self.dataset)
         for candidate in chain(range(index, size), range(index)):
             try:
-                return self.dataset[candidate]
+                return self.dataset[candidate if rest is None else type(key)(candidate, *rest)]
             except BadSample as error:
                 self.met(candidate, error)
         raise UserError(f"no sample of the {size} can be read")  # reached only with a limit as large as the set

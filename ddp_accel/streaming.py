@@ -29,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -403,12 +404,54 @@ class WindowShuffle(Sampler[int]):
         return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.counts))
 
     def __iter__(self) -> Iterator[int]:
-        order = self.shard_order()
-        stream = (np.arange(self.starts[shard], self.starts[shard + 1]) for shard in order)
+        for window in self.windows():
+            yield from window.tolist()
+
+    def windows(self) -> Iterator[np.ndarray]:
+        """The order, a window at a time."""
+        stream = (np.arange(self.starts[shard], self.starts[shard + 1]) for shard in self.shard_order())
         for block, window in enumerate(windows(stream, self.window)):
             if self.shuffle:
                 window = np.random.default_rng([self.seed, self.epoch, block]).permutation(window)
-            yield from window.tolist()
+            yield window
+
+
+class Place(NamedTuple):
+    """A sample's global index and the width its global micro-batch is padded to (LengthBuckets' keys)."""
+
+    index: int
+    width: int
+
+
+class LengthBuckets(Sampler[Place]):
+    """The canonical order (`order`) with little padding: each pool of `pool` global micro-batches of it (`chunk`
+    consecutive samples: every process's batch of one forward) sorted by length (ties by index), cut into global
+    micro-batches again, and those shuffled by (seed, epoch, pool). Each sample comes with its global micro-batch's
+    longest length, which its process pads to: at any number of processes and workers with the same global batch,
+    a global micro-batch holds the same samples at the same width, so a run stays bitwise. Memory: one pool (the
+    lengths are read from a memory-mapped file)."""
+
+    def __init__(self, order: WindowShuffle, lengths: np.ndarray, chunk: int, pool: int = 50):
+        if len(lengths) != len(order):
+            raise UserError(f"{len(lengths)} lengths for {len(order)} samples: delete the cache of the shards")
+        self.order, self.lengths, self.chunk, self.pool = order, lengths, chunk, pool
+
+    def set_epoch(self, epoch: int) -> None:
+        self.order.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __iter__(self) -> Iterator[Place]:
+        seed, epoch = self.order.seed, self.order.epoch
+        for number, pool in enumerate(windows(self.order.windows(), self.chunk * self.pool)):
+            pool = pool[np.lexsort((pool, self.lengths[pool]))]
+            chunks = [pool[start : start + self.chunk] for start in range(0, len(pool), self.chunk)]
+            full = len(pool) // self.chunk  # a short one only ends the epoch: it stays last
+            for chunk in [*np.random.default_rng([seed, epoch, number]).permutation(full).tolist(), full]:
+                if chunk < len(chunks):
+                    width = int(self.lengths[chunks[chunk][-1]])
+                    yield from (Place(index, width) for index in chunks[chunk].tolist())
 
 
 def windows(stream: Iterator[np.ndarray], size: int) -> Iterator[np.ndarray]:

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import assert_clean_error, check_ok, launch, run_script
+from helpers import assert_clean_error, assert_same_weights, check_ok, launch, run_script
 from safetensors.torch import load_file
 
 from ddp_accel.errors import UserError
-from ddp_accel.streaming import JsonlIndex, ShardManifest, ShardReader, WindowShuffle
+from ddp_accel.streaming import JsonlIndex, LengthBuckets, ShardManifest, ShardReader, WindowShuffle
 from ddp_accel.text.sources import synthetic_imdb
 from ddp_accel.text.streamed import WINDOW, held_out_shards, review_of, text_manifest, write_text_shards
+from ddp_accel.text.tokenizer import basic_english
 
 inprocess = pytest.mark.inprocess
 SMALL_BAG = ["--model", "bag", "--ngrams", "2", "--buckets", "1000", "--dim", "8", "--min-freq", "1"]
@@ -79,15 +80,51 @@ def test_the_vocabulary_and_encoding_of_the_shards_are_the_in_memory_pipeline_s(
         ids, label = streamed.train[index]
         text, expected_label = review_of(*reader.read(index))
         assert ids.dtype == np.int32 and ids.tolist() == encoded[text] and label == expected_label
-    # training in the canonical order of (seed, epoch, manifest), evaluation in the manifest's
+    # each review's length in tokens (at most --max-length) counted by the vocabulary's pass
+    texts = [review_of(*reader.read(index))[0] for index in range(len(streamed.train))]
+    assert streamed.train.lengths.tolist() == [min(len(basic_english(text)), 12) for text in texts]
+    # training in the canonical order of (seed, epoch, manifest), bucketed by length; evaluation in the manifest's
     shuffled = make_loader(streamed.train, 8, PadCollate(streamed.vocab.pad_id), shuffle=True, seed=3)
-    assert (
-        list(shuffled.sampler)
-        == list(WindowShuffle(streamed.train.manifest.counts, 3, WINDOW))
-        != sorted(shuffled.sampler)
-    )
+    canonical = WindowShuffle(streamed.train.manifest.counts, 3, WINDOW)
+    places = list(shuffled.sampler)
+    assert places == list(LengthBuckets(canonical, streamed.train.lengths, 8))
+    assert [index for index, _ in places] != sorted(canonical)
+    ids, _ = streamed.train[places[0]]  # padded to its global micro-batch's width
+    assert len(ids) == places[0].width >= len(streamed.train[places[0].index][0])
     listed = make_loader(streamed.train, 8, PadCollate(streamed.vocab.pad_id), shuffle=False, seed=3)
     assert list(listed.sampler) == list(range(len(streamed.train)))
+
+
+@inprocess
+def test_length_buckets_keep_each_global_micro_batch_whole_and_of_one_width_at_any_world_size():
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler
+
+    lengths = np.random.default_rng(0).integers(1, 500, 100).astype(np.int32)
+    order = WindowShuffle([37, 50, 13], seed=5, window=32)
+    buckets = LengthBuckets(order, lengths, chunk=8, pool=3)
+    buckets.set_epoch(2)
+    places, canonical = list(buckets), list(order)
+    indices = [place.index for place in places]
+    for start in range(0, 100, 24):  # a pool: the canonical order's samples, in global micro-batches of 8
+        assert sorted(indices[start : start + 24]) == sorted(canonical[start : start + 24])
+    chunks = [places[start : start + 8] for start in range(0, 100, 8)]
+    for chunk in chunks:  # sorted by length, each padded to the longest of its global micro-batch
+        assert [lengths[index] for index, _ in chunk] == sorted(lengths[index] for index, _ in chunk)
+        assert {width for _, width in chunk} == {max(lengths[index] for index, _ in chunk)}
+    padded = sum(chunk[0].width for chunk in chunks)
+    assert padded < 0.8 * sum(lengths[canonical[start : start + 8]].max() for start in range(0, 100, 8))
+    fixed = WindowShuffle([37, 50, 13], seed=5, window=32, shuffle=False)  # the same pools every epoch
+    fixed_buckets = LengthBuckets(fixed, lengths, chunk=8, pool=3)
+    epochs = [fixed_buckets.set_epoch(epoch) or list(fixed_buckets) for epoch in (2, 3)]
+    assert epochs[0] != epochs[1] and sorted(epochs[0]) == sorted(epochs[1])  # each epoch its own shuffle
+    for processes, batch in ((1, 8), (2, 4), (4, 2)):  # Accelerate's batch sharding: the same global micro-batches
+        shards = [
+            list(BatchSamplerShard(BatchSampler(buckets, batch, False), processes, rank, even_batches=False))
+            for rank in range(processes)
+        ]
+        steps = [sum((shard[step] for shard in shards), []) for step in range(len(shards[-1]))]
+        assert steps == chunks[: len(steps)]
 
 
 @inprocess
@@ -128,6 +165,18 @@ def test_imdb_on_text_shards_resumed_mid_epoch_with_another_worker_count_ends_bi
     write_text_shards(source, tmp_path / "shards", samples_per_shard=20, seed=1)
     output = run_script("scripts/imdb.py", *args, "--output-dir", tmp_path / "cut", "--resume", "latest")
     assert_clean_error(output, "train data: shard 000000.jsonl changed, shard 000001.jsonl changed")
+
+
+@pytest.mark.multiprocess
+def test_imdb_on_text_shards_bucketed_by_length_trains_bitwise_the_same_on_1_and_2_processes(tmp_path):
+    # each process pads to its global micro-batch's width: 1 x 8 and 2 x 4 compute every piece of 2 reviews alike
+    source, _ = reviews_file(tmp_path, 96)
+    write_text_shards(source, tmp_path / "shards", samples_per_shard=16)  # 6 shards, 1 held out: 10 steps of 8
+    args = ["--train-file", tmp_path / "shards", *SMALL_BAG, "--sparse", "off", "--exact-micro-batch", "2"]
+    args += ["--epochs", "2", "--cache-dir", tmp_path / "cache"]
+    check_ok(launch("scripts/imdb.py", *args, "--batch-size", "8", "--output-dir", tmp_path / "one", nproc=1))
+    check_ok(launch("scripts/imdb.py", *args, "--batch-size", "4", "--output-dir", tmp_path / "two", nproc=2))
+    assert_same_weights(tmp_path / "one", tmp_path / "two")
 
 
 @inprocess

@@ -18,13 +18,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import broadcast_object_list
 from torch.utils.data import DataLoader, Sampler
 
 from ddp_accel.errors import UserError
-from ddp_accel.files import write_text, writing
+from ddp_accel.files import replaced_atomically, write_text, writing
 from ddp_accel.identity import fingerprint_sources, shards_identity
+from ddp_accel.streaming import ShardManifest
 from ddp_accel.text import sources
 from ddp_accel.text.streamed import StreamedReviews, count_tokens, held_out_shards, is_text_shards, text_manifest
 from ddp_accel.text.tokenizer import basic_english
@@ -210,22 +211,8 @@ def prepare_streamed_text(accelerator: Accelerator, source: TextSource, options:
     test = text_manifest(source.test_file) if source.test_file else None
     held_out = (options.fold or options.val_fraction, sorted(held))
     key = cache_key(train.fingerprint(), held_out, options.min_freq, options.max_vocab, options.max_length)
-    vocab_path = cache / f"vocab-shards-{cache_key(key, PIPELINE_VERSION)}.json"
-    problem = None  # a bad shard met by the pass: raised on every rank (through main_process_first, only rank 0
-    # would leave it, and the others would wait at its barrier until they lost contact)
-    with accelerator.main_process_first():
-        if accelerator.is_main_process and _cached_vocab(vocab_path) is None:
-            try:
-                counts, truncated = count_tokens(train, options.max_length, show=True, skip=options.skip_bad_samples)
-            except UserError as error:
-                problem = str(error)
-            else:
-                tokens = Vocab.from_counts(counts, options.min_freq, options.max_vocab).itos
-                write_text(vocab_path, json.dumps({"tokens": tokens, "truncated": truncated}, ensure_ascii=False))
-    if accelerator.num_processes > 1:
-        problem = broadcast_object_list([problem])[0]
-    if problem:
-        raise UserError(problem)
+    vocab_path = cache / f"vocab-shards-{cache_key(key, PIPELINE_VERSION, 'lengths')}.json"
+    _vocabulary_pass(accelerator, train, options, vocab_path)
     cached = _cached_vocab(vocab_path)
     if cached is None:  # written by the main process just before: unreadable here is a broken cache folder
         raise UserError(f"the vocabulary {vocab_path} cannot be read; delete it, or give another --cache-dir")
@@ -240,7 +227,7 @@ def prepare_streamed_text(accelerator: Accelerator, source: TextSource, options:
         "test data": shards_identity(test.identity()) if test else None,
     }
     return TextData(
-        StreamedReviews(train, vocab, options.max_length),
+        StreamedReviews(train, vocab, options.max_length, _cached_lengths(_lengths_path(vocab_path), len(train))),
         StreamedReviews(val, vocab, options.max_length) if val else None,
         StreamedReviews(test, vocab, options.max_length) if test else None,
         vocab,
@@ -251,6 +238,45 @@ def prepare_streamed_text(accelerator: Accelerator, source: TextSource, options:
         vocab_path,
         fingerprints,
     )
+
+
+def _vocabulary_pass(accelerator: Accelerator, train: ShardManifest, options: TextOptions, vocab_path: Path) -> None:
+    """The vocabulary and each review's length, counted by the main process once (cached by the shards' manifest).
+    A bad shard met by the pass is raised on every rank: through main_process_first, only rank 0 would leave it,
+    and the others would wait at its barrier until they lost contact."""
+    problem = None
+    with accelerator.main_process_first():
+        if accelerator.is_main_process and _cached_vocab(vocab_path) is None:
+            try:
+                counts, truncated, lengths = count_tokens(
+                    train, options.max_length, show=True, skip=options.skip_bad_samples
+                )
+            except UserError as error:
+                problem = str(error)
+            else:  # the lengths first: a vocabulary in the cache has them
+                path = _lengths_path(vocab_path)
+                with writing(path), replaced_atomically(path) as partial, open(partial, "wb") as file:
+                    np.save(file, lengths)
+                tokens = Vocab.from_counts(counts, options.min_freq, options.max_vocab).itos
+                write_text(vocab_path, json.dumps({"tokens": tokens, "truncated": truncated}, ensure_ascii=False))
+    if accelerator.num_processes > 1:
+        problem = broadcast_object_list([problem])[0]
+    if problem:
+        raise UserError(problem)
+
+
+def _lengths_path(vocab_path: Path) -> Path:
+    return vocab_path.with_suffix(".lengths.npy")
+
+
+def _cached_lengths(path: Path, samples: int) -> np.ndarray | None:
+    """Each training review's length in tokens, memory-mapped (bucketing reads a pool at a time); None where the
+    cache lacks them (the reviews are then batched in the canonical order as they come)."""
+    try:
+        lengths = np.load(path, mmap_mode="r")
+    except (OSError, ValueError):
+        return None
+    return lengths if lengths.shape == (samples,) else None
 
 
 def _cached_vocab(path: Path) -> tuple[Vocab, int] | None:
@@ -454,7 +480,8 @@ def make_loader(
     reviews: StreamedReviews | EncodedReviews
     if isinstance(encoded, StreamedReviews):  # in the shards' canonical order (ddp_accel.streaming)
         reviews = encoded
-        batching: dict[str, Any] = {"batch_size": batch_size, "sampler": encoded.sampler(shuffle, seed)}
+        together = batch_size * PartialState().num_processes  # a global micro-batch: what LengthBuckets sorts as one
+        batching: dict[str, Any] = {"batch_size": batch_size, "sampler": encoded.sampler(shuffle, seed, together)}
     else:
         reviews = EncodedReviews(encoded)
         batching = {"batch_sampler": BucketBatchSampler(reviews.lengths, batch_size, shuffle=shuffle, seed=seed)}

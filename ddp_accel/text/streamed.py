@@ -13,11 +13,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils.data import Sampler
 from tqdm.auto import tqdm
 
 from ddp_accel.bad_samples import BadSample
 from ddp_accel.errors import UserError
-from ddp_accel.streaming import WINDOW, JsonlIndex, ParquetIndex, ShardManifest, ShardReader, WindowShuffle
+from ddp_accel.streaming import (
+    WINDOW,
+    JsonlIndex,
+    LengthBuckets,
+    ParquetIndex,
+    Place,
+    ShardManifest,
+    ShardReader,
+    WindowShuffle,
+)
 from ddp_accel.text.sources import is_label, label_value
 from ddp_accel.text.tokenizer import basic_english
 from ddp_accel.text.vocab import Vocab
@@ -55,29 +65,43 @@ def review_of(path: str, key: str, row: dict) -> tuple[str, int]:
 class StreamedReviews(torch.utils.data.Dataset):
     """A split's reviews by global index: (token ids as int32, label), as `pipeline.EncodedReviews` gives them."""
 
-    def __init__(self, manifest: ShardManifest, vocab: Vocab, max_length: int | None):
+    def __init__(
+        self, manifest: ShardManifest, vocab: Vocab, max_length: int | None, lengths: np.ndarray | None = None
+    ):
         self.manifest, self.vocab, self.max_length = manifest, vocab, max_length
+        self.lengths = lengths  # each review's token count (the vocabulary's pass): a shuffled order bucketed by it
         self.reader = ShardReader(manifest)
 
     def __len__(self) -> int:
         return len(self.manifest)
 
-    def sampler(self, shuffle: bool, seed: int, window: int = WINDOW) -> WindowShuffle:
-        return WindowShuffle(self.manifest.counts, seed, window, shuffle)
+    def sampler(self, shuffle: bool, seed: int, global_micro_batch: int, window: int = WINDOW) -> Sampler[int]:
+        """The canonical order; shuffled, with each global micro-batch's reviews of similar length (LengthBuckets)
+        where their lengths are known."""
+        order = WindowShuffle(self.manifest.counts, seed, window, shuffle)
+        if not shuffle or self.lengths is None:
+            return order
+        return LengthBuckets(order, self.lengths, global_micro_batch)
 
-    def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
+    def __getitem__(self, key: int | Place) -> tuple[np.ndarray, int]:
+        """A review by its global index, or by its Place (padded to its global micro-batch's width)."""
+        index, width = key if isinstance(key, Place) else (key, 0)
         text, label = review_of(*self.reader.read(index))
         ids = self.vocab.encode(basic_english(text)[: self.max_length])
-        return np.asarray(ids, dtype=np.int32), label
+        padded = np.full(max(width, len(ids)), self.vocab.pad_id, dtype=np.int32)
+        padded[: len(ids)] = ids
+        return padded, label
 
 
 def count_tokens(
     manifest: ShardManifest, max_length: int | None, show: bool, skip: int = 0
-) -> tuple[Counter[str], int]:
-    """Each token's count over the shards, in one pass (memory: the vocabulary), and how many reviews are longer
-    than `max_length`. Up to `skip` bad reviews are left out (--skip-bad-samples: training says each)."""
+) -> tuple[Counter[str], int, np.ndarray]:
+    """Each token's count over the shards, in one pass (memory: the vocabulary), how many reviews are longer than
+    `max_length`, and each review's length in tokens (at most `max_length`; 0 for a bad one). Up to `skip` bad
+    reviews are left out (--skip-bad-samples: training says each)."""
     counts: Counter[str] = Counter()
     truncated, bad = 0, 0
+    lengths = np.zeros(len(manifest), np.int32)
     reader = ShardReader(manifest)
     for index in tqdm(range(len(manifest)), desc="vocabulary", unit="review", disable=not show, mininterval=1):
         try:
@@ -92,7 +116,8 @@ def count_tokens(
         tokens = basic_english(text)
         counts.update(tokens)
         truncated += bool(max_length and len(tokens) > max_length)
-    return counts, truncated
+        lengths[index] = min(len(tokens), max_length or len(tokens))
+    return counts, truncated, lengths
 
 
 def held_out_shards(manifest: ShardManifest, fraction: float, fold: str | None, seed: int) -> list[str]:

@@ -42,8 +42,9 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "nb_weights_count_held_out": (
         "scripts/imdb.py",
-        "model.fit_nb_weights(loader(text.train, False), alpha=args.nb_alpha)",
-        "model.fit_nb_weights([*loader(text.train, False), *loader(text.val, False)], alpha=args.nb_alpha)",
+        "model.fit_nb_weights(loader(text.train, False, training=True), alpha=args.nb_alpha)",
+        "model.fit_nb_weights([*loader(text.train, False, training=True), *loader(text.val, False)], "
+        "alpha=args.nb_alpha)",
     ),
     "rotation_deletes_newest": (
         "ddp_accel/checkpoint.py",
@@ -904,8 +905,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "the_streamed_training_loader_never_shuffles": (
         "ddp_accel/text/pipeline.py",
-        '"sampler": encoded.sampler(shuffle, seed)}',
-        '"sampler": encoded.sampler(False, seed)}',
+        '"sampler": encoded.sampler(shuffle, seed, together)}',
+        '"sampler": encoded.sampler(False, seed, together)}',
     ),
     "a_run_on_other_text_shards_resumes": (
         "ddp_accel/text/pipeline.py",
