@@ -49,7 +49,7 @@ class SkippingBadSamples(Dataset):
         size = len(self.dataset)
         for candidate in chain(range(index, size), range(index)):
             try:
-                return self.dataset[candidate if rest is None else type(key)(candidate, *rest)]
+                return self.dataset[candidate if rest is None else (candidate, *rest)]
             except BadSample as error:
                 self.met(candidate, error)
         raise UserError(f"no sample of the {size} can be read")  # reached only with a limit as large as the set

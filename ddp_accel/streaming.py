@@ -419,7 +419,7 @@ class WindowShuffle(Sampler[int]):
 class Place(NamedTuple):
     """A sample's global index and the width its global micro-batch is padded to (LengthBuckets' keys)."""
 
-    index: int
+    sample: int
     width: int
 
 

@@ -90,7 +90,7 @@ def test_the_vocabulary_and_encoding_of_the_shards_are_the_in_memory_pipeline_s(
     assert places == list(LengthBuckets(canonical, streamed.train.lengths, 8))
     assert [index for index, _ in places] != sorted(canonical)
     ids, _ = streamed.train[places[0]]  # padded to its global micro-batch's width
-    assert len(ids) == places[0].width >= len(streamed.train[places[0].index][0])
+    assert len(ids) == places[0].width >= len(streamed.train[places[0].sample][0])
     listed = make_loader(streamed.train, 8, PadCollate(streamed.vocab.pad_id), shuffle=False, seed=3)
     assert list(listed.sampler) == list(range(len(streamed.train)))
 
@@ -105,7 +105,7 @@ def test_length_buckets_keep_each_global_micro_batch_whole_and_of_one_width_at_a
     buckets = LengthBuckets(order, lengths, chunk=8, pool=3)
     buckets.set_epoch(2)
     places, canonical = list(buckets), list(order)
-    indices = [place.index for place in places]
+    indices = [place.sample for place in places]
     for start in range(0, 100, 24):  # a pool: the canonical order's samples, in global micro-batches of 8
         assert sorted(indices[start : start + 24]) == sorted(canonical[start : start + 24])
     chunks = [places[start : start + 8] for start in range(0, 100, 8)]

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler
 from tqdm.auto import tqdm
 
 from ddp_accel.bad_samples import BadSample
@@ -23,7 +22,6 @@ from ddp_accel.streaming import (
     JsonlIndex,
     LengthBuckets,
     ParquetIndex,
-    Place,
     ShardManifest,
     ShardReader,
     WindowShuffle,
@@ -75,7 +73,9 @@ class StreamedReviews(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.manifest)
 
-    def sampler(self, shuffle: bool, seed: int, global_micro_batch: int, window: int = WINDOW) -> Sampler[int]:
+    def sampler(
+        self, shuffle: bool, seed: int, global_micro_batch: int, window: int = WINDOW
+    ) -> WindowShuffle | LengthBuckets:
         """The canonical order; shuffled, with each global micro-batch's reviews of similar length (LengthBuckets)
         where their lengths are known."""
         order = WindowShuffle(self.manifest.counts, seed, window, shuffle)
@@ -83,9 +83,9 @@ class StreamedReviews(torch.utils.data.Dataset):
             return order
         return LengthBuckets(order, self.lengths, global_micro_batch)
 
-    def __getitem__(self, key: int | Place) -> tuple[np.ndarray, int]:
-        """A review by its global index, or by its Place (padded to its global micro-batch's width)."""
-        index, width = key if isinstance(key, Place) else (key, 0)
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[np.ndarray, int]:
+        """A review by its global index, or by its Place (index, width: padded to its global micro-batch's)."""
+        index, width = key if isinstance(key, tuple) else (key, 0)
         text, label = review_of(*self.reader.read(index))
         ids = self.vocab.encode(basic_english(text)[: self.max_length])
         padded = np.full(max(width, len(ids)), self.vocab.pad_id, dtype=np.int32)
