@@ -15,7 +15,7 @@ from helpers import assert_clean_error, assert_same_weights, check_ok, launch, r
 from safetensors.torch import load_file
 
 from ddp_accel.errors import UserError
-from ddp_accel.streaming import JsonlIndex, LengthBuckets, ShardManifest, ShardReader, WindowShuffle
+from ddp_accel.streaming import JsonlIndex, LengthBuckets, Place, ShardManifest, ShardReader, WindowShuffle
 from ddp_accel.text.sources import synthetic_imdb
 from ddp_accel.text.streamed import WINDOW, held_out_shards, review_of, text_manifest, write_text_shards
 from ddp_accel.text.tokenizer import basic_english
@@ -89,8 +89,8 @@ def test_the_vocabulary_and_encoding_of_the_shards_are_the_in_memory_pipeline_s(
     places = list(shuffled.sampler)
     assert places == list(LengthBuckets(canonical, streamed.train.lengths, 8))
     assert [index for index, _ in places] != sorted(canonical)
-    ids, _ = streamed.train[places[0]]  # padded to its global micro-batch's width
-    assert len(ids) == places[0].width >= len(streamed.train[places[0].sample][0])
+    ids, _ = streamed.train[Place(places[0].sample, 40)]  # padded to its global micro-batch's width
+    assert len(ids) == 40 and ids[12:].tolist() == [streamed.vocab.pad_id] * 28
     listed = make_loader(streamed.train, 8, PadCollate(streamed.vocab.pad_id), shuffle=False, seed=3)
     assert list(listed.sampler) == list(range(len(streamed.train)))
 

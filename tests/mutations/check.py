@@ -979,6 +979,61 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "                problem = str(error)\n",
         "                raise\n",
     ),
+    "weights_safetensors_cannot_write_found_at_the_end": (
+        "ddp_accel/run_folder.py",
+        '            save({"weights": torch.zeros(1, dtype=dtype)})\n',
+        "            pass\n",
+    ),
+    "a_bad_sample_replaced_by_the_first_sample": (
+        "ddp_accel/bad_samples.py",
+        "chain(range(index, size), range(index))",
+        "chain([index], range(size))",
+    ),
+    "bad_samples_past_the_limit_skipped": (
+        "ddp_accel/bad_samples.py",
+        "        if count > self.limit:",
+        "        if False:",
+    ),
+    "a_bad_sample_said_and_listed_each_time_it_is_met": (
+        "ddp_accel/bad_samples.py",
+        "        if index in known:\n            return",
+        "        if False:\n            return",
+    ),
+    "the_option_taken_by_a_script_that_never_reads_through_it": (
+        "ddp_accel/run_setup.py",
+        "    if config.skip_bad_samples and not isinstance",
+        "    if False and not isinstance",
+    ),
+    "the_vocabulary_pass_stops_at_a_bad_review_under_the_option": (
+        "ddp_accel/text/streamed.py",
+        "            if bad > skip:",
+        "            if bad > 0:",
+    ),
+    "length_buckets_never_sorted": (
+        "ddp_accel/streaming.py",
+        "            pool = pool[np.lexsort((pool, self.lengths[pool]))]\n",
+        "",
+    ),
+    "length_buckets_shuffled_alike_every_epoch": (
+        "ddp_accel/streaming.py",
+        "np.random.default_rng([seed, epoch, number])",
+        "np.random.default_rng([seed, number])",
+    ),
+    "a_bucket_padded_to_each_process_s_longest": (
+        "ddp_accel/text/streamed.py",
+        "np.full(max(width, len(ids)), self.vocab.pad_id",
+        "np.full(len(ids), self.vocab.pad_id",
+    ),
+    "a_global_micro_batch_of_one_process_s_batch": (
+        "ddp_accel/text/pipeline.py",
+        "together = batch_size * PartialState().num_processes",
+        "together = batch_size",
+    ),
+    "review_lengths_not_capped_at_max_length": (
+        "ddp_accel/text/streamed.py",
+        "lengths[index] = min(len(tokens), max_length or len(tokens))",
+        "lengths[index] = len(tokens)",
+    ),
 }
 
 
