@@ -91,6 +91,16 @@ def test_imagenet_on_shards_skips_a_bad_image_the_same_with_1_and_2_workers(tmp_
     assert_clean_error(run_script("scripts/imagenet.py", shards, *args), second, "more than --skip-bad-samples 1")
 
 
+def test_an_image_folder_s_unreadable_image_is_skipped_as_a_shard_s_is(tmp_path):
+    images = make_image_folder(tmp_path / "images", classes=2, train=4, val=1)
+    (images / "train" / "class1" / "2.jpg").write_bytes(b"not an image")
+    args = [*IMAGENET, "-j", 0, "--epochs", "1", "--output-dir", tmp_path / "run"]
+    assert_clean_error(run_script("scripts/imagenet.py", images, *args), "cannot read image", "class1/2.jpg")
+    output = check_ok(run_script("scripts/imagenet.py", images, *args, "--skip-bad-samples", "3"))
+    assert "warning: skipped a bad sample (1 of at most 3): cannot read image" in output
+    assert metrics_of(tmp_path / "run")["bad_samples"] == 1
+
+
 def test_a_bad_review_of_text_shards_is_left_out_of_the_vocabulary_and_skipped(tmp_path):
     source, _ = reviews_file(tmp_path, 40)
     shards = tmp_path / "shards"
