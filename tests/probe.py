@@ -50,7 +50,7 @@ from ddp_accel import (
 class ComplexLinear(torch.nn.Module):
     """y = x W^T + b with complex weights: the parameters DDP must all-reduce as complex numbers."""
 
-    def __init__(self, inputs: int, outputs: int, dtype: torch.dtype):
+    def __init__(self, inputs: int, outputs: int, dtype: torch.dtype = torch.complex64):
         super().__init__()
         generator = torch.Generator().manual_seed(0)
         self.weight = torch.nn.Parameter(torch.randn(outputs, inputs, dtype=dtype, generator=generator) / inputs**0.5)
@@ -271,7 +271,8 @@ def main(signals: StopSignals | None = None) -> None:
     if args.pid_dir:
         Path(args.pid_dir).mkdir(parents=True, exist_ok=True)
         Path(args.pid_dir, f"rank{accelerator.process_index}.{os.getpid()}").touch()
-    identity = make_identity({key: getattr(args, key) for key in ("hidden", "complex", "sparse_embedding")})
+    shape = {"hidden": args.hidden, "complex": args.complex or False, "sparse_embedding": args.sparse_embedding}
+    identity = make_identity(shape)  # (False without --complex: the identity checkpoints of af45933 hold)
     callbacks = [*crash, LearningRates(config.output_dir)]
     run.fit(task, RunRecord(identity=identity), callbacks)
     Path(config.output_dir, f"seen_rank{accelerator.process_index}.json").write_text(json.dumps(seen))
