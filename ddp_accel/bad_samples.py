@@ -64,13 +64,18 @@ class SkippingBadSamples(Dataset):
             file.write(json.dumps({"index": index, "error": str(error)}) + "\n")
         count = len(known) + 1
         if count > self.limit:
-            raise BadSample(f"{error} (bad sample {count}: more than --skip-bad-samples {self.limit})") from None
+            raise beyond_the_limit(error, count, self.limit) from None
         print(
             f"warning: skipped a bad sample ({count} of at most {self.limit}): {error}; the next readable sample "
             f"is read in its place (listed in {self.log})",
             file=sys.stderr,
             flush=True,
         )
+
+
+def beyond_the_limit(error: BadSample, count: int, limit: int) -> BadSample:
+    """The error that ends a run at its `count`-th bad sample, past --skip-bad-samples `limit`."""
+    return BadSample(f"{error} (bad sample {count}: more than --skip-bad-samples {limit})")
 
 
 def listed(log: Path) -> dict[int, str]:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ddp_accel.bad_samples import BadSample
+from ddp_accel.bad_samples import BadSample, beyond_the_limit
 from ddp_accel.errors import UserError
 from ddp_accel.streaming import (
     WINDOW,
@@ -109,9 +109,7 @@ def count_tokens(
         except BadSample as error:
             bad += 1
             if bad > skip:
-                raise BadSample(
-                    f"{error}{f' (bad sample {bad}: more than --skip-bad-samples {skip})' if skip else ''}"
-                ) from None
+                raise (beyond_the_limit(error, bad, skip) if skip else error) from None
             continue
         tokens = basic_english(text)
         counts.update(tokens)
