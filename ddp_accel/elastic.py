@@ -65,6 +65,9 @@ def child_processes(parent: int) -> Iterator[tuple[list[str], bytes]]:
 
 def agent_pid() -> int | None:
     """This worker's agent: its parent, when the parent runs torch elastic (not a shell, srun or a notebook)."""
+    launcher = os.environ.get("DDP_ACCEL_RECOVERY_LAUNCHER")  # ddp-accel launch --recover in-process
+    if launcher is not None and launcher == str(os.getppid()):
+        return os.getppid()
     command = " ".join(launch_environments.parent_command())
     return os.getppid() if any(name in command for name in AGENT_COMMANDS) else None
 

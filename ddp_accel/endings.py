@@ -115,7 +115,7 @@ def run_main(main: Callable[..., Any]) -> None:
     try:
         signals.install()  # a signal that came during the imports is handled here: Preempted (nothing trained yet)
         launcher_watch = end_with_the_launcher()
-        main(signals) if inspect.signature(main).parameters else main()
+        _main_through_regroups(main, signals)
         signals.enter(Phase.DONE)
         outcome = Outcome("completed", 0)
     except UserError as error:
@@ -149,6 +149,20 @@ def run_main(main: Callable[..., Any]) -> None:
     signals.uninstall()
     note_command_start(None)  # a later fit() in this process (a notebook) counts from its own start
     sys.exit(outcome.code)
+
+
+def _main_through_regroups(main: Callable[..., Any], signals: StopSignals) -> None:
+    """main(), run again in this process after each lost peer under `ddp-accel launch --recover in-process`
+    (ddp_accel.recovery): the survivor saved the step it reached, and resumes there in the launcher's next group."""
+    from ddp_accel import recovery
+
+    while True:
+        try:
+            main(signals) if inspect.signature(main).parameters else main()
+            return
+        except recovery.Regroup as regroup:
+            regroup.__traceback__ = None  # drop the frames holding the old group's model and loaders
+            recovery.rejoin(regroup.facts)
 
 
 # how long a process other than 0 that met a user error waits to be ended by its launcher (which ends the group

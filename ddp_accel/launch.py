@@ -63,6 +63,7 @@ def machine_setup(accelerate_args: list[str]) -> dict[str, Any]:
         "address": pick("main_process_ip", None) or "127.0.0.1",
         "port": int(pick("main_process_port", None) or DEFAULT_PORT),
         "script": args.training_script,
+        "script_args": list(args.training_script_args),
     }
     check_address(setup["address"], setup["port"])
     machines, rank, processes = setup["machines"], setup["machine_rank"], setup["processes"]
@@ -236,10 +237,35 @@ def main(argv: list[str]) -> int:
         "--join-timeout-s", type=positive, default=600.0, help="how long to wait for every machine to join"
     )
     parser.add_argument("--wait-report-s", type=positive, default=10.0, help="how often to say what it waits for")
+    parser.add_argument(
+        "--recover",
+        choices=("restart", "in-process"),
+        default="restart",
+        help="after a lost process: restart the group (accelerate launch's agent), or keep the survivors' "
+        "processes and go on in a new group (one machine)",
+    )
     args, accelerate_args = parser.parse_known_args(argv)
     if not accelerate_args:
         parser.error("give accelerate launch's arguments and the training script")
+    if args.recover == "in-process":
+        return launch_recovering_in_process(accelerate_args)
     return launch(accelerate_args, args.join_timeout_s, args.wait_report_s)
+
+
+def launch_recovering_in_process(accelerate_args: list[str]) -> int:
+    """The processes started here, around a store of this launcher's (ddp_accel.recovery)."""
+    from ddp_accel import recovery
+
+    try:
+        setup = machine_setup(accelerate_args)
+        if setup["machines"] > 1:
+            raise UserError("--recover in-process runs the processes of one machine: give num_machines 1")
+        if not setup["processes"] or int(setup["processes"]) < 2:
+            raise UserError("--recover in-process needs 2 processes or more: give --num_processes N")
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    return recovery.launch([setup["script"], *setup["script_args"]], int(setup["processes"]))
 
 
 def launch(accelerate_args: list[str], join_timeout_s: float = 600.0, wait_report_s: float = 10.0) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,14 @@ def save_what_survived(
             raise
         return f"process {rank}: the step it reached was not saved ({failed})"
     return f"process {rank} saved the step it reached for the restart: {final}"
+
+
+def wait_for_another_survivor_s_save(root: Path, step: int, timeout_s: float = 300.0) -> None:
+    """Until the survivor that writes `step` (`.rescue_step_N`) has renamed it into place or given it up: whoever
+    resumes next finds the step whole (a survivor that lost the race to write returns at once)."""
+    rescue, deadline = root / f".rescue_step_{step}", time.monotonic() + timeout_s
+    while rescue.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def buffers_of(state: TrainState, agreement: StepAgreement) -> dict[tuple[int, str], torch.Tensor] | None:

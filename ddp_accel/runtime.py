@@ -17,7 +17,7 @@ import torch.distributed as dist
 from accelerate import Accelerator, InitProcessGroupKwargs
 from accelerate.utils import DataLoaderConfiguration, DistributedType, ProjectConfiguration, set_seed
 
-from ddp_accel import comm_hooks, launch_environments
+from ddp_accel import comm_hooks, launch_environments, recovery
 from ddp_accel.comm_hooks import PLAIN_DDP, DdpOptions
 from ddp_accel.config import POWERSGD_DEFAULTS, TrainConfig
 from ddp_accel.config_file import check_launched_config, has_accelerator, launched_config, settings_named
@@ -202,21 +202,28 @@ class OptionsChecked(BaseException):
 
 
 def init_elastic_process_group(cpu: bool, timeout_s: int) -> None:
-    """Under a torchelastic agent (torchrun, accelerate launch), give every restart its own store keys.
+    """Under a launcher that owns the store (torchrun's agent, accelerate launch, `ddp-accel launch --recover
+    in-process`), give every group of the job its own store keys.
 
     The workers of every restart share the agent's TCPStore, and the process group's keys (each rank's
     gloo address) do not depend on the attempt. A restarted rank can then read the address of a rank
     that was killed and fail with "Gloo connectFullMesh failed ... Connection refused" (what a restart after
     a SIGKILL of every worker meets). Accelerate uses a process group that exists.
     """
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+    if dist.is_initialized():
         return
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    # unique per rendezvous: a node leaving uses up a restart, a node joining changes the world size (and not the
-    # restart count), so the pair tells the groups of one job apart; and per launch on one machine (below)
-    prefix = f"ddp_accel/restart_{restart}_world_{os.environ['WORLD_SIZE']}{launch_key()}"
+    if recovery.under_in_process_recovery():  # each group the launcher forms after a loss: a generation
+        store, prefix = recovery.store_client(timeout_s), recovery.store_prefix()
+    else:
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            return
+        address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        store = dist.TCPStore(address, port, is_master=False, timeout=timeout)
+        # unique per rendezvous: a node leaving uses up a restart, a node joining changes the world size (and not
+        # the restart count), so the pair tells the groups of one job apart; and per launch on one machine (below)
+        prefix = f"ddp_accel/restart_{restart}_world_{os.environ['WORLD_SIZE']}{launch_key()}"
     dist.init_process_group(
         "gloo" if cpu else "nccl",
         store=dist.PrefixStore(prefix, store),

@@ -21,7 +21,17 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from ddp_accel import allocator, bad_samples, launch_environments, loaders, rescue, run_end, run_start, startup
+from ddp_accel import (
+    allocator,
+    bad_samples,
+    launch_environments,
+    loaders,
+    recovery,
+    rescue,
+    run_end,
+    run_start,
+    startup,
+)
 from ddp_accel.agreement import StepAgreement, Verdict
 from ddp_accel.budget import command_started
 from ddp_accel.callbacks import Callback, Callbacks
@@ -500,6 +510,10 @@ def after_a_crash(run: Trainer, error: Exception) -> None:
             run.accelerator, root, run.state, run.identity, contents, run.agreement, accumulation
         )
         rescue.say(saved)
+        if recovery.under_in_process_recovery():  # the launcher forms a new group: this process goes on in it
+            rescue.wait_for_another_survivor_s_save(root, run.state.step)
+            exact = run.config.communication.exact_micro_batch or 0
+            raise recovery.Regroup(recovery.Facts(run.state.step, run.state.global_batch, exact)) from error
     elif not isinstance(error, UserError):
         rank, step = run.accelerator.process_index, run.state.step
         run.folder.refuse_a_repeated_crash(rank, run.resumed_from, step, error)
