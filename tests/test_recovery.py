@@ -1,0 +1,124 @@
+"""`ddp-accel launch --recover in-process`: a SIGKILL of one rank, and the survivors go on in their own processes,
+ending bitwise as the run without the failure (ddp_accel/recovery.py)."""
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import (
+    BIN,
+    ROOT,
+    STANDARD_PROBE_ARGS,
+    assert_same_weights,
+    kill_tree,
+    parents,
+    run_script,
+    wait_for,
+)
+
+from ddp_accel.recovery import SLOT, Facts, resumed_arguments
+
+PROBE = str(ROOT / "tests" / "probe.py")
+
+
+@pytest.mark.inprocess
+def test_survivors_keep_the_global_batch_only_in_pieces_that_divide_it():
+    exact = Facts(step=7, global_batch=12, exact_micro_batch=2)
+    assert exact.shares(2) == 6 and exact.shares(3) == 4
+    assert exact.shares(5) is None  # 12 samples do not divide over 5 processes
+    assert Facts(7, 12, 4).shares(2) is None  # 6 a process is not pieces of 4
+    assert Facts(7, 12, 0).shares(2) is None  # without --exact-micro-batch the sum's order moves: a replacement
+    assert resumed_arguments(["-b", "4"], 6) == ["-b", "4", "--resume-from-checkpoint", "latest", "--batch-size", "6"]
+    assert resumed_arguments(["-b", "4"], None) == ["-b", "4", "--resume-from-checkpoint", "latest"]
+
+
+def recovering_launch(output_dir: Path, processes: int, *args) -> subprocess.Popen:
+    log = open(output_dir.with_suffix(".log"), "w")
+    command = [
+        str(BIN / "ddp-accel"),
+        "launch",
+        "--recover",
+        "in-process",
+        "--num_processes",
+        str(processes),
+        PROBE,
+        "--output-dir",
+        str(output_dir),
+        *map(str, args),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+
+
+def probes_of_slot(slot: int) -> list[int]:
+    found = []
+    for pid in parents():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"{SLOT}={slot}".encode() in environ and b"probe.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            found.append(pid)
+    return found
+
+
+def kill_slot_after_some_steps(launcher: subprocess.Popen, output_dir: Path, slot: int) -> None:
+    log_file = output_dir.with_suffix(".log")
+    wait_for(lambda: "train:" in log_file.read_text(), alive=launcher, what="the training")
+    time.sleep(1.5)  # some steps in
+    os.kill(wait_for(lambda: probes_of_slot(slot))[0], signal.SIGKILL)
+
+
+def finish(launcher: subprocess.Popen, output_dir: Path) -> tuple[int, str]:
+    try:
+        code = launcher.wait(timeout=300)
+    finally:
+        kill_tree(launcher)
+    return code, output_dir.with_suffix(".log").read_text()
+
+
+@pytest.mark.multiprocess
+def test_survivors_of_a_killed_rank_go_on_in_their_processes_with_its_share_bitwise(tmp_path):
+    # 3 x 4 with pieces of 2: the 2 survivors go on with 6 samples each, the same global batch and pieces
+    job = ["--train-size", "96", "--epochs", "8", "--exact-micro-batch", "2", "--checkpointing-steps", "1000"]
+    reference = tmp_path / "reference"
+    check = run_script(PROBE, *job, "--batch-size", "12", "--output-dir", reference)  # one process, the same gradient
+    assert check.returncode == 0, check.stderr[-3000:]
+    output_dir = tmp_path / "recovered"
+    launcher = recovering_launch(output_dir, 3, *job, "--batch-size", "4", "--step-ms", "60")
+    kill_slot_after_some_steps(launcher, output_dir, slot=1)
+    code, log = finish(launcher, output_dir)
+    assert code == 0, log[-3000:]
+    assert "survivors go on at step" in log and "6 samples each" in log, log[-3000:]
+    assert log.count("== ddp_accel ==") == 2, log[-3000:]  # the first group's banner, the survivors' new group's
+    assert "done: 64 steps" in log and "on 2 process(es)" in log, log[-3000:]
+    assert_same_weights(reference, output_dir)
+    assert not probes_of_slot(0) and not probes_of_slot(2)  # nothing left running
+
+
+@pytest.mark.multiprocess
+def test_a_replacement_joins_where_the_survivors_cannot_keep_the_sum_s_order(standard_reference, tmp_path):
+    # without --exact-micro-batch DDP's sum depends on the world size: a new process takes the lost rank's place
+    output_dir = tmp_path / "replaced"
+    launcher = recovering_launch(
+        output_dir, 2, *STANDARD_PROBE_ARGS, "--step-ms", "40", "--checkpointing-steps", "1000"
+    )
+    kill_slot_after_some_steps(launcher, output_dir, slot=1)
+    code, log = finish(launcher, output_dir)
+    assert code == 0, log[-3000:]
+    assert "1 replacement(s) join the 1 survivors" in log, log[-3000:]
+    assert "saved the step it reached" in log, log[-3000:]
+    assert_same_weights(standard_reference, output_dir)
+
+
+@pytest.mark.inprocess
+def test_in_process_recovery_refuses_more_than_one_machine_in_one_line(capsys):
+    from ddp_accel.launch import main
+
+    assert main(["--recover", "in-process", "--num_machines", "2", "--num_processes", "4", PROBE]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --recover in-process runs the processes of one machine: give num_machines 1"
+    )
