@@ -1034,6 +1034,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "lengths[index] = min(len(tokens), max_length or len(tokens))",
         "lengths[index] = len(tokens)",
     ),
+    "in_process_recovery_exits_instead_of_regrouping": (
+        "ddp_accel/training.py",
+        "        if recovery.under_in_process_recovery():",
+        "        if False:",
+    ),
+    "survivors_keep_their_old_per_process_batch": (
+        "ddp_accel/recovery.py",
+        'plan = {"members": self.members, "batch_size": share}',
+        'plan = {"members": self.members, "batch_size": None}',
+    ),
 }
 
 
