@@ -153,7 +153,8 @@ def run_main(main: Callable[..., Any]) -> None:
 
 def _main_through_regroups(main: Callable[..., Any], signals: StopSignals) -> None:
     """main(), run again in this process after each lost peer under `ddp-accel launch --recover in-process`
-    (ddp_accel.recovery): the survivor saved the step it reached, and resumes there in the launcher's next group."""
+    (ddp_accel.recovery): the survivor saved the step it reached, and resumes there in the launcher's next group;
+    and after the save the launcher asks for when a replacement joins."""
     from ddp_accel import recovery
 
     while True:
@@ -163,6 +164,12 @@ def _main_through_regroups(main: Callable[..., Any], signals: StopSignals) -> No
         except recovery.Regroup as regroup:
             regroup.__traceback__ = None  # drop the frames holding the old group's model and loaders
             recovery.rejoin(regroup.facts)
+        except Preempted as preempted:
+            if not recovery.hand_back_asked():  # a stop: as it is
+                raise
+            preempted.__traceback__ = None  # every process saved the step reached: its replacement joins there
+            signals.received, signals.phase = None, Phase.STARTUP
+            recovery.rejoin(None)
 
 
 # how long a process other than 0 that met a user error waits to be ended by its launcher (which ends the group

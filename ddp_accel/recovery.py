@@ -14,6 +14,10 @@ they meet at (a TCPStore in the launcher: losing rank 0 loses no store). When a 
    starts for the lost rank and the group keeps its size (bitwise as the restart under torchrun is).
 3. Each survivor leaves the broken group, forms the new one on a fresh store prefix (`generation_N`), and runs the
    script's main again, resuming from the step it saved.
+4. Where the survivors went on alone, a replacement starts meanwhile. Once it waits at the group's door (its
+   imports done), the launcher asks the survivors to hand its share back: a preemption signal, on which every
+   process saves the step it reached at the same step (ddp_accel.stopping); then all of them, the replacement
+   with them, form the next generation with the first one's per-process batch and resume there.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from typing import Any
 GENERATION = "DDP_ACCEL_RECOVERY_GENERATION"  # the group this process belongs to (0 at the launch)
 SLOT = "DDP_ACCEL_RECOVERY_SLOT"  # the process's place among the launched ones (its rank at generation 0)
 LAUNCHER = "DDP_ACCEL_RECOVERY_LAUNCHER"  # the launcher's pid: a worker ends with it
+JOINS = "DDP_ACCEL_RECOVERY_JOINS"  # a replacement: it waits to be called into a generation
+HAND_BACK_SIGNAL = signal.SIGUSR1  # the survivors save the step they reached together (a preemption's save)
 KEY = "ddp_accel/recovery"
 REPORT_TIMEOUT_S = 120.0  # a survivor that neither reports nor ends by then is ended: the group goes on without it
 
@@ -79,7 +85,44 @@ def store_prefix() -> str:
     return f"ddp_accel/generation_{os.environ[GENERATION]}"
 
 
-def rejoin(facts: Facts, timeout_s: float = REPORT_TIMEOUT_S) -> None:
+def hand_back_asked() -> bool:
+    """Whether the launcher asked this process's group to stop for its replacements (else a stop is a stop)."""
+    if not under_in_process_recovery():
+        return False
+    return bool(store_client(30).check([f"{KEY}/hand_back_{os.environ[GENERATION]}"]))
+
+
+def wait_to_be_called(timeout_s: float) -> None:
+    """A replacement, its imports done: say so, and wait until the launcher calls it into a generation (its
+    place in it: the launch variables)."""
+    from ddp_accel.errors import UserError
+
+    store, slot = store_client(timeout_s), os.environ[SLOT]
+    store.set(f"{KEY}/ready/{slot}", "1")
+    called = f"{KEY}/called/{slot}"
+    try:
+        store.wait([called], datetime.timedelta(seconds=timeout_s))
+    except Exception:  # the store's own timeout error
+        raise UserError(f"in-process recovery: this replacement was not called within {timeout_s:g} s") from None
+    take_place(int(store.get(called)), json.loads(store.get(f"{KEY}/generation_{int(store.get(called))}")))
+    del os.environ[JOINS]
+
+
+def take_place(generation: int, plan: dict[str, Any]) -> None:
+    members: list[str] = plan["members"]
+    rank = members.index(os.environ[SLOT])
+    os.environ.update(
+        {
+            GENERATION: str(generation),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(len(members)),
+            "LOCAL_WORLD_SIZE": str(len(members)),
+        }
+    )
+
+
+def rejoin(facts: Facts | None, timeout_s: float = REPORT_TIMEOUT_S) -> None:
     """Leave the broken group, report, wait for the launcher's next generation and take its place in it: the
     launch variables (RANK, WORLD_SIZE), and the command's resume (`--resume-from-checkpoint latest`, and the
     per-process batch the launcher chose)."""
@@ -99,26 +142,17 @@ def rejoin(facts: Facts, timeout_s: float = REPORT_TIMEOUT_S) -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
     generation, slot = int(os.environ[GENERATION]), os.environ[SLOT]
     store = store_client(timeout_s)
-    store.set(f"{KEY}/saved_{generation}/{slot}", json.dumps(dataclasses.asdict(facts)))
+    store.set(f"{KEY}/saved_{generation}/{slot}", json.dumps(dataclasses.asdict(facts) if facts else {}))
     following = f"{KEY}/generation_{generation + 1}"
     try:
         store.wait([following], datetime.timedelta(seconds=timeout_s))
     except Exception:  # the store's own timeout error: the launcher chose no next group
         raise UserError(
-            f"in-process recovery: the launcher formed no new group within {timeout_s:g} s of the loss at step "
-            f"{facts.step}; resume with --resume-from-checkpoint latest"
+            f"in-process recovery: the launcher formed no new group within {timeout_s:g} s; resume with "
+            "--resume-from-checkpoint latest"
         ) from None
     plan = json.loads(store.get(following))
-    members: list[str] = plan["members"]
-    os.environ.update(
-        {
-            GENERATION: str(generation + 1),
-            "RANK": str(members.index(slot)),
-            "LOCAL_RANK": str(members.index(slot)),
-            "WORLD_SIZE": str(len(members)),
-            "LOCAL_WORLD_SIZE": str(len(members)),
-        }
-    )
+    take_place(generation + 1, plan)
     sys.argv[1:] = resumed_arguments(sys.argv[1:], plan.get("batch_size"))
 
 
@@ -139,32 +173,38 @@ class Launcher:
         self.command, self.processes, self.report_timeout_s = command, processes, report_timeout_s
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.generation = 0
-        self.members = [str(slot) for slot in range(processes)]
+        self.everyone = [str(slot) for slot in range(processes)]  # the first group's, in rank order
+        self.members = list(self.everyone)
         self.running: dict[str, subprocess.Popen] = {}
+        self.joining: dict[str, subprocess.Popen] = {}  # replacements waiting to be called into a generation
+        self.facts: Facts | None = None  # the run's, from the first loss
         self.received: list[int] = []
-        self.recoveries = 0
 
-    def start(self, slot: str, resume_with: list[str] | None = None) -> None:
+    def start(self, slot: str, *, resume: bool = False, joins: bool = False) -> subprocess.Popen:
+        rank, world = self.everyone.index(slot), len(self.everyone)
+        if not joins:
+            rank, world = self.members.index(slot), len(self.members)
         env = {
             **os.environ,
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(self.store.port),
-            "RANK": str(self.members.index(slot)),
-            "LOCAL_RANK": str(self.members.index(slot)),
-            "WORLD_SIZE": str(len(self.members)),
-            "LOCAL_WORLD_SIZE": str(len(self.members)),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
             GENERATION: str(self.generation),
             SLOT: slot,
             LAUNCHER: str(os.getpid()),
+            **({JOINS: "1"} if joins else {}),
         }
-        arguments = self.command[1:] if resume_with is None else resume_with
-        self.running[slot] = subprocess.Popen([self.command[0], *arguments], env=env)
+        arguments = resumed_arguments(self.command[1:], None) if resume else self.command[1:]
+        return subprocess.Popen([self.command[0], *arguments], env=env)
 
     def run(self) -> int:
         previous = {signum: signal.signal(signum, self.on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
         try:
             for slot in self.members:
-                self.start(slot)
+                self.running[slot] = self.start(slot)
             return self.watch()
         finally:
             for signum, handler in previous.items():
@@ -175,85 +215,120 @@ class Launcher:
         self.received.append(signum)
 
     def watch(self) -> int:
-        forwarded, completed = 0, 0
+        forwarded = 0
         while self.running:
             while len(self.received) > forwarded:  # a preemption or Ctrl-C: every process saves and ends
-                for process in self.running.values():
+                for process in [*self.running.values(), *self.joining.values()]:
                     process.send_signal(self.received[forwarded])
                 forwarded += 1
             ended = {slot: process.returncode for slot, process in self.running.items() if process.poll() is not None}
             for slot, code in ended.items():
                 del self.running[slot]
-                if code == 0:
-                    completed += 1
-                elif code < 0 and not self.received:  # killed by a signal (SIGKILL, a crash): a loss to recover
+                if code < 0 and not self.received:  # killed by a signal (SIGKILL, a crash): a loss to recover
                     if not self.recover(slot, code):
                         return 1
-                else:  # an error with its own line (a user error: the same at every try), or a stop
+                elif code != 0:  # an error with its own line (a user error: the same at every try), or a stop
                     self.end_all()
                     return code
+            for slot, process in list(self.joining.items()):
+                if process.poll() is not None:  # a replacement lost before its call: the survivors go on
+                    del self.joining[slot]
+            ready = [slot for slot in self.joining if self.store.check([f"{KEY}/ready/{slot}"])]
+            if self.joining and len(ready) == len(self.joining) and self.running and not self.received:
+                self.hand_back()
             time.sleep(0.05)
         return 0
 
-    def recover(self, lost: str, code: int) -> bool:
-        """The survivors' reports, then the next generation: survivors alone where they keep the global batch
-        bitwise, else a replacement for `lost`. False where nobody is left to go on."""
-        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(code)
-        print(
-            f"ddp-accel launch: rank {self.members.index(lost)} (pid of slot {lost}) ended by {name}; "
-            "recovering in process",
-            file=sys.stderr,
-            flush=True,
-        )
-        started = time.monotonic()
-        reports: dict[str, Facts] = {}
+    def reports(self) -> dict[str, dict[str, Any]]:
+        """Each running process's report of its save in this generation (rejoin's); a process that ends first is
+        left out (a second loss while the group re-forms), one silent past the bound is ended."""
+        started, reports = time.monotonic(), {}
         while True:
             for slot, process in list(self.running.items()):
-                if process.poll() is not None and slot not in reports:
-                    del self.running[slot]  # a second loss while the group re-forms: it goes without that one
                 key = f"{KEY}/saved_{self.generation}/{slot}"
-                if slot in self.running and slot not in reports and self.store.check([key]):
-                    reports[slot] = Facts(**json.loads(self.store.get(key)))
+                if slot not in reports and self.store.check([key]):
+                    reports[slot] = json.loads(self.store.get(key))
+                elif slot not in reports and process.poll() is not None:
+                    del self.running[slot]
             if set(reports) == set(self.running):
-                break
+                return reports
             if time.monotonic() - started > self.report_timeout_s:
                 for slot in set(self.running) - set(reports):  # alive but silent (stopped, cut off): ended
                     self.running.pop(slot).kill()
-                break
+                return reports
             time.sleep(0.02)
+
+    def next_generation(self, members: list[str], batch_size: int | None, how: str) -> None:
+        self.generation += 1
+        self.members = members
+        plan = {"members": members, "batch_size": batch_size}
+        self.store.set(f"{KEY}/generation_{self.generation}", json.dumps(plan))
+        print(f"ddp-accel launch: generation {self.generation}: {how}", file=sys.stderr, flush=True)
+
+    def recover(self, lost: str, code: int) -> bool:
+        """The survivors' reports, then the next generation: survivors alone where they keep the global batch
+        bitwise (and a replacement starts, to be called in later), else a replacement for `lost` at once. False
+        where nobody is left to go on."""
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(code)
+        print(
+            f"ddp-accel launch: rank {self.members.index(lost)} ended by {name}; recovering in process",
+            file=sys.stderr,
+            flush=True,
+        )
+        reports = self.reports()
         if not reports:
             print("error: in-process recovery: no process survived to go on", file=sys.stderr, flush=True)
             return False
-        facts = next(iter(reports.values()))
-        survivors = sorted(reports, key=int)
+        facts = Facts(**next(iter(reports.values())))
+        self.facts = self.facts or facts
+        survivors = sorted(reports, key=self.everyone.index)
+        lost_slots = [slot for slot in self.members if slot not in reports]
         share = facts.shares(len(survivors))
-        self.generation += 1
-        self.recoveries += 1
         if share is not None:
-            self.members = survivors
-            how = f"{len(survivors)} survivors go on at step {facts.step}, {share} samples each"
-        else:
-            replacements = [slot for slot in self.members if slot not in reports]
-            how = f"{len(replacements)} replacement(s) join the {len(survivors)} survivors at step {facts.step}"
-        plan = {"members": self.members, "batch_size": share}
-        self.store.set(f"{KEY}/generation_{self.generation}", json.dumps(plan))
-        if share is None:
-            for slot in replacements:
-                self.start(slot, resume_with=resumed_arguments(self.command[1:], None))
-        print(f"ddp-accel launch: generation {self.generation}: {how}", file=sys.stderr, flush=True)
+            self.next_generation(
+                survivors, share, f"{len(survivors)} survivors go on at step {facts.step}, {share} samples each"
+            )
+            for slot in lost_slots:  # called in once its imports are done: hand_back
+                self.joining[slot] = self.start(slot, resume=True, joins=True)
+            return True
+        self.next_generation(
+            self.members,
+            None,
+            f"{len(lost_slots)} replacement(s) join the {len(survivors)} survivors at step {facts.step}",
+        )
+        for slot in lost_slots:
+            self.running[slot] = self.start(slot, resume=True)
         return True
 
-    def end_all(self) -> None:
+    def hand_back(self) -> None:
+        """The replacements are ready: the survivors save the step they reached together and all of them form the
+        next generation, each process with the first group's per-process batch."""
+        self.store.set(f"{KEY}/hand_back_{self.generation}", "1")
         for process in self.running.values():
+            process.send_signal(HAND_BACK_SIGNAL)
+        reports = self.reports()
+        members = sorted([*reports, *self.joining], key=self.everyone.index)
+        assert self.facts is not None
+        share = self.facts.shares(len(members))
+        self.next_generation(members, share, f"{len(self.joining)} replacement(s) take their share back")
+        for slot, process in self.joining.items():
+            self.store.set(f"{KEY}/called/{slot}", str(self.generation))
+            self.running[slot] = process
+        self.joining.clear()
+
+    def end_all(self) -> None:
+        processes = [*self.running.values(), *self.joining.values()]
+        for process in processes:
             if process.poll() is None:
                 process.terminate()
-        for process in self.running.values():
+        for process in processes:
             try:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
         self.running.clear()
+        self.joining.clear()
 
 
 def launch(script_command: list[str], processes: int) -> int:

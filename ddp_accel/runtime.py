@@ -149,6 +149,8 @@ def open_run(
     preemption stops the run before training. A missing tracker package is one line here, before anything; the
     trackers start at the first log."""
     imports_done()  # a script that paused the garbage collector for its imports but runs without run_main
+    if os.environ.get(recovery.JOINS):  # a replacement, called in once its peers saved the step it joins at:
+        recovery.wait_to_be_called(config.timeout_s)  # the folder is read after that save
     folder = RunFolder(config.output_dir)
     if check_output_dir:
         folder.check(config.resume_from_checkpoint, config.overwrite_output_dir)

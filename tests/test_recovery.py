@@ -81,22 +81,25 @@ def finish(launcher: subprocess.Popen, output_dir: Path) -> tuple[int, str]:
 
 
 @pytest.mark.multiprocess
-def test_survivors_of_a_killed_rank_go_on_in_their_processes_with_its_share_bitwise(tmp_path):
-    # 3 x 4 with pieces of 2: the 2 survivors go on with 6 samples each, the same global batch and pieces
-    job = ["--train-size", "96", "--epochs", "8", "--exact-micro-batch", "2", "--checkpointing-steps", "1000"]
+def test_survivors_go_on_with_a_killed_rank_s_share_until_its_replacement_takes_it_back_bitwise(tmp_path):
+    # 3 x 4 with pieces of 2: the 2 survivors go on with 6 samples each (the same global batch, the same pieces);
+    # a replacement starts meanwhile and, its imports done, joins at a step every process saves
+    job = ["--train-size", "96", "--epochs", "16", "--exact-micro-batch", "2", "--checkpointing-steps", "1000"]
     reference = tmp_path / "reference"
     check = run_script(PROBE, *job, "--batch-size", "12", "--output-dir", reference)  # one process, the same gradient
     assert check.returncode == 0, check.stderr[-3000:]
     output_dir = tmp_path / "recovered"
-    launcher = recovering_launch(output_dir, 3, *job, "--batch-size", "4", "--step-ms", "60")
+    launcher = recovering_launch(output_dir, 3, *job, "--batch-size", "4", "--step-ms", "60", "--hang-timeout-s", "30")
     kill_slot_after_some_steps(launcher, output_dir, slot=1)
     code, log = finish(launcher, output_dir)
     assert code == 0, log[-3000:]
-    assert "survivors go on at step" in log and "6 samples each" in log, log[-3000:]
-    assert log.count("== ddp_accel ==") == 2, log[-3000:]  # the first group's banner, the survivors' new group's
-    assert "done: 64 steps" in log and "on 2 process(es)" in log, log[-3000:]
+    assert "generation 1: 2 survivors go on at step" in log and "6 samples each" in log, log[-3000:]
+    assert "generation 2: 1 replacement(s) take their share back" in log, log[-3000:]
+    assert log.count("== ddp_accel ==") == 3, log[-3000:]  # the first group's banner, and each new group's
+    assert "done: 128 steps" in log and "on 3 process(es)" in log, log[-3000:]
     assert_same_weights(reference, output_dir)
-    assert not probes_of_slot(0) and not probes_of_slot(2)  # nothing left running
+    assert not (output_dir / "preempted.json").exists()  # the hand-back's save is no stop
+    assert not any(probes_of_slot(slot) for slot in range(3))  # nothing left running
 
 
 @pytest.mark.multiprocess

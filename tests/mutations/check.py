@@ -1039,6 +1039,20 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        if recovery.under_in_process_recovery():",
         "        if False:",
     ),
+    "the_launcher_never_calls_its_replacements_in": (
+        "ddp_accel/recovery.py",
+        "if self.joining and len(ready) == len(self.joining) and self.running and not self.received:",
+        "if False:",
+    ),
+    "a_replacement_reads_the_folder_before_its_peers_save": (
+        "ddp_accel/runtime.py",
+        """    if os.environ.get(recovery.JOINS):  # a replacement, called in once its peers saved the step it joins at:
+        recovery.wait_to_be_called(config.timeout_s)  # the folder is read after that save
+    folder = RunFolder(config.output_dir)""",
+        """    folder = RunFolder(config.output_dir)
+    if os.environ.get(recovery.JOINS):
+        recovery.wait_to_be_called(config.timeout_s)""",
+    ),
     "survivors_keep_their_old_per_process_batch": (
         "ddp_accel/recovery.py",
         'plan = {"members": self.members, "batch_size": share}',
