@@ -1055,8 +1055,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "survivors_keep_their_old_per_process_batch": (
         "ddp_accel/recovery.py",
-        'plan = {"members": self.members, "batch_size": share}',
-        'plan = {"members": self.members, "batch_size": None}',
+        'survivors, share, f"{len(survivors)} survivors go on',
+        'survivors, None, f"{len(survivors)} survivors go on',
     ),
 }
 
