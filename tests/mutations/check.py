@@ -1048,16 +1048,9 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "ddp_accel/runtime.py",
         """    if os.environ.get(recovery.JOINS):  # a replacement, called in once its peers saved the step it joins at:
         recovery.wait_to_be_called(config.timeout_s)  # the folder is read after that save
-    folder = RunFolder(config.output_dir)
-    if check_output_dir:
-        folder.check(config.resume_from_checkpoint, config.overwrite_output_dir)
-""",
+    folder = RunFolder(config.output_dir)""",
         """    folder = RunFolder(config.output_dir)
-    if check_output_dir:
-        folder.check(config.resume_from_checkpoint, config.overwrite_output_dir)
-    if os.environ.get(recovery.JOINS):
-        recovery.wait_to_be_called(config.timeout_s)
-""",
+    folder.listing.complete()  # read before the call, as a wait at the group's forming would""",
     ),
     "survivors_keep_their_old_per_process_batch": (
         "ddp_accel/recovery.py",
