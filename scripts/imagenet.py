@@ -72,6 +72,7 @@ from ddp_accel.vision import (
     list_archs,
     sharded_data_identity,
     sharded_image_sets,
+    with_group_norm,
 )
 
 # where NHWC is the default (memory_format_nhwc): one CPU process, or CPU processes under DDP
@@ -111,6 +112,13 @@ def parse_args(argv=None):
         help="any torchvision classification model, or cifar_resnet9[_w16/24/32], cifar_resnet20/32/56",
     )
     parser.add_argument("--list-archs", action="store_true", help="print the architectures and exit")
+    parser.add_argument(
+        "--norm",
+        choices=("batch", "group"),
+        default="batch",
+        help="the model's normalisation layers: BatchNorm as built, or GroupNorm in their place (statistics of each "
+        "sample alone: what --exact-micro-batch needs)",
+    )
     parser.add_argument("-j", "--workers", type=cli.nonnegative_int, default=4, help="DataLoader workers per process")
     parser.add_argument(
         "-b", dest="batch_size", type=cli.positive_int, default=argparse.SUPPRESS, help="= --batch-size (per process)"
@@ -366,6 +374,8 @@ def make_model(args, accelerator, classes: list[str]) -> tuple[torch.nn.Module, 
     if not args.evaluate:
         check_fine_tuning(args)
     model = build_model(args.arch, len(classes), args.pretrained)
+    if args.norm == "group":
+        model, _ = with_group_norm(model)
     sync_bn_layers = 0
     if args.sync_bn and accelerator.num_processes > 1:
         model, sync_bn_layers = convert_sync_batchnorm(model, accelerator.device)

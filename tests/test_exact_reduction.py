@@ -185,3 +185,21 @@ def test_options_that_contradict_it_are_refused(tmp_path):
     assert_clean_error(hooked, "--exact-micro-batch 2 adds the gradients itself: not with --ddp-comm-hook")
     norm = run_script(PROBE, "--output-dir", tmp_path / "c", "--exact-micro-batch", "2", "--batchnorm")
     assert_clean_error(norm, "keeps running statistics")
+
+
+def test_imagenet_s_norm_group_puts_group_norm_in_place_of_every_batch_norm_so_exact_runs(tmp_path):
+    import torchvision
+
+    from ddp_accel.vision import build_model, with_group_norm
+
+    for model in (torchvision.models.resnet18(num_classes=10), build_model("cifar_resnet20", 10)):
+        batch_norms = sum(isinstance(module, torch.nn.BatchNorm2d) for module in model.modules())
+        model, changed = with_group_norm(model)
+        assert changed == batch_norms > 0
+        assert not any(isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for module in model.modules())
+        assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    job = ["--dummy", "-a", "cifar_resnet20", "--image-size", "32", "-b", "8", "-j", "0", "--dummy-classes", "10"]
+    job += ["--max-steps", "2", "--exact-micro-batch", "4"]
+    refused = run_script("scripts/imagenet.py", *job, "--output-dir", tmp_path / "batch")
+    assert_clean_error(refused, "(BatchNorm2d) keeps running statistics")
+    check_ok(run_script("scripts/imagenet.py", *job, "--norm", "group", "--output-dir", tmp_path / "group"))

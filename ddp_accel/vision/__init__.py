@@ -12,7 +12,7 @@ from ddp_accel.vision.data import (
 )
 from ddp_accel.vision.device_decode import DeviceDecode, collate_encoded, encoded_image_folders
 from ddp_accel.vision.mixing import BatchMixing
-from ddp_accel.vision.models import build_model, list_archs
+from ddp_accel.vision.models import build_model, list_archs, with_group_norm
 from ddp_accel.vision.shards import ShardedImages, is_sharded, sharded_data_identity, sharded_image_sets, write_shards
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "ShardedImages",
     "SyntheticImages",
     "build_model",
+    "with_group_norm",
     "collate_encoded",
     "encoded_image_folders",
     "image_folders",

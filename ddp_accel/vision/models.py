@@ -150,6 +150,25 @@ def build_model(arch: str, num_classes: int, pretrained: str | None = None) -> n
     return model
 
 
+def with_group_norm(model: nn.Module) -> tuple[nn.Module, int]:
+    """Every BatchNorm2d of `model` as a GroupNorm of the same channels (32 groups, or the most that divide them),
+    its affine weights kept: statistics of each sample alone, the same at any batch and number of processes (what
+    `--exact-micro-batch` needs). Returns the model and how many layers changed."""
+    changed = 0
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, nn.BatchNorm2d):
+                groups = next(g for g in range(min(32, child.num_features), 0, -1) if child.num_features % g == 0)
+                norm = nn.GroupNorm(groups, child.num_features, eps=child.eps, affine=child.affine)
+                if child.affine:
+                    with torch.no_grad():
+                        norm.weight.copy_(child.weight)
+                        norm.bias.copy_(child.bias)
+                setattr(parent, name, norm)
+                changed += 1
+    return model, changed
+
+
 def _torchvision_weights(arch: str) -> dict:
     weights = torchvision.models.get_model_weights(arch).DEFAULT
     cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name

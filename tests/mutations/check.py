@@ -1052,6 +1052,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         """    folder = RunFolder(config.output_dir)
     folder.listing.complete()  # read before the call, as a wait at the group's forming would""",
     ),
+    "imagenet_s_norm_group_keeps_batch_norm": (
+        "ddp_accel/vision/models.py",
+        "            if isinstance(child, nn.BatchNorm2d):",
+        "            if isinstance(child, nn.GroupNorm):",
+    ),
     "survivors_keep_their_old_per_process_batch": (
         "ddp_accel/recovery.py",
         'survivors, share, f"{len(survivors)} survivors go on',
