@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import random
@@ -53,6 +54,9 @@ RESNET20 += ["--dummy-classes", "10", "--epochs", "10", "--checkpointing-steps",
 # a model of >= 100M parameters: VGG-16 (138M), its classifier most of them; small images keep the steps short
 VGG16 = ["scripts/imagenet.py", "--dummy", "-a", "vgg16", "--image-size", "32", "-b", "8", "-j", "0"]
 VGG16 += ["--dummy-classes", "10", "--epochs", "2", "--checkpointing-steps", "40"]
+# 3 processes whose gradient is the global batch's alone (GroupNorm, pieces of 16): the survivors of a kill can go
+# on with its share bitwise under `--recovery in-process`
+RESNET20_EXACT = [*RESNET20, "--norm", "group", "--exact-micro-batch", "16"]
 FSDP = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}  # what accelerate launch gives an FSDP2 config
 # name -> (processes, extra environment, the command after torchrun's options)
 JOBS: dict[str, tuple[int, dict[str, str], list[str]]] = {
@@ -60,12 +64,14 @@ JOBS: dict[str, tuple[int, dict[str, str], list[str]]] = {
     "template-1-process": (1, {}, TEMPLATE),
     "template-fsdp": (2, FSDP, TEMPLATE),
     "resnet20-ddp": (2, {}, RESNET20),
+    "resnet20-exact-3": (3, {}, RESNET20_EXACT),
     "vgg16-ddp": (2, {}, VGG16),
 }
 # the step saved for the restart: a survivor's (a rank killed) or every process's (the whole job preempted)
 SAVED = re.compile(r"saved the step it reached for the restart: .*step_(\d+)|preempted by \S+ at step (\d+)")
 DETECTED = re.compile(r"saved the step it reached|lost contact|resumes from the last checkpoint|preempted by")
 RESUMED = re.compile(r"resumed from \S+: step (\d+)")
+FIRST_STEP = re.compile(r"first step done [\d.]+ s after the loss")  # --recover in-process's survivors (or replacement)
 REQUEUED_RUN = re.compile(r"job \S+ run (\d+): ")  # slurm/train.sbatch's first line of each run
 # the local SLURM's "nodes": 1 core each, 1 process each
 SLURM_OPTIONS = ["--gpus-per-node=0", "--cpus-per-task=1"]
@@ -139,14 +145,24 @@ def workers(agent: subprocess.Popen, script: str) -> list[int]:
 
 
 def run_job(
-    tree: Path, job: str, output_dir: Path, mean_s: float | None, seed: int, extra: tuple[str, ...] = ()
+    tree: Path,
+    job: str,
+    output_dir: Path,
+    mean_s: float | None,
+    seed: int,
+    extra: tuple[str, ...] = (),
+    recovery: str = "restart",
 ) -> dict:
-    """One launch of `job` from `tree`, SIGKILLing a random rank every `mean_s` seconds (None: none)."""
+    """One launch of `job` from `tree`, SIGKILLing a random rank every `mean_s` seconds (None: none): under
+    `torchrun --max_restarts` (recovery "restart"), or `ddp-accel launch --recover in-process`."""
     processes, env_extra, command = JOBS[job]
     command = [*command, *extra]
-    argv = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(processes), "--max_restarts", "100"]
-    argv += ["--monitor_interval", "0.1", *command, "--output-dir", str(output_dir), "--resume-from-checkpoint"]
-    argv += ["latest"]
+    if recovery == "in-process":
+        argv = [str(BIN / "ddp-accel"), "launch", "--recover", "in-process", "--num_processes", str(processes)]
+    else:
+        argv = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(processes), "--max_restarts", "100"]
+        argv += ["--monitor_interval", "0.1"]
+    argv += [*command, "--output-dir", str(output_dir), "--resume-from-checkpoint", "latest"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tree), **env_extra}
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     log_path = output_dir.with_suffix(".log")
@@ -163,7 +179,7 @@ def run_job(
                 next_kill = float("inf")
             if time.time() >= next_kill:
                 ranks = workers(agent, command[0])
-                if len(ranks) == processes:  # not while the agent starts the group again
+                if len(ranks) == processes and not regrouping(log):  # not while the group forms again
                     done = checkpoints(output_dir)
                     os.kill(rng.choice(ranks), signal.SIGKILL)
                     failures.append(Failure(time.time(), *(done[-1] if done else (None, None))))
@@ -179,6 +195,13 @@ def run_job(
         raise SystemExit(f"{job}: exit {agent.returncode}; see {log_path}")
     read_events(failures, log)
     return finished(output_dir, started, wall_s, failures)
+
+
+def regrouping(log: Log) -> bool:
+    """Under --recovery in-process: a loss whose replacement has not taken its share back yet (the launcher's
+    `generation N:` lines; a kill then would be a second failure within one)."""
+    said = [line for _, line in log.lines if "ddp-accel launch: generation" in line]
+    return bool(said) and "survivors go on" in said[-1]
 
 
 def read_events(failures: list[Failure], log: Log) -> None:
@@ -197,6 +220,8 @@ def read_events(failures: list[Failure], log: Log) -> None:
                 failure.events.setdefault("requeued", after)
             if line.startswith("== "):
                 failure.events.setdefault("banner", after)
+            if FIRST_STEP.search(line):
+                failure.events.setdefault("first_step", after)
             if (match := RESUMED.search(line)) is not None and failure.resumed_step is None:
                 failure.resumed_step, failure.events["resumed"] = int(match.group(1)), after
 
@@ -204,7 +229,7 @@ def read_events(failures: list[Failure], log: Log) -> None:
 def finished(output_dir: Path, started: float, wall_s: float, failures: list[Failure]) -> dict:
     metrics = json.loads((output_dir / "metrics.json").read_text())
     if failures and metrics["first_step_at"] > failures[-1].at:  # (else the commit came before that failure)
-        failures[-1].events["first_step"] = metrics["first_step_at"] - failures[-1].at
+        failures[-1].events.setdefault("first_step", metrics["first_step_at"] - failures[-1].at)
     for failure in failures:  # each failure's timeline, seconds after it
         timeline = ", ".join(
             f"{name} {after:.2f}" for name, after in sorted(failure.events.items(), key=lambda e: e[1])
@@ -418,34 +443,44 @@ def main() -> None:
         help="rank-kill: SIGKILL a random rank under torchrun; slurm-preemption: the whole job preempted and "
         "requeued under a local SLURM (2 nodes on this host; needs slurmctld, slurmd and munged)",
     )
+    parser.add_argument(
+        "--recovery",
+        nargs="+",
+        choices=["restart", "in-process"],
+        default=["restart"],
+        help="rank-kill's recovery, each its own rows: torchrun's restart, or ddp-accel launch --recover in-process "
+        "(the survivors keep their processes)",
+    )
     parser.add_argument("--results", type=Path, default=HERE / "results" / "goodput.md")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="goodput_") as scratch, contextlib.ExitStack() as stack:
         if args.failure == "rank-kill":
-            launch, what = run_job, "a rank killed"
+            launchers = [(functools.partial(run_job, recovery=how), f"rank-kill ({how})") for how in args.recovery]
+            what = "a rank killed"
         else:
             slurm = stack.enter_context(local_slurm(Path(scratch) / "slurm"))
-            launch, what = functools.partial(run_slurm_job, slurm), "the job preempted"
-        for job in args.jobs:
-            for index, tree in enumerate(tree.resolve() for tree in args.trees):
-                label = "this" if tree == ROOT else tree.name
-                folder = Path(scratch) / f"{job}_{index}"
-                launch(tree, job, folder / "warm-up", None, args.seed, ("--max-steps", "20"))
-                pairs: dict[float, list] = {mean_s: [] for mean_s in args.every_s}
-                for repeat in range(args.repeats):  # each fault-free run beside the faulted runs it is compared with
-                    print(f"{job} ({label}, pair {repeat + 1}/{args.repeats}): fault-free", file=sys.stderr, flush=True)
-                    clean = launch(tree, job, folder / f"clean_{repeat}", None, args.seed)
-                    for mean_s in args.every_s:
-                        print(f"{job} ({label}): {what} every {mean_s:.0f} s", file=sys.stderr, flush=True)
-                        faulted_dir = folder / f"every_{mean_s:.0f}_{repeat}"
-                        faulted = launch(tree, job, faulted_dir, mean_s, args.seed + repeat)
-                        pairs[mean_s].append((clean, faulted, same_weights(folder / f"clean_{repeat}", faulted_dir)))
-                        line = row(label, job, args.failure, mean_s, pairs[mean_s][-1:])
-                        print(table([line]).splitlines()[-1], file=sys.stderr)
-                        shutil.rmtree(faulted_dir)  # (VGG-16's checkpoints: GBs per run)
-                    shutil.rmtree(folder / f"clean_{repeat}")
-                rows += [row(label, job, args.failure, mean_s, pairs[mean_s]) for mean_s in args.every_s]
+            launchers, what = [(functools.partial(run_slurm_job, slurm), args.failure)], "the job preempted"
+        for job, (launch, failure), (index, tree) in itertools.product(
+            args.jobs, launchers, enumerate(tree.resolve() for tree in args.trees)
+        ):
+            label = "this" if tree == ROOT else tree.name
+            folder = Path(scratch) / f"{job}_{index}_{failure.split()[-1].strip('()')}"
+            launch(tree, job, folder / "warm-up", None, args.seed, ("--max-steps", "20"))
+            pairs: dict[float, list] = {mean_s: [] for mean_s in args.every_s}
+            for repeat in range(args.repeats):  # each fault-free run beside the faulted runs it is compared with
+                print(f"{job} ({label}, pair {repeat + 1}/{args.repeats}): fault-free", file=sys.stderr, flush=True)
+                clean = launch(tree, job, folder / f"clean_{repeat}", None, args.seed)
+                for mean_s in args.every_s:
+                    print(f"{job} ({label}): {what} every {mean_s:.0f} s", file=sys.stderr, flush=True)
+                    faulted_dir = folder / f"every_{mean_s:.0f}_{repeat}"
+                    faulted = launch(tree, job, faulted_dir, mean_s, args.seed + repeat)
+                    pairs[mean_s].append((clean, faulted, same_weights(folder / f"clean_{repeat}", faulted_dir)))
+                    line = row(label, job, failure, mean_s, pairs[mean_s][-1:])
+                    print(table([line]).splitlines()[-1], file=sys.stderr)
+                    shutil.rmtree(faulted_dir)  # (VGG-16's checkpoints: GBs per run)
+                shutil.rmtree(folder / f"clean_{repeat}")
+            rows += [row(label, job, failure, mean_s, pairs[mean_s]) for mean_s in args.every_s]
     text = table(rows)
     print(text)
     args.results.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import find_batch_size
 
+from ddp_accel import recovery
 from ddp_accel.files import write_json
 from ddp_accel.startup import process_started_at, startup_phases
 
@@ -53,6 +54,7 @@ class ThroughputMeter:
         if self.first_step_at is None:  # its batch came after its wait for data, its step's work followed
             self.first_step_at = time.time()
             self.first_batch_at = self.first_step_at - (step_time - data_wait)
+            recovery.say_the_first_step()
         self.samples += samples
         self.train_time += step_time
         self.data_wait += data_wait

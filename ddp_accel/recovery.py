@@ -35,6 +35,7 @@ from typing import Any
 GENERATION = "DDP_ACCEL_RECOVERY_GENERATION"  # the group this process belongs to (0 at the launch)
 SLOT = "DDP_ACCEL_RECOVERY_SLOT"  # the process's place among the launched ones (its rank at generation 0)
 LAUNCHER = "DDP_ACCEL_RECOVERY_LAUNCHER"  # the launcher's pid: a worker ends with it
+LOST_AT = "DDP_ACCEL_RECOVERY_LOST_AT"  # when the launcher saw the loss this generation recovers from
 JOINS = "DDP_ACCEL_RECOVERY_JOINS"  # a replacement: it waits to be called into a generation
 HAND_BACK_SIGNAL = signal.SIGUSR1  # the survivors save the step they reached together (a preemption's save)
 KEY = "ddp_accel/recovery"
@@ -108,9 +109,23 @@ def wait_to_be_called(timeout_s: float) -> None:
     del os.environ[JOINS]
 
 
+def say_the_first_step() -> None:
+    """At a recovered generation's first completed step, process 0 says how long after the loss it came."""
+    lost_at = os.environ.pop(LOST_AT, None)
+    if lost_at is not None and os.environ.get("RANK") == "0":
+        generation = os.environ[GENERATION]
+        print(
+            f"ddp-accel: generation {generation}'s first step done {time.time() - float(lost_at):.2f} s after the loss",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def take_place(generation: int, plan: dict[str, Any]) -> None:
     members: list[str] = plan["members"]
     rank = members.index(os.environ[SLOT])
+    if plan.get("lost_at"):
+        os.environ[LOST_AT] = str(plan["lost_at"])
     os.environ.update(
         {
             GENERATION: str(generation),
@@ -180,7 +195,7 @@ class Launcher:
         self.facts: Facts | None = None  # the run's, from the first loss
         self.received: list[int] = []
 
-    def start(self, slot: str, *, resume: bool = False, joins: bool = False) -> subprocess.Popen:
+    def start(self, slot: str, *, resume: bool = False, joins: bool = False, lost_at: float = 0) -> subprocess.Popen:
         rank, world = self.everyone.index(slot), len(self.everyone)
         if not joins:
             rank, world = self.members.index(slot), len(self.members)
@@ -196,6 +211,7 @@ class Launcher:
             SLOT: slot,
             LAUNCHER: str(os.getpid()),
             **({JOINS: "1"} if joins else {}),
+            **({LOST_AT: str(lost_at)} if lost_at else {}),
         }
         arguments = resumed_arguments(self.command[1:], None) if resume else self.command[1:]
         return subprocess.Popen([self.command[0], *arguments], env=env)
@@ -258,10 +274,10 @@ class Launcher:
                 return reports
             time.sleep(0.02)
 
-    def next_generation(self, members: list[str], batch_size: int | None, how: str) -> None:
+    def next_generation(self, members: list[str], batch_size: int | None, how: str, lost_at: float = 0) -> None:
         self.generation += 1
         self.members = members
-        plan = {"members": members, "batch_size": batch_size}
+        plan = {"members": members, "batch_size": batch_size, "lost_at": lost_at}
         self.store.set(f"{KEY}/generation_{self.generation}", json.dumps(plan))
         print(f"ddp-accel launch: generation {self.generation}: {how}", file=sys.stderr, flush=True)
 
@@ -269,6 +285,7 @@ class Launcher:
         """The survivors' reports, then the next generation: survivors alone where they keep the global batch
         bitwise (and a replacement starts, to be called in later), else a replacement for `lost` at once. False
         where nobody is left to go on."""
+        lost_at = time.time()
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(code)
         print(
             f"ddp-accel launch: rank {self.members.index(lost)} ended by {name}; recovering in process",
@@ -286,7 +303,10 @@ class Launcher:
         share = facts.shares(len(survivors))
         if share is not None:
             self.next_generation(
-                survivors, share, f"{len(survivors)} survivors go on at step {facts.step}, {share} samples each"
+                survivors,
+                share,
+                f"{len(survivors)} survivors go on at step {facts.step}, {share} samples each",
+                lost_at,
             )
             for slot in lost_slots:  # called in once its imports are done: hand_back
                 self.joining[slot] = self.start(slot, resume=True, joins=True)
@@ -295,9 +315,10 @@ class Launcher:
             self.members,
             None,
             f"{len(lost_slots)} replacement(s) join the {len(survivors)} survivors at step {facts.step}",
+            lost_at,
         )
         for slot in lost_slots:
-            self.running[slot] = self.start(slot, resume=True)
+            self.running[slot] = self.start(slot, resume=True, lost_at=lost_at)
         return True
 
     def hand_back(self) -> None:
