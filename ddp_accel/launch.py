@@ -64,6 +64,10 @@ def machine_setup(accelerate_args: list[str]) -> dict[str, Any]:
         "port": int(pick("main_process_port", None) or DEFAULT_PORT),
         "script": args.training_script,
         "script_args": list(args.training_script_args),
+        "sharded": bool(args.use_fsdp or args.use_deepspeed)
+        or any(kind in str(getattr(config, "distributed_type", "")) for kind in ("FSDP", "DEEPSPEED", "MEGATRON")),
+        "mixed_precision": pick("mixed_precision", None),
+        "use_cpu": bool(getattr(args, "cpu", False) or pick("use_cpu", False)),
     }
     check_address(setup["address"], setup["port"])
     machines, rank, processes = setup["machines"], setup["machine_rank"], setup["processes"]
@@ -262,10 +266,18 @@ def launch_recovering_in_process(accelerate_args: list[str]) -> int:
             raise UserError("--recover in-process runs the processes of one machine: give num_machines 1")
         if not setup["processes"] or int(setup["processes"]) < 2:
             raise UserError("--recover in-process needs 2 processes or more: give --num_processes N")
+        if setup["sharded"]:
+            raise UserError(
+                "--recover in-process runs DDP's processes, each holding the whole model: FSDP and DeepSpeed keep "
+                "shards no survivor holds (restart instead: torchrun --max_restarts N)"
+            )
     except UserError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
-    return recovery.launch([setup["script"], *setup["script_args"]], int(setup["processes"]))
+    env = {"ACCELERATE_MIXED_PRECISION": str(setup["mixed_precision"])} if setup["mixed_precision"] else {}
+    if setup["use_cpu"]:
+        env["ACCELERATE_USE_CPU"] = "true"  # (what accelerate launch passes its processes)
+    return recovery.launch([setup["script"], *setup["script_args"]], int(setup["processes"]), env)
 
 
 def launch(accelerate_args: list[str], join_timeout_s: float = 600.0, wait_report_s: float = 10.0) -> int:

@@ -352,7 +352,8 @@ class Launcher:
         self.joining.clear()
 
 
-def launch(script_command: list[str], processes: int) -> int:
+def launch(script_command: list[str], processes: int, env: dict[str, str] | None = None) -> int:
     """`ddp-accel launch --recover in-process`: `script_command` (the script and its arguments) on `processes`
-    processes of this machine."""
+    processes of this machine, with `env` added to their environment (the config's precision)."""
+    os.environ.update(env or {})
     return Launcher([sys.executable, *script_command], processes).run()

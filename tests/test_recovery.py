@@ -120,10 +120,13 @@ def test_a_replacement_joins_where_the_survivors_cannot_keep_the_sum_s_order(sta
 
 
 @pytest.mark.inprocess
-def test_in_process_recovery_refuses_more_than_one_machine_in_one_line(capsys):
+def test_in_process_recovery_refuses_more_than_one_machine_or_a_sharded_config_in_one_line(capsys):
     from ddp_accel.launch import main
 
     assert main(["--recover", "in-process", "--num_machines", "2", "--num_processes", "4", PROBE]) == 2
     assert capsys.readouterr().err.strip() == (
         "error: --recover in-process runs the processes of one machine: give num_machines 1"
     )
+    fsdp = ROOT / "accelerate_configs" / "fsdp.yaml"
+    assert main(["--recover", "in-process", "--config_file", str(fsdp), "--num_processes", "2", PROBE]) == 2
+    assert "FSDP and DeepSpeed keep shards no survivor holds" in capsys.readouterr().err
