@@ -1057,6 +1057,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            if isinstance(child, nn.BatchNorm2d):",
         "            if isinstance(child, nn.GroupNorm):",
     ),
+    "a_sharded_config_recovered_in_process": (
+        "ddp_accel/launch.py",
+        '        if setup["sharded"]:',
+        "        if False:",
+    ),
     "survivors_keep_their_old_per_process_batch": (
         "ddp_accel/recovery.py",
         'survivors, share, f"{len(survivors)} survivors go on',
