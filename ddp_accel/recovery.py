@@ -36,10 +36,11 @@ GENERATION = "DDP_ACCEL_RECOVERY_GENERATION"  # the group this process belongs t
 SLOT = "DDP_ACCEL_RECOVERY_SLOT"  # the process's place among the launched ones (its rank at generation 0)
 LAUNCHER = "DDP_ACCEL_RECOVERY_LAUNCHER"  # the launcher's pid: a worker ends with it
 LOST_AT = "DDP_ACCEL_RECOVERY_LOST_AT"  # when the launcher saw the loss this generation recovers from
-JOINS = "DDP_ACCEL_RECOVERY_JOINS"  # a replacement: it waits to be called into a generation
+JOINS = "DDP_ACCEL_RECOVERY_JOINS"  # a replacement: it waits to be called into a generation (the value: its start)
 HAND_BACK_SIGNAL = signal.SIGUSR1  # the survivors save the step they reached together (a preemption's save)
 KEY = "ddp_accel/recovery"
-REPORT_TIMEOUT_S = 120.0  # a survivor that neither reports nor ends by then is ended: the group goes on without it
+REPORT_TIMEOUT_S = 300.0  # a survivor that neither reports nor ends by then is ended: the group goes on without it
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)  # to every process: a stop saves and ends
 
 
 def under_in_process_recovery() -> bool:
@@ -90,7 +91,10 @@ def hand_back_asked() -> bool:
     """Whether the launcher asked this process's group to stop for its replacements (else a stop is a stop)."""
     if not under_in_process_recovery():
         return False
-    return bool(store_client(30).check([f"{KEY}/hand_back_{os.environ[GENERATION]}"]))
+    try:
+        return bool(store_client(5).check([f"{KEY}/hand_back_{os.environ[GENERATION]}"]))
+    except Exception:  # the launcher (its store) is gone: a stop
+        return False
 
 
 def wait_to_be_called(timeout_s: float) -> None:
@@ -98,9 +102,9 @@ def wait_to_be_called(timeout_s: float) -> None:
     place in it: the launch variables)."""
     from ddp_accel.errors import UserError
 
-    store, slot = store_client(timeout_s), os.environ[SLOT]
-    store.set(f"{KEY}/ready/{slot}", "1")
-    called = f"{KEY}/called/{slot}"
+    store, start = store_client(timeout_s), os.environ[JOINS]
+    store.set(f"{KEY}/ready/{start}", "1")
+    called = f"{KEY}/called/{start}"
     try:
         store.wait([called], datetime.timedelta(seconds=timeout_s))
     except Exception:  # the store's own timeout error
@@ -141,8 +145,9 @@ def rejoin(facts: Facts | None, timeout_s: float = REPORT_TIMEOUT_S) -> None:
     """Leave the broken group, report, wait for the launcher's next generation and take its place in it: the
     launch variables (RANK, WORLD_SIZE), and the command's resume (`--resume-from-checkpoint latest`, and the
     per-process batch the launcher chose)."""
+    import torch
     import torch.distributed as dist
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, GradientState
 
     from ddp_accel.errors import UserError
 
@@ -152,9 +157,12 @@ def rejoin(facts: Facts | None, timeout_s: float = REPORT_TIMEOUT_S) -> None:
         if abort is not None:
             abort()
         dist.destroy_process_group()
-    # Accelerate keeps the world it was built in for the process's life; the next main builds it again. Its reset
-    # is the one its own tests use (no public one).
+    # Accelerate keeps the world it was built in for the process's life; the next main builds it again. Its resets
+    # are the ones its own tests use (no public one).
     AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the old group's blocks, for the processes of the next
     generation, slot = int(os.environ[GENERATION]), os.environ[SLOT]
     store = store_client(timeout_s)
     store.set(f"{KEY}/saved_{generation}/{slot}", json.dumps(dataclasses.asdict(facts) if facts else {}))
@@ -191,14 +199,18 @@ class Launcher:
         self.everyone = [str(slot) for slot in range(processes)]  # the first group's, in rank order
         self.members = list(self.everyone)
         self.running: dict[str, subprocess.Popen] = {}
-        self.joining: dict[str, subprocess.Popen] = {}  # replacements waiting to be called into a generation
+        # replacements waiting to be called into a generation: slot -> (process, its start's number: its keys)
+        self.joining: dict[str, tuple[subprocess.Popen, int]] = {}
+        self.starts = 0
         self.facts: Facts | None = None  # the run's, from the first loss
+        self.lost_steps: list[int] = []
         self.received: list[int] = []
 
     def start(self, slot: str, *, resume: bool = False, joins: bool = False, lost_at: float = 0) -> subprocess.Popen:
-        rank, world = self.everyone.index(slot), len(self.everyone)
-        if not joins:
-            rank, world = self.members.index(slot), len(self.members)
+        """A process for `slot`: its place in the current group (a replacement that joins: in the first group's)."""
+        members = self.everyone if joins else self.members
+        rank, world = members.index(slot), len(members)
+        self.starts += 1
         env = {
             **os.environ,
             "MASTER_ADDR": "127.0.0.1",
@@ -210,14 +222,15 @@ class Launcher:
             GENERATION: str(self.generation),
             SLOT: slot,
             LAUNCHER: str(os.getpid()),
-            **({JOINS: "1"} if joins else {}),
+            **({JOINS: str(self.starts)} if joins else {}),
             **({LOST_AT: str(lost_at)} if lost_at else {}),
         }
         arguments = resumed_arguments(self.command[1:], None) if resume else self.command[1:]
-        return subprocess.Popen([self.command[0], *arguments], env=env)
+        # a session of its own, as torch elastic starts its workers: a Ctrl-C reaches it once, from here
+        return subprocess.Popen([self.command[0], *arguments], env=env, start_new_session=True)
 
     def run(self) -> int:
-        previous = {signum: signal.signal(signum, self.on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+        previous = {signum: signal.signal(signum, self.on_signal) for signum in FORWARDED}
         try:
             for slot in self.members:
                 self.running[slot] = self.start(slot)
@@ -229,29 +242,28 @@ class Launcher:
 
     def on_signal(self, signum: int, frame: Any) -> None:
         self.received.append(signum)
+        for process in [*self.running.values(), *(process for process, _ in self.joining.values())]:
+            process.send_signal(signum)  # a preemption or Ctrl-C: every process saves and ends
 
     def watch(self) -> int:
-        forwarded = 0
         while self.running:
-            while len(self.received) > forwarded:  # a preemption or Ctrl-C: every process saves and ends
-                for process in [*self.running.values(), *self.joining.values()]:
-                    process.send_signal(self.received[forwarded])
-                forwarded += 1
-            ended = {slot: process.returncode for slot, process in self.running.items() if process.poll() is not None}
-            for slot, code in ended.items():
-                del self.running[slot]
+            for slot in [slot for slot, process in self.running.items() if process.poll() is not None]:
+                code = self.running.pop(slot).returncode
                 if code < 0 and not self.received:  # killed by a signal (SIGKILL, a crash): a loss to recover
                     if not self.recover(slot, code):
+                        self.end_all()
                         return 1
                 elif code != 0:  # an error with its own line (a user error: the same at every try), or a stop
                     self.end_all()
-                    return code
-            for slot, process in list(self.joining.items()):
+                    return code if code > 0 else 128 - code
+            for slot, (process, _) in list(self.joining.items()):
                 if process.poll() is not None:  # a replacement lost before its call: the survivors go on
                     del self.joining[slot]
-            ready = [slot for slot in self.joining if self.store.check([f"{KEY}/ready/{slot}"])]
+            ready = [slot for slot, (_, start) in self.joining.items() if self.store.check([f"{KEY}/ready/{start}"])]
             if self.joining and len(ready) == len(self.joining) and self.running and not self.received:
-                self.hand_back()
+                if not self.hand_back():
+                    self.end_all()
+                    return 1
             time.sleep(0.05)
         return 0
 
@@ -259,7 +271,7 @@ class Launcher:
         """Each running process's report of its save in this generation (rejoin's); a process that ends first is
         left out (a second loss while the group re-forms), one silent past the bound is ended."""
         started, reports = time.monotonic(), {}
-        while True:
+        while not self.received:
             for slot, process in list(self.running.items()):
                 key = f"{KEY}/saved_{self.generation}/{slot}"
                 if slot not in reports and self.store.check([key]):
@@ -273,6 +285,7 @@ class Launcher:
                     self.running.pop(slot).kill()
                 return reports
             time.sleep(0.02)
+        return {}  # stopped meanwhile: no new group
 
     def next_generation(self, members: list[str], batch_size: int | None, how: str, lost_at: float = 0) -> None:
         self.generation += 1
@@ -282,9 +295,8 @@ class Launcher:
         print(f"ddp-accel launch: generation {self.generation}: {how}", file=sys.stderr, flush=True)
 
     def recover(self, lost: str, code: int) -> bool:
-        """The survivors' reports, then the next generation: survivors alone where they keep the global batch
-        bitwise (and a replacement starts, to be called in later), else a replacement for `lost` at once. False
-        where nobody is left to go on."""
+        """A process died: the survivors' reports, then the next generation (`regroup`). False where the job ends
+        instead (said)."""
         lost_at = time.time()
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(code)
         print(
@@ -292,53 +304,72 @@ class Launcher:
             file=sys.stderr,
             flush=True,
         )
-        reports = self.reports()
+        return self.regroup(self.reports(), lost_at)
+
+    def regroup(self, reports: dict[str, dict[str, Any]], lost_at: float) -> bool:
+        """The next generation after a loss: the survivors alone where they keep the global batch bitwise (a
+        replacement starts for each lost process, to be called in later: `hand_back`), else the first group's size
+        again at once, with replacements."""
         if not reports:
-            print("error: in-process recovery: no process survived to go on", file=sys.stderr, flush=True)
+            if not self.received:
+                print("error: in-process recovery: no process survived to go on", file=sys.stderr, flush=True)
             return False
-        facts = Facts(**next(iter(reports.values())))
-        self.facts = self.facts or facts
+        self.facts = self.facts or Facts(**next(iter(reports.values())))
+        step = max((report["step"] for report in reports.values() if report), default=None)
+        if step is not None and self.lost_steps[-1:] == [step]:  # a crash at the same step would come back again
+            print(
+                f"error: in-process recovery: a process was lost at step {step} twice; not going on (the same "
+                "command with --resume-from-checkpoint latest resumes there)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
+        self.lost_steps.append(step if step is not None else -1)
+        at = f" at step {step}" if step is not None else ""
         survivors = sorted(reports, key=self.everyone.index)
-        lost_slots = [slot for slot in self.members if slot not in reports]
-        share = facts.shares(len(survivors))
+        lost = [slot for slot in self.everyone if slot not in reports and slot not in self.joining]
+        share = self.facts.shares(len(survivors))
         if share is not None:
             self.next_generation(
-                survivors,
-                share,
-                f"{len(survivors)} survivors go on at step {facts.step}, {share} samples each",
-                lost_at,
+                survivors, share, f"{len(survivors)} survivors go on{at}, {share} samples each", lost_at
             )
-            for slot in lost_slots:  # called in once its imports are done: hand_back
-                self.joining[slot] = self.start(slot, resume=True, joins=True)
+            for slot in lost:  # called in once its imports are done: hand_back
+                self.joining[slot] = (self.start(slot, resume=True, joins=True), self.starts)
             return True
-        self.next_generation(
-            self.members,
-            None,
-            f"{len(lost_slots)} replacement(s) join the {len(survivors)} survivors at step {facts.step}",
-            lost_at,
-        )
-        for slot in lost_slots:
+        # the first group's size again, each process with its first batch: replacements now (and any waiting)
+        how = f"{len(lost) + len(self.joining)} replacement(s) join the {len(survivors)} survivors{at}"
+        self.next_generation(list(self.everyone), self.facts.shares(len(self.everyone)), how, lost_at)
+        for slot in lost:
             self.running[slot] = self.start(slot, resume=True, lost_at=lost_at)
+        self.call_the_replacements_in()
         return True
 
-    def hand_back(self) -> None:
+    def hand_back(self) -> bool:
         """The replacements are ready: the survivors save the step they reached together and all of them form the
-        next generation, each process with the first group's per-process batch."""
+        next generation, each process with the first group's per-process batch (the replacements': their own
+        command's). A survivor lost meanwhile is a loss like another."""
         self.store.set(f"{KEY}/hand_back_{self.generation}", "1")
         for process in self.running.values():
             process.send_signal(HAND_BACK_SIGNAL)
+        survivors = list(self.running)
         reports = self.reports()
-        members = sorted([*reports, *self.joining], key=self.everyone.index)
+        if set(reports) != set(survivors):
+            return self.regroup(reports, time.time())
         assert self.facts is not None
-        share = self.facts.shares(len(members))
-        self.next_generation(members, share, f"{len(self.joining)} replacement(s) take their share back")
-        for slot, process in self.joining.items():
-            self.store.set(f"{KEY}/called/{slot}", str(self.generation))
+        members = list(self.everyone)
+        how = f"{len(self.joining)} replacement(s) take their share back"
+        self.next_generation(members, self.facts.shares(len(members)), how)
+        self.call_the_replacements_in()
+        return True
+
+    def call_the_replacements_in(self) -> None:
+        for slot, (process, start) in self.joining.items():
+            self.store.set(f"{KEY}/called/{start}", str(self.generation))
             self.running[slot] = process
         self.joining.clear()
 
     def end_all(self) -> None:
-        processes = [*self.running.values(), *self.joining.values()]
+        processes = [*self.running.values(), *(process for process, _ in self.joining.values())]
         for process in processes:
             if process.poll() is None:
                 process.terminate()

@@ -1064,8 +1064,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "survivors_keep_their_old_per_process_batch": (
         "ddp_accel/recovery.py",
-        "                survivors,\n                share,\n",
-        "                survivors,\n                None,\n",
+        'survivors, share, f"{len(survivors)} survivors go on{at}',
+        'survivors, None, f"{len(survivors)} survivors go on{at}',
     ),
 }
 
