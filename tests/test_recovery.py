@@ -130,3 +130,25 @@ def test_in_process_recovery_refuses_more_than_one_machine_or_a_sharded_config_i
     fsdp = ROOT / "accelerate_configs" / "fsdp.yaml"
     assert main(["--recover", "in-process", "--config_file", str(fsdp), "--num_processes", "2", PROBE]) == 2
     assert "FSDP and DeepSpeed keep shards no survivor holds" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_processes_whose_recovering_launcher_is_killed_save_the_step_reached_and_end(tmp_path):
+    # the processes run in sessions of their own (a Ctrl-C reaches them once, from the launcher): a SIGKILL of the
+    # launcher alone must not leave them training on; they see their parent gone, save the step reached and end
+    output_dir = tmp_path / "orphaned"
+    launcher = recovering_launch(output_dir, 2, *STANDARD_PROBE_ARGS, "--step-ms", "40")
+    log_file = output_dir.with_suffix(".log")
+    wait_for(lambda: "train:" in log_file.read_text(), alive=launcher, what="the training")
+    processes = wait_for(lambda: [pid for slot in (0, 1) for pid in probes_of_slot(slot)] or None)
+    time.sleep(1.0)  # some steps in
+    launcher.kill()
+    launcher.wait()
+    try:
+        wait_for(lambda: not any(probes_of_slot(slot) for slot in (0, 1)), timeout=60, what="the processes to end")
+    finally:
+        for pid in [pid for slot in (0, 1) for pid in probes_of_slot(slot)]:
+            os.kill(pid, signal.SIGKILL)
+    log = log_file.read_text()
+    assert "its launcher (pid" in log and len(processes) == 2, log[-3000:]
+    assert (output_dir / "preempted.json").is_file(), log[-3000:]  # the step reached, saved for the same command
