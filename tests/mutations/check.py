@@ -1062,6 +1062,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         '        if setup["sharded"]:',
         "        if False:",
     ),
+    "a_recovering_launcher_s_processes_outlive_it": (
+        "ddp_accel/elastic.py",
+        "    if launcher is not None and launcher == str(os.getppid()):",
+        "    if False:",
+    ),
     "survivors_keep_their_old_per_process_batch": (
         "ddp_accel/recovery.py",
         'survivors, share, f"{len(survivors)} survivors go on{at}',
