@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ddp_accel import launch_environments
+from ddp_accel import launch_environments, recovery
 
 # the processes that run torch elastic's agent in-process, by their command line
 AGENT_COMMANDS = ("torchrun", "torch.distributed.run", "torch/distributed/run.py", "accelerate")
@@ -65,7 +65,7 @@ def child_processes(parent: int) -> Iterator[tuple[list[str], bytes]]:
 
 def agent_pid() -> int | None:
     """This worker's agent: its parent, when the parent runs torch elastic (not a shell, srun or a notebook)."""
-    launcher = os.environ.get("DDP_ACCEL_RECOVERY_LAUNCHER")  # ddp-accel launch --recover in-process
+    launcher = os.environ.get(recovery.LAUNCHER)  # ddp-accel launch --recover in-process
     if launcher is not None and launcher == str(os.getppid()):
         return os.getppid()
     command = " ".join(launch_environments.parent_command())

@@ -83,6 +83,22 @@ def store_client(timeout_s: float) -> Any:
     )
 
 
+def launch_variables(rank: int, world: int) -> dict[str, str]:
+    """A process's place in a group of this machine, as a launcher gives it."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+
+
+def waited(store: Any, key: str, timeout_s: float, missing: str) -> str:
+    """`key`'s value once the launcher set it; `missing` as a UserError when it did not within `timeout_s`."""
+    from ddp_accel.errors import UserError
+
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+    except Exception:  # the store's own timeout error, or the launcher gone
+        raise UserError(f"in-process recovery: {missing}") from None
+    return store.get(key).decode()
+
+
 def store_prefix() -> str:
     return f"ddp_accel/generation_{os.environ[GENERATION]}"
 
@@ -100,16 +116,12 @@ def hand_back_asked() -> bool:
 def wait_to_be_called(timeout_s: float) -> None:
     """A replacement, its imports done: say so, and wait until the launcher calls it into a generation (its
     place in it: the launch variables)."""
-    from ddp_accel.errors import UserError
-
     store, start = store_client(timeout_s), os.environ[JOINS]
     store.set(f"{KEY}/ready/{start}", "1")
-    called = f"{KEY}/called/{start}"
-    try:
-        store.wait([called], datetime.timedelta(seconds=timeout_s))
-    except Exception:  # the store's own timeout error
-        raise UserError(f"in-process recovery: this replacement was not called within {timeout_s:g} s") from None
-    take_place(int(store.get(called)), json.loads(store.get(f"{KEY}/generation_{int(store.get(called))}")))
+    generation = int(
+        waited(store, f"{KEY}/called/{start}", timeout_s, f"this replacement was not called within {timeout_s:g} s")
+    )
+    take_place(generation, json.loads(store.get(f"{KEY}/generation_{generation}")))
     del os.environ[JOINS]
 
 
@@ -130,15 +142,7 @@ def take_place(generation: int, plan: dict[str, Any]) -> None:
     rank = members.index(os.environ[SLOT])
     if plan.get("lost_at"):
         os.environ[LOST_AT] = str(plan["lost_at"])
-    os.environ.update(
-        {
-            GENERATION: str(generation),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(len(members)),
-            "LOCAL_WORLD_SIZE": str(len(members)),
-        }
-    )
+    os.environ.update({GENERATION: str(generation), **launch_variables(rank, len(members))})
 
 
 def rejoin(facts: Facts | None, timeout_s: float = REPORT_TIMEOUT_S) -> None:
@@ -148,8 +152,6 @@ def rejoin(facts: Facts | None, timeout_s: float = REPORT_TIMEOUT_S) -> None:
     import torch
     import torch.distributed as dist
     from accelerate.state import AcceleratorState, GradientState
-
-    from ddp_accel.errors import UserError
 
     if dist.is_initialized():
         group = dist.group.WORLD
@@ -166,15 +168,8 @@ def rejoin(facts: Facts | None, timeout_s: float = REPORT_TIMEOUT_S) -> None:
     generation, slot = int(os.environ[GENERATION]), os.environ[SLOT]
     store = store_client(timeout_s)
     store.set(f"{KEY}/saved_{generation}/{slot}", json.dumps(dataclasses.asdict(facts) if facts else {}))
-    following = f"{KEY}/generation_{generation + 1}"
-    try:
-        store.wait([following], datetime.timedelta(seconds=timeout_s))
-    except Exception:  # the store's own timeout error: the launcher chose no next group
-        raise UserError(
-            f"in-process recovery: the launcher formed no new group within {timeout_s:g} s; resume with "
-            "--resume-from-checkpoint latest"
-        ) from None
-    plan = json.loads(store.get(following))
+    missing = f"the launcher formed no new group within {timeout_s:g} s; resume with --resume-from-checkpoint latest"
+    plan = json.loads(waited(store, f"{KEY}/generation_{generation + 1}", timeout_s, missing))
     take_place(generation + 1, plan)
     sys.argv[1:] = resumed_arguments(sys.argv[1:], plan.get("batch_size"))
 
@@ -215,10 +210,7 @@ class Launcher:
             **os.environ,
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(self.store.port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world),
+            **launch_variables(rank, world),
             GENERATION: str(self.generation),
             SLOT: slot,
             LAUNCHER: str(os.getpid()),
