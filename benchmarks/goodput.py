@@ -50,7 +50,8 @@ BIN = Path(sys.executable).parent
 
 TEMPLATE = ["scripts/template.py", "--epochs", "300", "--batch-size", "32", "--checkpointing-steps", "400"]
 RESNET20 = ["scripts/imagenet.py", "--dummy", "-a", "cifar_resnet20", "--image-size", "32", "-b", "32", "-j", "0"]
-RESNET20 += ["--dummy-classes", "10", "--epochs", "10", "--checkpointing-steps", "100"]
+# the synthetic set's size given (not 100 x -b): the same images when survivors take a larger -b
+RESNET20 += ["--dummy-classes", "10", "--dummy-images", "3200", "--epochs", "10", "--checkpointing-steps", "100"]
 # a model of >= 100M parameters: VGG-16 (138M), its classifier most of them; small images keep the steps short
 VGG16 = ["scripts/imagenet.py", "--dummy", "-a", "vgg16", "--image-size", "32", "-b", "8", "-j", "0"]
 VGG16 += ["--dummy-classes", "10", "--epochs", "2", "--checkpointing-steps", "40"]

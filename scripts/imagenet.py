@@ -78,7 +78,7 @@ from ddp_accel.vision import (
 # where NHWC is the default (memory_format_nhwc): one CPU process, or CPU processes under DDP
 CPU_DATA_PARALLEL = (DistributedType.NO, DistributedType.MULTI_CPU)
 # what shapes the model and the data: a resume must use the same (ddp_accel.identity)
-IDENTITY_OPTIONS = ("arch", "image_size", "augment", "mean", "std", "dummy", "dummy_classes", "sync_bn")
+IDENTITY_OPTIONS = ("arch", "image_size", "augment", "mean", "std", "dummy", "dummy_classes", "dummy_images", "sync_bn")
 RECIPE_OPTIONS = {"auto_augment": "none", "random_erasing": 0.0, "mixup_alpha": 0.0, "cutmix_alpha": 0.0}
 RECIPE_OPTIONS |= {"mix_prob": 1.0, "mix_switch_prob": 0.5}
 # the decoder and resampler shape the pixels (within one level of 255): recorded when not the workers' PIL
@@ -95,6 +95,7 @@ EVALUATE_READS |= {"evaluate", "tta_flip", "channels_last", "image_size", "augme
 EVALUATE_READS |= {
     "decode_on",
     "dummy_classes",
+    "dummy_images",
     "normalize_on",
     "deterministic",
     "help",
@@ -186,6 +187,12 @@ def parse_args(argv=None):
     parser.add_argument("--dummy", action="store_true", help="synthetic images (throughput runs, no data needed)")
     parser.add_argument("--dummy-classes", type=cli.number(int, low=2), default=1000, help="--dummy: number of classes")
     parser.add_argument(
+        "--dummy-images",
+        type=cli.number(int, low=1),
+        help="--dummy: training images (default 100 x -b; validation: a tenth). Give it to resume at another -b "
+        "(or with --recover in-process, where the survivors' -b grows) on the same images",
+    )
+    parser.add_argument(
         "--normalize-on",
         choices=["auto", "device", "loader"],
         default="auto",
@@ -226,6 +233,10 @@ def parse_args(argv=None):
         parser.error("--time-budget plans a training run's epochs; -e only evaluates")
     if not (args.list_archs or args.dummy or args.data):
         parser.error("give DATA_DIR (with train/ and val/), or --dummy for synthetic images")
+    if args.dummy_images is not None and not args.dummy:
+        parser.error("--dummy-images sizes the synthetic set of --dummy")
+    if args.dummy and args.dummy_images is None:  # resolved: the run identity records the size the images had
+        args.dummy_images = 100 * args.batch_size
     args.uint8 = args.normalize_on == "device" or args.normalize_on == "auto" and torch.cuda.is_available()
     args.decode_on = decode_place(parser, args)
     return args
@@ -276,8 +287,8 @@ def check_evaluation_options(parser: argparse.ArgumentParser, args: argparse.Nam
 def datasets_for(args):
     if args.dummy:
         return (
-            SyntheticImages(100 * args.batch_size, args.image_size, args.dummy_classes, args.uint8),
-            SyntheticImages(10 * args.batch_size, args.image_size, args.dummy_classes, args.uint8),
+            SyntheticImages(args.dummy_images, args.image_size, args.dummy_classes, args.uint8),
+            SyntheticImages(-(-args.dummy_images // 10), args.image_size, args.dummy_classes, args.uint8),
             [str(i) for i in range(args.dummy_classes)],
         )
     sharded = is_sharded(args.data)

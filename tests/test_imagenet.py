@@ -181,6 +181,29 @@ def test_dummy_data_and_torchvision_arch_run(tmp_path):
 
 
 @pytest.mark.inprocess
+def test_dummy_images_fix_the_synthetic_set_whatever_the_batch_and_a_resume_that_changes_it_is_refused():
+    from ddp_accel.identity import compare_identity
+
+    imagenet = load_script("scripts/imagenet.py")
+    common = ["--dummy", "--dummy-classes", "4", "--image-size", "16"]
+
+    def synthetic(*options):
+        args = imagenet.parse_args([*common, *options])
+        train, val, _ = imagenet.datasets_for(args)
+        return (len(train), len(val)), imagenet.identity_of(args, None)
+
+    # survivors of --recover in-process take a larger -b: with --dummy-images they read the same images
+    sizes, saved = synthetic("-b", "32", "--dummy-images", "3200")
+    assert sizes == synthetic("-b", "48", "--dummy-images", "3200")[0] == (3200, 320)
+    assert compare_identity(saved, synthetic("-b", "48", "--dummy-images", "3200")[1], "the checkpoint") is None
+    # the default follows -b: a resume at another -b would read another set, and is refused in one line
+    default_sizes, default_identity = synthetic("-b", "8")
+    assert default_sizes == (800, 80)
+    with pytest.raises(UserError, match="--dummy-images was 800, now 1600"):
+        compare_identity(default_identity, synthetic("-b", "16")[1], "the checkpoint")
+
+
+@pytest.mark.inprocess
 @pytest.mark.parametrize(("option", "nhwc"), [([], True), (["--no-channels-last"], False)])
 def test_on_the_cpu_the_model_runs_in_nhwc_unless_told_not_to(tmp_path, option, nhwc):
     # oneDNN's convolutions are faster in NHWC on the CPU (docs/benchmarks.md): the default there

@@ -1057,6 +1057,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            if isinstance(child, nn.BatchNorm2d):",
         "            if isinstance(child, nn.GroupNorm):",
     ),
+    "imagenet_s_dummy_set_follows_the_per_process_batch": (
+        "scripts/imagenet.py",
+        "            SyntheticImages(args.dummy_images, args.image_size, args.dummy_classes, args.uint8),",
+        "            SyntheticImages(100 * args.batch_size, args.image_size, args.dummy_classes, args.uint8),",
+    ),
     "a_sharded_config_recovered_in_process": (
         "ddp_accel/launch.py",
         '        if setup["sharded"]:',
