@@ -13,7 +13,9 @@ they meet at (a TCPStore in the launcher: losing rank 0 loses no store). When a 
    gradient is a function of the global batch alone: bitwise the fault-free run's). Otherwise a replacement process
    starts for the lost rank and the group keeps its size (bitwise as the restart under torchrun is).
 3. Each survivor leaves the broken group, forms the new one on a fresh store prefix (`generation_N`), and runs the
-   script's main again, resuming from the step it saved.
+   script's main again, resuming from the step it saved. The members first meet at a count of the launcher's
+   store (`meet`): a loss before the group formed makes the launcher give that generation up, and whoever waits
+   for it reports again instead of waiting on a dead peer inside torch's rendezvous.
 4. Where the survivors went on alone, a replacement starts meanwhile. Once it waits at the group's door (its
    imports done), the launcher asks the survivors to hand its share back: a preemption signal, on which every
    process saves the step it reached at the same step (ddp_accel.stopping); then all of them, the replacement
@@ -67,9 +69,11 @@ class Regroup(BaseException):
     """A peer was lost and the step reached is saved: leave this group and run main again in the next one. A
     BaseException, so that no `except Exception` of a script takes it for its own failure."""
 
-    def __init__(self, facts: Facts):
-        super().__init__(f"a peer was lost at step {facts.step}")
-        self.facts = facts
+    def __init__(self, facts: Facts | None):
+        super().__init__(
+            f"a peer was lost at step {facts.step}" if facts else "a peer was lost before the group formed"
+        )
+        self.facts = facts  # None: lost before this group trained (the step saved stays the last one reported)
 
 
 def store_client(timeout_s: float) -> Any:
@@ -101,6 +105,26 @@ def waited(store: Any, key: str, timeout_s: float, missing: str) -> str:
 
 def store_prefix() -> str:
     return f"ddp_accel/generation_{os.environ[GENERATION]}"
+
+
+def meet(timeout_s: float) -> None:
+    """Before this generation's group forms: wait until all its members arrived, or the launcher gave it up (a
+    process lost meanwhile: torch's rendezvous would wait for it until its timeout) and `Regroup`."""
+    from ddp_accel.errors import UserError
+
+    store, generation, world = store_client(timeout_s), os.environ[GENERATION], int(os.environ["WORLD_SIZE"])
+    count, abandoned = f"{KEY}/arrived_{generation}", f"{KEY}/abandoned_{generation}"
+    arrived, deadline = store.add(count, 1), time.monotonic() + timeout_s
+    while arrived < world and not store.check([abandoned]):
+        if time.monotonic() > deadline:
+            raise UserError(
+                f"in-process recovery: generation {generation}'s group did not form within {timeout_s:g} s "
+                f"({arrived} of its {world} processes arrived)"
+            )
+        time.sleep(0.02)
+        arrived = store.add(count, 0)
+    if store.check([abandoned]):
+        raise Regroup(None)
 
 
 def hand_back_asked() -> bool:
@@ -290,6 +314,7 @@ class Launcher:
         """A process died: the survivors' reports, then the next generation (`regroup`). False where the job ends
         instead (said)."""
         lost_at = time.time()
+        self.store.set(f"{KEY}/abandoned_{self.generation}", "1")  # any member still waiting to meet: report again
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(code)
         print(
             f"ddp-accel launch: rank {self.members.index(lost)} ended by {name}; recovering in process",
@@ -306,7 +331,8 @@ class Launcher:
             if not self.received:
                 print("error: in-process recovery: no process survived to go on", file=sys.stderr, flush=True)
             return False
-        self.facts = self.facts or Facts(**next(iter(reports.values())))
+        first = next((report for report in reports.values() if report), None)
+        self.facts = self.facts or (Facts(**first) if first else None)  # None: lost before anything was trained
         step = max((report["step"] for report in reports.values() if report), default=None)
         if step is not None and self.lost_steps[-1:] == [step]:  # a crash at the same step would come back again
             print(
@@ -320,7 +346,7 @@ class Launcher:
         at = f" at step {step}" if step is not None else ""
         survivors = sorted(reports, key=self.everyone.index)
         lost = [slot for slot in self.everyone if slot not in reports and slot not in self.joining]
-        share = self.facts.shares(len(survivors))
+        share = self.facts.shares(len(survivors)) if self.facts else None
         if share is not None:
             self.next_generation(
                 survivors, share, f"{len(survivors)} survivors go on{at}, {share} samples each", lost_at
@@ -330,7 +356,8 @@ class Launcher:
             return True
         # the first group's size again, each process with its first batch: replacements now (and any waiting)
         how = f"{len(lost) + len(self.joining)} replacement(s) join the {len(survivors)} survivors{at}"
-        self.next_generation(list(self.everyone), self.facts.shares(len(self.everyone)), how, lost_at)
+        batch_size = self.facts.shares(len(self.everyone)) if self.facts else None
+        self.next_generation(list(self.everyone), batch_size, how, lost_at)
         for slot in lost:
             self.running[slot] = self.start(slot, resume=True, lost_at=lost_at)
         self.call_the_replacements_in()

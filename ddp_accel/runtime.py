@@ -216,6 +216,7 @@ def init_elastic_process_group(cpu: bool, timeout_s: int) -> None:
         return
     timeout = datetime.timedelta(seconds=timeout_s)
     if recovery.under_in_process_recovery():  # each group the launcher forms after a loss: a generation
+        recovery.meet(timeout_s)
         store, prefix = recovery.store_client(timeout_s), recovery.store_prefix()
     else:
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")

@@ -119,6 +119,29 @@ def test_a_replacement_joins_where_the_survivors_cannot_keep_the_sum_s_order(sta
     assert_same_weights(standard_reference, output_dir)
 
 
+@pytest.mark.multiprocess
+def test_a_second_loss_while_the_group_forms_gives_that_group_up_and_the_next_one_ends_bitwise(tmp_path):
+    # 3 x 4 in pieces of 4: 2 survivors cannot keep the sum's pieces, so a replacement joins at once; while it
+    # starts (seconds of imports) the survivors wait to meet it, and one of them is killed there too. The other
+    # must not wait for it inside torch's rendezvous: the launcher gives that generation up and forms the next.
+    job = ["--train-size", "96", "--epochs", "12", "--exact-micro-batch", "4", "--checkpointing-steps", "1000"]
+    reference = tmp_path / "reference"
+    check = run_script(PROBE, *job, "--batch-size", "12", "--output-dir", reference)
+    assert check.returncode == 0, check.stderr[-3000:]
+    output_dir = tmp_path / "recovered"
+    timeouts = ["--hang-timeout-s", "30", "--timeout-s", "60"]  # a wait on the dead peer: a failure within a minute
+    launcher = recovering_launch(output_dir, 3, *job, "--batch-size", "4", "--step-ms", "60", *timeouts)
+    kill_slot_after_some_steps(launcher, output_dir, slot=1)
+    log_file = output_dir.with_suffix(".log")
+    wait_for(lambda: "generation 1: 1 replacement(s) join" in log_file.read_text(), alive=launcher, timeout=60)
+    os.kill(probes_of_slot(2)[0], signal.SIGKILL)  # a survivor, waiting for the replacement to meet it
+    code, log = finish(launcher, output_dir)
+    assert code == 0, log[-3000:]
+    assert "rank 2 ended by SIGKILL" in log and "generation 2: 1 replacement(s) join the 2 survivors" in log, log
+    assert_same_weights(reference, output_dir)
+    assert not any(probes_of_slot(slot) for slot in range(3))
+
+
 @pytest.mark.inprocess
 def test_in_process_recovery_refuses_more_than_one_machine_or_a_sharded_config_in_one_line(capsys):
     from ddp_accel.launch import main

@@ -1062,6 +1062,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            SyntheticImages(args.dummy_images, args.image_size, args.dummy_classes, args.uint8),",
         "            SyntheticImages(100 * args.batch_size, args.image_size, args.dummy_classes, args.uint8),",
     ),
+    "a_forming_group_waits_for_a_member_lost_meanwhile": (
+        "ddp_accel/recovery.py",
+        '        self.store.set(f"{KEY}/abandoned_{self.generation}", "1")',
+        "        pass",
+    ),
     "a_sharded_config_recovered_in_process": (
         "ddp_accel/launch.py",
         '        if setup["sharded"]:',
