@@ -31,7 +31,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ddp_accel.cli import ArgumentParser, positive
+from ddp_accel.cli import ArgumentParser, positive, positive_int
 from ddp_accel.elastic import child_processes
 from ddp_accel.errors import UserError
 from ddp_accel.launch_environments import answers
@@ -248,15 +248,23 @@ def main(argv: list[str]) -> int:
         help="after a lost process: restart the group (accelerate launch's agent), or keep the survivors' "
         "processes and go on in a new group (one machine)",
     )
+    parser.add_argument(
+        "--min-processes",
+        type=positive_int,
+        help="--recover in-process: lost processes are not replaced while this many survive and divide the global "
+        "batch into their --exact-micro-batch pieces: the run finishes on them (default: every loss replaced)",
+    )
     args, accelerate_args = parser.parse_known_args(argv)
     if not accelerate_args:
         parser.error("give accelerate launch's arguments and the training script")
+    if args.min_processes is not None and args.recover != "in-process":
+        parser.error("--min-processes is how many survivors --recover in-process goes on with")
     if args.recover == "in-process":
-        return launch_recovering_in_process(accelerate_args)
+        return launch_recovering_in_process(accelerate_args, args.min_processes)
     return launch(accelerate_args, args.join_timeout_s, args.wait_report_s)
 
 
-def launch_recovering_in_process(accelerate_args: list[str]) -> int:
+def launch_recovering_in_process(accelerate_args: list[str], min_processes: int | None = None) -> int:
     """The processes started here, around a store of this launcher's (ddp_accel.recovery)."""
     from ddp_accel import recovery
 
@@ -266,6 +274,9 @@ def launch_recovering_in_process(accelerate_args: list[str]) -> int:
             raise UserError("--recover in-process runs the processes of one machine: give num_machines 1")
         if not setup["processes"] or int(setup["processes"]) < 2:
             raise UserError("--recover in-process needs 2 processes or more: give --num_processes N")
+        processes = int(setup["processes"])
+        if min_processes is not None and min_processes > processes:
+            raise UserError(f"--min-processes {min_processes} is more than the {processes} processes launched")
         if setup["sharded"]:
             raise UserError(
                 "--recover in-process runs DDP's processes, each holding the whole model: FSDP and DeepSpeed keep "
@@ -277,7 +288,7 @@ def launch_recovering_in_process(accelerate_args: list[str]) -> int:
     env = {"ACCELERATE_MIXED_PRECISION": str(setup["mixed_precision"])} if setup["mixed_precision"] else {}
     if setup["use_cpu"]:
         env["ACCELERATE_USE_CPU"] = "true"  # (what accelerate launch passes its processes)
-    return recovery.launch([setup["script"], *setup["script_args"]], int(setup["processes"]), env)
+    return recovery.launch([setup["script"], *setup["script_args"]], processes, env, min_processes or processes)
 
 
 def launch(accelerate_args: list[str], join_timeout_s: float = 600.0, wait_report_s: float = 10.0) -> int:

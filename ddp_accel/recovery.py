@@ -209,10 +209,17 @@ class Launcher:
     """Starts `processes` processes of `command` on this machine around a store of its own, and forms a new group
     after each loss (the module's docstring). Returns the command's exit status from `run`."""
 
-    def __init__(self, command: list[str], processes: int, report_timeout_s: float = REPORT_TIMEOUT_S):
+    def __init__(
+        self,
+        command: list[str],
+        processes: int,
+        report_timeout_s: float = REPORT_TIMEOUT_S,
+        min_processes: int | None = None,
+    ):
         import torch.distributed as dist
 
         self.command, self.processes, self.report_timeout_s = command, processes, report_timeout_s
+        self.min_processes = min_processes or processes  # fewer survivors than this: replacements
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.generation = 0
         self.everyone = [str(slot) for slot in range(processes)]  # the first group's, in rank order
@@ -348,10 +355,11 @@ class Launcher:
         lost = [slot for slot in self.everyone if slot not in reports and slot not in self.joining]
         share = self.facts.shares(len(survivors)) if self.facts else None
         if share is not None:
-            self.next_generation(
-                survivors, share, f"{len(survivors)} survivors go on{at}, {share} samples each", lost_at
-            )
-            for slot in lost:  # called in once its imports are done: hand_back
+            replaced = len(survivors) < self.min_processes
+            how = f"{len(survivors)} survivors go on{at}, {share} samples each"
+            how += "" if replaced else f" to the end (--min-processes {self.min_processes}: no replacement)"
+            self.next_generation(survivors, share, how, lost_at)
+            for slot in lost if replaced else []:  # called in once its imports are done: hand_back
                 self.joining[slot] = (self.start(slot, resume=True, joins=True), self.starts)
             return True
         # the first group's size again, each process with its first batch: replacements now (and any waiting)
@@ -402,8 +410,11 @@ class Launcher:
         self.joining.clear()
 
 
-def launch(script_command: list[str], processes: int, env: dict[str, str] | None = None) -> int:
+def launch(
+    script_command: list[str], processes: int, env: dict[str, str] | None = None, min_processes: int | None = None
+) -> int:
     """`ddp-accel launch --recover in-process`: `script_command` (the script and its arguments) on `processes`
-    processes of this machine, with `env` added to their environment (the config's precision)."""
+    processes of this machine, with `env` added to their environment (the config's precision); survivors that
+    number `min_processes` and keep the global batch finish the run without replacements."""
     os.environ.update(env or {})
-    return Launcher([sys.executable, *script_command], processes).run()
+    return Launcher([sys.executable, *script_command], processes, min_processes=min_processes).run()

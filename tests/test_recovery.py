@@ -1,6 +1,7 @@
 """`ddp-accel launch --recover in-process`: a SIGKILL of one rank, and the survivors go on in their own processes,
 ending bitwise as the run without the failure (ddp_accel/recovery.py)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -33,6 +34,25 @@ def test_survivors_keep_the_global_batch_only_in_pieces_that_divide_it():
     assert Facts(7, 12, 0).shares(2) is None  # without --exact-micro-batch the sum's order moves: a replacement
     assert resumed_arguments(["-b", "4"], 6) == ["-b", "4", "--resume-from-checkpoint", "latest", "--batch-size", "6"]
     assert resumed_arguments(["-b", "4"], None) == ["-b", "4", "--resume-from-checkpoint", "latest"]
+
+
+@pytest.mark.inprocess
+@pytest.mark.parametrize(("min_processes", "replaced"), [(None, True), (3, True), (2, False)])
+def test_survivors_finish_without_a_replacement_only_as_many_as_min_processes(min_processes, replaced, capsys):
+    from ddp_accel.recovery import KEY, Launcher
+
+    launcher = Launcher(["python", "train.py"], 3, min_processes=min_processes)
+    started = []
+    launcher.start = lambda slot, **how: started.append((slot, how)) or object()  # no process: the decision alone
+    facts = {"step": 5, "global_batch": 12, "exact_micro_batch": 2}
+    assert launcher.regroup({"0": facts, "2": facts}, lost_at=1.0)
+    plan = json.loads(launcher.store.get(f"{KEY}/generation_1"))
+    assert plan["members"] == ["0", "2"] and plan["batch_size"] == 6  # the survivors alone, either way
+    assert started == ([("1", {"resume": True, "joins": True})] if replaced else [])
+    assert ("no replacement" in capsys.readouterr().err) is not replaced
+    # a second loss leaves 1 survivor: below 2, every lost one is replaced (each joins once ready)
+    assert launcher.regroup({"0": {**facts, "step": 9}}, lost_at=2.0)
+    assert sorted(slot for slot, _ in started) == ["1", "2"] and set(launcher.joining) == {"1", "2"}
 
 
 def recovering_launch(output_dir: Path, processes: int, *args) -> subprocess.Popen:
@@ -153,6 +173,11 @@ def test_in_process_recovery_refuses_more_than_one_machine_or_a_sharded_config_i
     fsdp = ROOT / "accelerate_configs" / "fsdp.yaml"
     assert main(["--recover", "in-process", "--config_file", str(fsdp), "--num_processes", "2", PROBE]) == 2
     assert "FSDP and DeepSpeed keep shards no survivor holds" in capsys.readouterr().err
+    assert main(["--recover", "in-process", "--min-processes", "4", "--num_processes", "3", PROBE]) == 2
+    assert "--min-processes 4 is more than the 3 processes launched" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--min-processes", "2", "--num_processes", "3", PROBE])
+    assert "--min-processes is how many survivors --recover in-process goes on with" in capsys.readouterr().err
 
 
 @pytest.mark.multiprocess

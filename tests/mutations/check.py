@@ -1067,6 +1067,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         '        self.store.set(f"{KEY}/abandoned_{self.generation}", "1")',
         "        pass",
     ),
+    "min_processes_survivors_replaced_anyway": (
+        "ddp_accel/recovery.py",
+        "            replaced = len(survivors) < self.min_processes",
+        "            replaced = True",
+    ),
     "a_sharded_config_recovered_in_process": (
         "ddp_accel/launch.py",
         '        if setup["sharded"]:',
