@@ -1084,8 +1084,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "survivors_keep_their_old_per_process_batch": (
         "ddp_accel/recovery.py",
-        'survivors, share, f"{len(survivors)} survivors go on{at}',
-        'survivors, None, f"{len(survivors)} survivors go on{at}',
+        "            self.next_generation(survivors, share, how, lost_at)",
+        "            self.next_generation(survivors, None, how, lost_at)",
     ),
 }
 
