@@ -162,14 +162,29 @@ def _main_through_regroups(main: Callable[..., Any], signals: StopSignals) -> No
             main(signals) if inspect.signature(main).parameters else main()
             return
         except recovery.Regroup as regroup:
-            regroup.__traceback__ = None  # drop the frames holding the old group's model and loaders
-            recovery.rejoin(regroup.facts)
+            facts = regroup.facts
+            _drop_frames(regroup)
         except Preempted as preempted:
             if not recovery.hand_back_asked():  # a stop: as it is
                 raise
-            preempted.__traceback__ = None  # every process saved the step reached: its replacement joins there
+            facts = None  # every process saved the step reached: its replacement joins there
+            _drop_frames(preempted)
             signals.received, signals.phase = None, Phase.STARTUP
-            recovery.rejoin(None)
+        # outside the handler, so that nothing holds the old group's model and loaders while the next one is built
+        recovery.rejoin(facts)
+
+
+def _drop_frames(error: BaseException) -> None:
+    """The frames of `error` and of the errors it was raised during (the failed collective's): they hold the old
+    group's model, loaders and process group."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [error]
+    while stack:
+        current = stack.pop()
+        if current is not None and id(current) not in seen:
+            seen.add(id(current))
+            current.__traceback__ = None
+            stack += [current.__context__, current.__cause__]
 
 
 # how long a process other than 0 that met a user error waits to be ended by its launcher (which ends the group

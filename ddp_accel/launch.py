@@ -254,17 +254,25 @@ def main(argv: list[str]) -> int:
         help="--recover in-process: lost processes are not replaced while this many survive and divide the global "
         "batch into their --exact-micro-batch pieces: the run finishes on them (default: every loss replaced)",
     )
+    parser.add_argument(
+        "--stopped-timeout-s",
+        type=positive,
+        help="--recover in-process: a process stopped this long (SIGSTOP, a stuck driver) is ended and recovered "
+        "from as lost (default 30)",
+    )
     args, accelerate_args = parser.parse_known_args(argv)
     if not accelerate_args:
         parser.error("give accelerate launch's arguments and the training script")
-    if args.min_processes is not None and args.recover != "in-process":
-        parser.error("--min-processes is how many survivors --recover in-process goes on with")
+    if args.recover != "in-process" and (args.min_processes is not None or args.stopped_timeout_s is not None):
+        parser.error("--min-processes and --stopped-timeout-s shape --recover in-process: give it")
     if args.recover == "in-process":
-        return launch_recovering_in_process(accelerate_args, args.min_processes)
+        return launch_recovering_in_process(accelerate_args, args.min_processes, args.stopped_timeout_s)
     return launch(accelerate_args, args.join_timeout_s, args.wait_report_s)
 
 
-def launch_recovering_in_process(accelerate_args: list[str], min_processes: int | None = None) -> int:
+def launch_recovering_in_process(
+    accelerate_args: list[str], min_processes: int | None = None, stopped_timeout_s: float | None = None
+) -> int:
     """The processes started here, around a store of this launcher's (ddp_accel.recovery)."""
     from ddp_accel import recovery
 
@@ -288,7 +296,9 @@ def launch_recovering_in_process(accelerate_args: list[str], min_processes: int 
     env = {"ACCELERATE_MIXED_PRECISION": str(setup["mixed_precision"])} if setup["mixed_precision"] else {}
     if setup["use_cpu"]:
         env["ACCELERATE_USE_CPU"] = "true"  # (what accelerate launch passes its processes)
-    return recovery.launch([setup["script"], *setup["script_args"]], processes, env, min_processes or processes)
+    stopped_timeout_s = stopped_timeout_s or recovery.STOPPED_TIMEOUT_S
+    script_command = [setup["script"], *setup["script_args"]]
+    return recovery.launch(script_command, processes, env, min_processes or processes, stopped_timeout_s)
 
 
 def launch(accelerate_args: list[str], join_timeout_s: float = 600.0, wait_report_s: float = 10.0) -> int:

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 GENERATION = "DDP_ACCEL_RECOVERY_GENERATION"  # the group this process belongs to (0 at the launch)
@@ -42,6 +44,8 @@ JOINS = "DDP_ACCEL_RECOVERY_JOINS"  # a replacement: it waits to be called into 
 HAND_BACK_SIGNAL = signal.SIGUSR1  # the survivors save the step they reached together (a preemption's save)
 KEY = "ddp_accel/recovery"
 REPORT_TIMEOUT_S = 300.0  # a survivor that neither reports nor ends by then is ended: the group goes on without it
+STOPPED_TIMEOUT_S = 30.0  # a process stopped this long (SIGSTOP) is ended: a loss to recover from
+UNUSED_TAG = 7_777_777  # close_the_connections' receive: a tag no message of the group carries
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)  # to every process: a stop saves and ends
 
 
@@ -169,24 +173,50 @@ def take_place(generation: int, plan: dict[str, Any]) -> None:
     os.environ.update({GENERATION: str(generation), **launch_variables(rank, len(members))})
 
 
+def leave_the_group() -> None:
+    """The broken group's connections closed, the group aborted and destroyed (no local of this frame outlives the
+    call)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_backend() == "gloo":
+            close_the_connections()
+        abort = getattr(dist.group.WORLD, "abort", None)  # torch's own end of a group whose peer is gone
+        if abort is not None:
+            abort()
+        dist.destroy_process_group()
+
+
+def close_the_connections() -> None:
+    """gloo: close this process's connections to its peers now. A peer may wait on this process alone (the ordered
+    sum passes its total between neighbours: only the lost rank's neighbours see their call fail), and the group
+    stays alive after its destruction while anything still holds it; gloo closes every connection of a group whose
+    receive timed out, and the waiting peer's call then fails at once instead of at --timeout-s. A receive on a tag
+    nothing sends, from each peer until one times out (one already gone fails at once)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for peer in [(rank + offset) % world for offset in range(1, world)]:
+        try:
+            dist.irecv(torch.empty(1), peer, tag=UNUSED_TAG).wait(datetime.timedelta(milliseconds=1))
+        except Exception:  # the timeout (every connection closed), or a connection closed already
+            continue
+
+
 def rejoin(facts: Facts | None, timeout_s: float = REPORT_TIMEOUT_S) -> None:
     """Leave the broken group, report, wait for the launcher's next generation and take its place in it: the
     launch variables (RANK, WORLD_SIZE), and the command's resume (`--resume-from-checkpoint latest`, and the
     per-process batch the launcher chose)."""
     import torch
-    import torch.distributed as dist
     from accelerate.state import AcceleratorState, GradientState
 
-    if dist.is_initialized():
-        group = dist.group.WORLD
-        abort = getattr(group, "abort", None)  # torch's own end of a group whose peer is gone: no wait on it
-        if abort is not None:
-            abort()
-        dist.destroy_process_group()
+    leave_the_group()
     # Accelerate keeps the world it was built in for the process's life; the next main builds it again. Its resets
     # are the ones its own tests use (no public one).
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+    gc.collect()  # the old model, optimizer and loaders freed before the next main builds its own (device memory)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the old group's blocks, for the processes of the next
     generation, slot = int(os.environ[GENERATION]), os.environ[SLOT]
@@ -215,11 +245,14 @@ class Launcher:
         processes: int,
         report_timeout_s: float = REPORT_TIMEOUT_S,
         min_processes: int | None = None,
+        stopped_timeout_s: float = STOPPED_TIMEOUT_S,
     ):
         import torch.distributed as dist
 
         self.command, self.processes, self.report_timeout_s = command, processes, report_timeout_s
         self.min_processes = min_processes or processes  # fewer survivors than this: replacements
+        self.stopped_timeout_s = stopped_timeout_s
+        self.stopped_since: dict[str, float] = {}
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.generation = 0
         self.everyone = [str(slot) for slot in range(processes)]  # the first group's, in rank order
@@ -270,6 +303,7 @@ class Launcher:
 
     def watch(self) -> int:
         while self.running:
+            self.end_the_stopped()
             for slot in [slot for slot, process in self.running.items() if process.poll() is not None]:
                 code = self.running.pop(slot).returncode
                 if code < 0 and not self.received:  # killed by a signal (SIGKILL, a crash): a loss to recover
@@ -295,6 +329,7 @@ class Launcher:
         left out (a second loss while the group re-forms), one silent past the bound is ended."""
         started, reports = time.monotonic(), {}
         while not self.received:
+            self.end_the_stopped()
             for slot, process in list(self.running.items()):
                 key = f"{KEY}/saved_{self.generation}/{slot}"
                 if slot not in reports and self.store.check([key]):
@@ -309,6 +344,26 @@ class Launcher:
                 return reports
             time.sleep(0.02)
         return {}  # stopped meanwhile: no new group
+
+    def end_the_stopped(self) -> None:
+        """A process stopped past the bound (SIGSTOP, a stuck driver) is alive but cut off: its peers wait for it
+        in a collective. It is ended, and its end recovered from as a loss (a debugger's stop is left alone)."""
+        now = time.monotonic()
+        for slot, process in self.running.items():
+            if process_state(process.pid) != "T":
+                self.stopped_since.pop(slot, None)
+                continue
+            stopped_s = now - self.stopped_since.setdefault(slot, now)
+            if stopped_s > self.stopped_timeout_s:
+                rank = self.members.index(slot) if slot in self.members else slot
+                print(
+                    f"ddp-accel launch: rank {rank} stopped for {stopped_s:.0f} s (SIGSTOP, a stuck driver): ended, "
+                    "and recovered from as lost",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                process.kill()
+                del self.stopped_since[slot]
 
     def next_generation(self, members: list[str], batch_size: int | None, how: str, lost_at: float = 0) -> None:
         self.generation += 1
@@ -411,10 +466,24 @@ class Launcher:
 
 
 def launch(
-    script_command: list[str], processes: int, env: dict[str, str] | None = None, min_processes: int | None = None
+    script_command: list[str],
+    processes: int,
+    env: dict[str, str] | None = None,
+    min_processes: int | None = None,
+    stopped_timeout_s: float = STOPPED_TIMEOUT_S,
 ) -> int:
     """`ddp-accel launch --recover in-process`: `script_command` (the script and its arguments) on `processes`
     processes of this machine, with `env` added to their environment (the config's precision); survivors that
-    number `min_processes` and keep the global batch finish the run without replacements."""
+    number `min_processes` and keep the global batch finish the run without replacements; a process stopped for
+    `stopped_timeout_s` is ended and recovered from as lost."""
     os.environ.update(env or {})
-    return Launcher([sys.executable, *script_command], processes, min_processes=min_processes).run()
+    command = [sys.executable, *script_command]
+    return Launcher(command, processes, min_processes=min_processes, stopped_timeout_s=stopped_timeout_s).run()
+
+
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of a process (`T`: stopped by a signal; `t`: by a debugger), '' if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""

@@ -55,13 +55,14 @@ def test_survivors_finish_without_a_replacement_only_as_many_as_min_processes(mi
     assert sorted(slot for slot, _ in started) == ["1", "2"] and set(launcher.joining) == {"1", "2"}
 
 
-def recovering_launch(output_dir: Path, processes: int, *args) -> subprocess.Popen:
+def recovering_launch(output_dir: Path, processes: int, *args, options: tuple = ()) -> subprocess.Popen:
     log = open(output_dir.with_suffix(".log"), "w")
     command = [
         str(BIN / "ddp-accel"),
         "launch",
         "--recover",
         "in-process",
+        *options,
         "--num_processes",
         str(processes),
         PROBE,
@@ -110,7 +111,9 @@ def test_survivors_go_on_with_a_killed_rank_s_share_until_its_replacement_takes_
     assert check.returncode == 0, check.stderr[-3000:]
     output_dir = tmp_path / "recovered"
     launcher = recovering_launch(output_dir, 3, *job, "--batch-size", "4", "--step-ms", "60", "--hang-timeout-s", "30")
-    kill_slot_after_some_steps(launcher, output_dir, slot=1)
+    # rank 0: the ordered sum passes a total from rank to rank, so only rank 1's call fails; rank 2 waits on rank 1
+    # until rank 1 leaves the group (its sockets closed)
+    kill_slot_after_some_steps(launcher, output_dir, slot=0)
     code, log = finish(launcher, output_dir)
     assert code == 0, log[-3000:]
     assert "generation 1: 2 survivors go on at step" in log and "6 samples each" in log, log[-3000:]
@@ -162,6 +165,24 @@ def test_a_second_loss_while_the_group_forms_gives_that_group_up_and_the_next_on
     assert not any(probes_of_slot(slot) for slot in range(3))
 
 
+@pytest.mark.multiprocess
+def test_a_rank_stopped_past_the_bound_is_ended_and_replaced_and_the_run_ends_bitwise(standard_reference, tmp_path):
+    # SIGSTOP: alive, but its peers wait for it in a collective (a stuck driver); the launcher sees it stopped
+    output_dir = tmp_path / "stopped"
+    launcher = recovering_launch(
+        output_dir, 2, *STANDARD_PROBE_ARGS, "--step-ms", "40", options=("--stopped-timeout-s", "2")
+    )
+    log_file = output_dir.with_suffix(".log")
+    wait_for(lambda: "train:" in log_file.read_text(), alive=launcher, what="the training")
+    time.sleep(1.5)  # some steps in
+    os.kill(wait_for(lambda: probes_of_slot(1))[0], signal.SIGSTOP)
+    code, log = finish(launcher, output_dir)
+    assert code == 0, log[-3000:]
+    assert "rank 1 stopped for 2 s (SIGSTOP, a stuck driver): ended" in log, log[-3000:]
+    assert "1 replacement(s) join the 1 survivors" in log, log[-3000:]
+    assert_same_weights(standard_reference, output_dir)
+
+
 @pytest.mark.inprocess
 def test_in_process_recovery_refuses_more_than_one_machine_or_a_sharded_config_in_one_line(capsys):
     from ddp_accel.launch import main
@@ -177,7 +198,7 @@ def test_in_process_recovery_refuses_more_than_one_machine_or_a_sharded_config_i
     assert "--min-processes 4 is more than the 3 processes launched" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--min-processes", "2", "--num_processes", "3", PROBE])
-    assert "--min-processes is how many survivors --recover in-process goes on with" in capsys.readouterr().err
+    assert "--min-processes and --stopped-timeout-s shape --recover in-process: give it" in capsys.readouterr().err
 
 
 @pytest.mark.multiprocess

@@ -1072,6 +1072,18 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            replaced = len(survivors) < self.min_processes",
         "            replaced = True",
     ),
+    "a_stopped_process_holds_its_peers_until_the_watchdog": (
+        "ddp_accel/recovery.py",
+        '            if process_state(process.pid) != "T":',
+        "            if True:",
+    ),
+    "a_survivor_leaves_its_peers_waiting_on_its_connections": (
+        "ddp_accel/recovery.py",
+        """        if dist.get_backend() == "gloo":
+            close_the_connections()""",
+        """        if False:
+            close_the_connections()""",
+    ),
     "a_sharded_config_recovered_in_process": (
         "ddp_accel/launch.py",
         '        if setup["sharded"]:',
