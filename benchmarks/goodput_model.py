@@ -11,7 +11,7 @@ where every rank holds the whole state: DDP) costs R and that save (a synchronou
 second of useful training the job then spends C / tau + (1 - covered) (tau / 2 + R) / M + covered (R + S) / M
 more; goodput = 1 / (1 + that), at the tau that minimises it. Recovered in process (`ddp-accel launch
 --recover in-process`), a covered failure costs that save and the survivors' regroup I instead of R: the
-processes, their imports and their memory stay (measured here: the kill to the next step 0.11x of the
+processes, their imports and their memory stay (measured here: the kill to the next step 0.14x of the
 restart's). Assumptions: failures independent and memoryless, each GPU alike, one failure at a time, no failure
 during a restart; planned interruptions (with grace: a stop saves the step reached) left out.
 
@@ -26,8 +26,8 @@ import argparse
 LLAMA3_UNEXPECTED = 419
 LLAMA3_GPU_HOURS = 54 * 24 * 16_384
 RATE_PER_GPU_HOUR = LLAMA3_UNEXPECTED / LLAMA3_GPU_HOURS
-# the kill to the next step, recovered in process against restarted (resnet20-exact-3: 0.6 s against 5.3 s)
-IN_PROCESS_RATIO = 0.6 / 5.3
+# the kill to the next step, recovered in process against restarted (resnet20-exact-3, 2 pairs: 0.7 s against 5.0 s)
+IN_PROCESS_RATIO = 0.7 / 5.0
 
 
 def overhead(tau_s: float, stall_s: float, covered_s: float, restart_s: float, mtbf_s: float, covered: float) -> float:
@@ -66,7 +66,7 @@ def main() -> None:
         "--in-process-s",
         type=float,
         help="a covered failure to the next step when the survivors keep their processes (s; default: the restart "
-        "x 0.11, the ratio measured by benchmarks/goodput.py --recovery restart in-process)",
+        "x 0.14, the ratio measured by benchmarks/goodput.py --recovery restart in-process)",
     )
     args = parser.parse_args()
     in_process_s = args.in_process_s if args.in_process_s is not None else args.restart_s * IN_PROCESS_RATIO
