@@ -199,7 +199,9 @@ def close_the_connections() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     for peer in [(rank + offset) % world for offset in range(1, world)]:
         try:
-            dist.irecv(torch.empty(1), peer, tag=UNUSED_TAG).wait(datetime.timedelta(milliseconds=1))
+            work = dist.irecv(torch.empty(1), peer, tag=UNUSED_TAG)
+            if work is not None:  # (None only for a rank outside the group)
+                work.wait(datetime.timedelta(milliseconds=1))
         except Exception:  # the timeout (every connection closed), or a connection closed already
             continue
 
