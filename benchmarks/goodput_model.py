@@ -66,7 +66,7 @@ def main() -> None:
         "--in-process-s",
         type=float,
         help="a covered failure to the next step when the survivors keep their processes (s; default: the restart "
-        "x 0.14, the ratio measured by benchmarks/goodput.py --recovery restart in-process)",
+        f"x {IN_PROCESS_RATIO:.2f}, the ratio measured by benchmarks/goodput.py --recovery restart in-process)",
     )
     args = parser.parse_args()
     in_process_s = args.in_process_s if args.in_process_s is not None else args.restart_s * IN_PROCESS_RATIO

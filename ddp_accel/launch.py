@@ -296,9 +296,8 @@ def launch_recovering_in_process(
     env = {"ACCELERATE_MIXED_PRECISION": str(setup["mixed_precision"])} if setup["mixed_precision"] else {}
     if setup["use_cpu"]:
         env["ACCELERATE_USE_CPU"] = "true"  # (what accelerate launch passes its processes)
-    stopped_timeout_s = stopped_timeout_s or recovery.STOPPED_TIMEOUT_S
     script_command = [setup["script"], *setup["script_args"]]
-    return recovery.launch(script_command, processes, env, min_processes or processes, stopped_timeout_s)
+    return recovery.launch(script_command, processes, env, min_processes, stopped_timeout_s)
 
 
 def launch(accelerate_args: list[str], join_timeout_s: float = 600.0, wait_report_s: float = 10.0) -> int:

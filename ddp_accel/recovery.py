@@ -192,7 +192,7 @@ def close_the_connections() -> None:
     sum passes its total between neighbours: only the lost rank's neighbours see their call fail), and the group
     stays alive after its destruction while anything still holds it; gloo closes every connection of a group whose
     receive timed out, and the waiting peer's call then fails at once instead of at --timeout-s. A receive on a tag
-    nothing sends, from each peer until one times out (one already gone fails at once)."""
+    nothing sends, from each peer: the first live one times out, the rest (and any peer gone) fail at once."""
     import torch
     import torch.distributed as dist
 
@@ -247,13 +247,13 @@ class Launcher:
         processes: int,
         report_timeout_s: float = REPORT_TIMEOUT_S,
         min_processes: int | None = None,
-        stopped_timeout_s: float = STOPPED_TIMEOUT_S,
+        stopped_timeout_s: float | None = None,
     ):
         import torch.distributed as dist
 
         self.command, self.processes, self.report_timeout_s = command, processes, report_timeout_s
         self.min_processes = min_processes or processes  # fewer survivors than this: replacements
-        self.stopped_timeout_s = stopped_timeout_s
+        self.stopped_timeout_s = stopped_timeout_s or STOPPED_TIMEOUT_S
         self.stopped_since: dict[str, float] = {}
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.generation = 0
@@ -472,12 +472,12 @@ def launch(
     processes: int,
     env: dict[str, str] | None = None,
     min_processes: int | None = None,
-    stopped_timeout_s: float = STOPPED_TIMEOUT_S,
+    stopped_timeout_s: float | None = None,
 ) -> int:
     """`ddp-accel launch --recover in-process`: `script_command` (the script and its arguments) on `processes`
     processes of this machine, with `env` added to their environment (the config's precision); survivors that
-    number `min_processes` and keep the global batch finish the run without replacements; a process stopped for
-    `stopped_timeout_s` is ended and recovered from as lost."""
+    number `min_processes` (default: all) and keep the global batch finish the run without replacements; a process
+    stopped for `stopped_timeout_s` (default STOPPED_TIMEOUT_S) is ended and recovered from as lost."""
     os.environ.update(env or {})
     command = [sys.executable, *script_command]
     return Launcher(command, processes, min_processes=min_processes, stopped_timeout_s=stopped_timeout_s).run()
