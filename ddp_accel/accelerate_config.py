@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import tempfile
 from pathlib import Path
@@ -102,6 +103,25 @@ def launch_environment(path: str, drop: str | None = None) -> dict[str, str]:
         except (ValueError, TypeError, KeyError) as error:
             message = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise UserError(f"{path}: accelerate launch would refuse it: {message}") from None
+
+
+def process_variables(arguments: list[str]) -> dict[str, str]:
+    """What `accelerate launch ARGUMENTS` adds to the environment of each process it starts (its own launch code:
+    the precision, dynamo, the debug mode, the visible devices, FSDP's settings), for a launcher of ours that starts
+    the processes itself (`ddp-accel launch --recover in-process`: the rendezvous is its own)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(arguments)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            args, _, _ = _validate_launch_command(args)
+            args.main_process_port = 1  # (no port to check: the processes meet at the launcher's store)
+            environment = prepare_multi_gpu_env(args)
+    except (ValueError, TypeError, KeyError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UserError(f"accelerate launch would refuse these arguments: {message}") from None
+    return {name: value for name, value in environment.items() if os.environ.get(name) != value}
 
 
 def validate_like_accelerate_launch(path: str) -> None:

@@ -275,6 +275,7 @@ def launch_recovering_in_process(
 ) -> int:
     """The processes started here, around a store of this launcher's (ddp_accel.recovery)."""
     from ddp_accel import recovery
+    from ddp_accel.accelerate_config import process_variables
 
     try:
         setup = machine_setup(accelerate_args)
@@ -290,10 +291,10 @@ def launch_recovering_in_process(
                 "--recover in-process runs DDP's processes, each holding the whole model: FSDP and DeepSpeed keep "
                 "shards no survivor holds (restart instead: torchrun --max_restarts N)"
             )
+        env = process_variables(accelerate_args)  # the config's and the flags' settings, as accelerate launch's
     except UserError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
-    env = {"ACCELERATE_MIXED_PRECISION": str(setup["mixed_precision"])} if setup["mixed_precision"] else {}
     if setup["use_cpu"]:
         env["ACCELERATE_USE_CPU"] = "true"  # (what accelerate launch passes its processes)
     script_command = [setup["script"], *setup["script_args"]]

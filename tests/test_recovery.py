@@ -20,7 +20,7 @@ from helpers import (
     wait_for,
 )
 
-from ddp_accel.recovery import SLOT, Facts, resumed_arguments
+from ddp_accel.recovery import GENERATION, SLOT, Facts, resumed_arguments
 
 PROBE = str(ROOT / "tests" / "probe.py")
 
@@ -199,6 +199,48 @@ def test_in_process_recovery_refuses_more_than_one_machine_or_a_sharded_config_i
     with pytest.raises(SystemExit):
         main(["--min-processes", "2", "--num_processes", "3", PROBE])
     assert "--min-processes and --stopped-timeout-s shape --recover in-process: give it" in capsys.readouterr().err
+
+
+@pytest.mark.inprocess
+def test_every_setting_accelerate_launch_gives_its_processes_reaches_the_recovering_launcher_s(tmp_path, monkeypatch):
+    from ddp_accel import launch, recovery
+
+    config = tmp_path / "debug.yaml"
+    config.write_text(
+        "distributed_type: MULTI_GPU\nnum_machines: 1\nnum_processes: 2\nmixed_precision: bf16\ndebug: true\n"
+        "gpu_ids: 0,1\ndynamo_config:\n  dynamo_backend: INDUCTOR\n"
+    )
+    handed = {}
+    monkeypatch.setattr(recovery, "launch", lambda command, processes, env, *rest: handed.update(env) or 0)
+    threads = ["--num_cpu_threads_per_process", "3"]  # (a flag only)
+    assert launch.main(["--recover", "in-process", "--config_file", str(config), *threads, PROBE, "--epochs", "1"]) == 0
+    assert handed["ACCELERATE_MIXED_PRECISION"] == "bf16" and handed["ACCELERATE_DEBUG_MODE"] == "true"
+    assert handed["CUDA_VISIBLE_DEVICES"] == "0,1" and handed["OMP_NUM_THREADS"] == "3"
+    assert handed["ACCELERATE_DYNAMO_BACKEND"] == "INDUCTOR"
+    handed.clear()  # a flag over the file, as accelerate launch reads it
+    assert launch.main(["--recover", "in-process", "--config_file", str(config), "--mixed_precision", "fp16", PROBE]) == 0
+    assert handed["ACCELERATE_MIXED_PRECISION"] == "fp16"
+
+
+@pytest.mark.inprocess
+def test_each_generation_forms_its_group_on_keys_no_earlier_generation_wrote(monkeypatch):
+    # a group's keys (each rank's gloo address) have the same names in every generation: read from an earlier
+    # one, they name a rank that is gone ("Gloo connectFullMesh failed ... Connection refused")
+    import torch.distributed as dist
+
+    from ddp_accel import runtime
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    formed = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, store, **how: formed.append(store))
+    for generation in ("0", "1"):
+        monkeypatch.setenv(GENERATION, generation)
+        runtime.init_elastic_process_group(cpu=True, timeout_s=10)
+    formed[0].set("rank_0", "the address of a process lost since")
+    assert formed[0].check(["rank_0"]) and not formed[1].check(["rank_0"])
 
 
 @pytest.mark.multiprocess

@@ -1094,6 +1094,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    if launcher is not None and launcher == str(os.getppid()):",
         "    if False:",
     ),
+    "in_process_launch_drops_the_config_s_settings": (
+        "ddp_accel/launch.py",
+        "        env = process_variables(accelerate_args)",
+        '        env = {"ACCELERATE_MIXED_PRECISION": str(setup["mixed_precision"] or "no")}',
+    ),
+    "generations_share_one_store_prefix": (
+        "ddp_accel/recovery.py",
+        '    return f"ddp_accel/generation_{os.environ[GENERATION]}"',
+        '    return "ddp_accel/generation"',
+    ),
     "survivors_keep_their_old_per_process_batch": (
         "ddp_accel/recovery.py",
         "            self.next_generation(survivors, share, how, lost_at)",
