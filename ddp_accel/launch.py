@@ -257,8 +257,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--stopped-timeout-s",
         type=positive,
-        help="--recover in-process: a process stopped this long (SIGSTOP, a stuck driver) is ended and recovered "
-        "from as lost (default 30)",
+        help="--recover in-process: a process stopped this long (SIGSTOP, a stuck driver), or silent this long "
+        "once its peers' collective timed out on it (a deadlock: --timeout-s), is ended and recovered from as lost "
+        "(default 30)",
     )
     args, accelerate_args = parser.parse_known_args(argv)
     if not accelerate_args:

@@ -16,7 +16,10 @@ they meet at (a TCPStore in the launcher: losing rank 0 loses no store). When a 
    script's main again, resuming from the step it saved. The members first meet at a count of the launcher's
    store (`meet`): a loss before the group formed makes the launcher give that generation up, and whoever waits
    for it reports again instead of waiting on a dead peer inside torch's rendezvous.
-4. Where the survivors went on alone, a replacement starts meanwhile. Once it waits at the group's door (its
+4. A process alive but cut off (a deadlock, a wait in the kernel) fails no peer's call until their collective
+   times out (`--timeout-s`): then the peers save and report as above while every process still runs, and the
+   launcher ends the one that stays silent (`--stopped-timeout-s`) and recovers from it as from a loss.
+5. Where the survivors went on alone, a replacement starts meanwhile. Once it waits at the group's door (its
    imports done), the launcher asks the survivors to hand its share back: a preemption signal, on which every
    process saves the step it reached at the same step (ddp_accel.stopping); then all of them, the replacement
    with them, form the next generation with the first one's per-process batch and resume there.
@@ -44,7 +47,7 @@ JOINS = "DDP_ACCEL_RECOVERY_JOINS"  # a replacement: it waits to be called into 
 HAND_BACK_SIGNAL = signal.SIGUSR1  # the survivors save the step they reached together (a preemption's save)
 KEY = "ddp_accel/recovery"
 REPORT_TIMEOUT_S = 300.0  # a survivor that neither reports nor ends by then is ended: the group goes on without it
-STOPPED_TIMEOUT_S = 30.0  # a process stopped this long (SIGSTOP) is ended: a loss to recover from
+STOPPED_TIMEOUT_S = 30.0  # a process stopped this long (SIGSTOP), or silent once its peers reported, is ended
 UNUSED_TAG = 7_777_777  # close_the_connections' receive: a tag no message of the group carries
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)  # to every process: a stop saves and ends
 
@@ -224,6 +227,7 @@ def rejoin(facts: Facts | None, timeout_s: float = REPORT_TIMEOUT_S) -> None:
     generation, slot = int(os.environ[GENERATION]), os.environ[SLOT]
     store = store_client(timeout_s)
     store.set(f"{KEY}/saved_{generation}/{slot}", json.dumps(dataclasses.asdict(facts) if facts else {}))
+    store.add(f"{KEY}/reported_{generation}", 1)  # (the launcher's sign of a peer lost while every process runs)
     missing = f"the launcher formed no new group within {timeout_s:g} s; resume with --resume-from-checkpoint latest"
     plan = json.loads(waited(store, f"{KEY}/generation_{generation + 1}", timeout_s, missing))
     take_place(generation + 1, plan)
@@ -318,6 +322,11 @@ class Launcher:
             for slot, (process, _) in list(self.joining.items()):
                 if process.poll() is not None:  # a replacement lost before its call: the survivors go on
                     del self.joining[slot]
+            if self.running and not self.received and self.store.add(f"{KEY}/reported_{self.generation}", 0):
+                if not self.recover_from_a_cut_off_peer():  # a survivor's collective timed out: a peer runs, cut off
+                    self.end_all()
+                    return 1
+                continue
             ready = [slot for slot, (_, start) in self.joining.items() if self.store.check([f"{KEY}/ready/{start}"])]
             if self.joining and len(ready) == len(self.joining) and self.running and not self.received:
                 if not self.hand_back():
@@ -326,10 +335,11 @@ class Launcher:
             time.sleep(0.05)
         return 0
 
-    def reports(self) -> dict[str, dict[str, Any]]:
+    def reports(self, silent_s: float | None = None) -> dict[str, dict[str, Any]]:
         """Each running process's report of its save in this generation (rejoin's); a process that ends first is
-        left out (a second loss while the group re-forms), one silent past the bound is ended."""
-        started, reports = time.monotonic(), {}
+        left out (a second loss while the group re-forms), one silent past `silent_s` (default: the report
+        timeout) is ended."""
+        started, reports, silent_s = time.monotonic(), {}, silent_s or self.report_timeout_s
         while not self.received:
             self.end_the_stopped()
             for slot, process in list(self.running.items()):
@@ -340,8 +350,15 @@ class Launcher:
                     del self.running[slot]
             if set(reports) == set(self.running):
                 return reports
-            if time.monotonic() - started > self.report_timeout_s:
+            if time.monotonic() - started > silent_s:
                 for slot in set(self.running) - set(reports):  # alive but silent (stopped, cut off): ended
+                    print(
+                        f"ddp-accel launch: rank {self.members.index(slot) if slot in self.members else slot} silent "
+                        f"for {silent_s:.0f} s while its peers reported (cut off: a deadlock, a wait in the kernel): "
+                        "ended, and recovered from as lost",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     self.running.pop(slot).kill()
                 return reports
             time.sleep(0.02)
@@ -386,6 +403,19 @@ class Launcher:
             flush=True,
         )
         return self.regroup(self.reports(), lost_at)
+
+    def recover_from_a_cut_off_peer(self) -> bool:
+        """A survivor reported while every process still runs: its collective timed out (`--timeout-s`) on a peer
+        that is alive but cut off (a deadlock, a wait in the kernel). Whoever has not reported within the stopped
+        bound is ended; then the next generation, as after a loss."""
+        lost_at = time.time()
+        self.store.set(f"{KEY}/abandoned_{self.generation}", "1")
+        print(
+            "ddp-accel launch: a process lost a peer that still runs; recovering in process",
+            file=sys.stderr,
+            flush=True,
+        )
+        return self.regroup(self.reports(silent_s=self.stopped_timeout_s), lost_at)
 
     def regroup(self, reports: dict[str, dict[str, Any]], lost_at: float) -> bool:
         """The next generation after a loss: the survivors alone where they keep the global batch bitwise (a

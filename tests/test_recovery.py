@@ -183,6 +183,26 @@ def test_a_rank_stopped_past_the_bound_is_ended_and_replaced_and_the_run_ends_bi
     assert_same_weights(standard_reference, output_dir)
 
 
+@pytest.mark.multiprocess
+def test_a_rank_cut_off_in_a_deadlock_is_ended_once_its_peer_s_collective_timed_out_and_the_run_ends_bitwise(
+    standard_reference, tmp_path
+):
+    # reading a sample blocks forever (once): that rank is alive and silent; its peer's all-reduce times out after
+    # --timeout-s (below the watchdog's bound; it also bounds the wait for the replacement's start), the peer saves
+    # the step reached and reports, and the launcher ends the silent one after --stopped-timeout-s and replaces it
+    output_dir = tmp_path / "cut_off"
+    job = [*STANDARD_PROBE_ARGS, "--step-ms", "40", "--hang-at-sample", "200", "--timeout-s", "15"]
+    launcher = recovering_launch(output_dir, 2, *job, "--hang-timeout-s", "120", options=("--stopped-timeout-s", "2"))
+    code, log = finish(launcher, output_dir)
+    assert code == 0, log[-3000:]
+    assert "a process lost a peer that still runs; recovering in process" in log, log[-3000:]
+    assert "silent for 2 s while its peers reported (cut off: a deadlock, a wait in the kernel): ended" in log, log
+    assert "1 replacement(s) join the 1 survivors" in log and "saved the step it reached" in log, log[-3000:]
+    assert (output_dir / "hung_once").exists()  # (the sample did block)
+    assert_same_weights(standard_reference, output_dir)
+    assert not any(probes_of_slot(slot) for slot in range(2))
+
+
 @pytest.mark.inprocess
 def test_in_process_recovery_refuses_more_than_one_machine_or_a_sharded_config_in_one_line(capsys):
     from ddp_accel.launch import main
