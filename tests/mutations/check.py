@@ -1104,6 +1104,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         '    return f"ddp_accel/generation_{os.environ[GENERATION]}"',
         '    return "ddp_accel/generation"',
     ),
+    "a_cut_off_peer_left_to_the_watchdog": (
+        "ddp_accel/recovery.py",
+        '            if self.running and not self.received and self.store.add(f"{KEY}/reported_{self.generation}", 0):',
+        "            if False:",
+    ),
     "survivors_keep_their_old_per_process_batch": (
         "ddp_accel/recovery.py",
         "            self.next_generation(survivors, share, how, lost_at)",
