@@ -323,7 +323,7 @@ class Launcher:
                 if process.poll() is not None:  # a replacement lost before its call: the survivors go on
                     del self.joining[slot]
             if self.running and not self.received and self.store.add(f"{KEY}/reported_{self.generation}", 0):
-                if not self.recover_from_a_cut_off_peer():  # a survivor's collective timed out: a peer runs, cut off
+                if not self.recover(None):  # a survivor's collective timed out on a peer that runs, cut off
                     self.end_all()
                     return 1
                 continue
@@ -391,31 +391,20 @@ class Launcher:
         self.store.set(f"{KEY}/generation_{self.generation}", json.dumps(plan))
         print(f"ddp-accel launch: generation {self.generation}: {how}", file=sys.stderr, flush=True)
 
-    def recover(self, lost: str, code: int) -> bool:
-        """A process died: the survivors' reports, then the next generation (`regroup`). False where the job ends
-        instead (said)."""
+    def recover(self, lost: str | None, code: int = 0) -> bool:
+        """A process died (`lost`, ended by `code`), or (None) a survivor reported while every process still runs:
+        its collective timed out (`--timeout-s`) on a peer alive but cut off (a deadlock, a wait in the kernel), and
+        whoever stays silent past the stopped bound is ended. Then the survivors' reports and the next generation
+        (`regroup`). False where the job ends instead (said)."""
         lost_at = time.time()
         self.store.set(f"{KEY}/abandoned_{self.generation}", "1")  # any member still waiting to meet: report again
-        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(code)
-        print(
-            f"ddp-accel launch: rank {self.members.index(lost)} ended by {name}; recovering in process",
-            file=sys.stderr,
-            flush=True,
-        )
-        return self.regroup(self.reports(), lost_at)
-
-    def recover_from_a_cut_off_peer(self) -> bool:
-        """A survivor reported while every process still runs: its collective timed out (`--timeout-s`) on a peer
-        that is alive but cut off (a deadlock, a wait in the kernel). Whoever has not reported within the stopped
-        bound is ended; then the next generation, as after a loss."""
-        lost_at = time.time()
-        self.store.set(f"{KEY}/abandoned_{self.generation}", "1")
-        print(
-            "ddp-accel launch: a process lost a peer that still runs; recovering in process",
-            file=sys.stderr,
-            flush=True,
-        )
-        return self.regroup(self.reports(silent_s=self.stopped_timeout_s), lost_at)
+        if lost is None:
+            what, silent_s = "a process lost a peer that still runs", self.stopped_timeout_s
+        else:
+            name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(code)
+            what, silent_s = f"rank {self.members.index(lost)} ended by {name}", None
+        print(f"ddp-accel launch: {what}; recovering in process", file=sys.stderr, flush=True)
+        return self.regroup(self.reports(silent_s), lost_at)
 
     def regroup(self, reports: dict[str, dict[str, Any]], lost_at: float) -> bool:
         """The next generation after a loss: the survivors alone where they keep the global batch bitwise (a
