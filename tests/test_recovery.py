@@ -238,7 +238,8 @@ def test_every_setting_accelerate_launch_gives_its_processes_reaches_the_recover
     assert handed["CUDA_VISIBLE_DEVICES"] == "0,1" and handed["OMP_NUM_THREADS"] == "3"
     assert handed["ACCELERATE_DYNAMO_BACKEND"] == "INDUCTOR"
     handed.clear()  # a flag over the file, as accelerate launch reads it
-    assert launch.main(["--recover", "in-process", "--config_file", str(config), "--mixed_precision", "fp16", PROBE]) == 0
+    flag = ["--mixed_precision", "fp16"]
+    assert launch.main(["--recover", "in-process", "--config_file", str(config), *flag, PROBE]) == 0
     assert handed["ACCELERATE_MIXED_PRECISION"] == "fp16"
 
 
