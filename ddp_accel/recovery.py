@@ -259,6 +259,7 @@ class Launcher:
         self.min_processes = min_processes or processes  # fewer survivors than this: replacements
         self.stopped_timeout_s = stopped_timeout_s or STOPPED_TIMEOUT_S
         self.stopped_since: dict[str, float] = {}
+        self.devices = slot_devices(processes)  # each slot's GPU (None: a CPU run, or fewer GPUs than processes)
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.generation = 0
         self.everyone = [str(slot) for slot in range(processes)]  # the first group's, in rank order
@@ -281,6 +282,9 @@ class Launcher:
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(self.store.port),
             **launch_variables(rank, world),
+            # its slot's GPU alone: a survivor keeps its device whatever rank it takes later, a replacement takes the
+            # lost one's (Accelerate picks LOCAL_RANK modulo the devices it sees)
+            **({"CUDA_VISIBLE_DEVICES": self.devices[int(slot)]} if self.devices else {}),
             GENERATION: str(self.generation),
             SLOT: slot,
             LAUNCHER: str(os.getpid()),
@@ -500,6 +504,21 @@ def launch(
     os.environ.update(env or {})
     command = [sys.executable, *script_command]
     return Launcher(command, processes, min_processes=min_processes, stopped_timeout_s=stopped_timeout_s).run()
+
+
+def slot_devices(processes: int) -> list[str] | None:
+    """The GPU of each of `processes` slots: the visible ones in order (CUDA_VISIBLE_DEVICES, accelerate's gpu_ids),
+    else all. None on a CPU run, or with fewer GPUs than processes (Accelerate shares them out by LOCAL_RANK)."""
+    import torch
+
+    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        devices = [device.strip() for device in visible.split(",") if device.strip()]
+    else:
+        devices = [str(index) for index in range(torch.cuda.device_count())]
+    return devices[:processes] if len(devices) >= processes else None
 
 
 def process_state(pid: int) -> str:

@@ -55,6 +55,29 @@ def test_survivors_finish_without_a_replacement_only_as_many_as_min_processes(mi
     assert sorted(slot for slot, _ in started) == ["1", "2"] and set(launcher.joining) == {"1", "2"}
 
 
+@pytest.mark.inprocess
+def test_each_slot_keeps_its_own_gpu_whatever_rank_it_takes_and_a_replacement_takes_the_lost_one_s(monkeypatch):
+    # LOCAL_RANK follows the rank in each new group (Accelerate's local main process is rank 0's): the device
+    # must not, or a survivor moves to another GPU (the lost rank's, maybe the one that failed)
+    from ddp_accel import recovery
+
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")  # accelerate's gpu_ids
+    launcher = recovery.Launcher(["python", "train.py"], 3)
+    started = {}
+    monkeypatch.setattr(recovery.subprocess, "Popen", lambda command, env, **how: started.update({env[SLOT]: env}))
+    for slot in launcher.members:
+        launcher.start(slot)
+    assert [started[slot]["CUDA_VISIBLE_DEVICES"] for slot in "012"] == ["3", "5", "7"]
+    facts = {"step": 5, "global_batch": 12, "exact_micro_batch": 4}  # 2 survivors cannot keep the pieces
+    assert launcher.regroup({"0": facts, "2": facts}, lost_at=1.0)  # slot 1 lost: its replacement starts
+    assert started["1"]["CUDA_VISIBLE_DEVICES"] == "5" and started["1"]["RANK"] == "1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")  # fewer GPUs than processes: Accelerate shares them out
+    assert recovery.slot_devices(3) is None and recovery.slot_devices(2) == ["3", "5"]
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    assert recovery.slot_devices(2) is None
+
+
 def recovering_launch(output_dir: Path, processes: int, *args, options: tuple = ()) -> subprocess.Popen:
     log = open(output_dir.with_suffix(".log"), "w")
     command = [

@@ -1109,6 +1109,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         '            if self.running and not self.received and self.store.add(f"{KEY}/reported_{self.generation}", 0):',
         "            if False:",
     ),
+    "a_survivor_moves_to_its_new_rank_s_gpu": (
+        "ddp_accel/recovery.py",
+        "        self.devices = slot_devices(processes)",
+        "        self.devices = None",
+    ),
     "survivors_keep_their_old_per_process_batch": (
         "ddp_accel/recovery.py",
         "            self.next_generation(survivors, share, how, lost_at)",
