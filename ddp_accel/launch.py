@@ -64,8 +64,8 @@ def machine_setup(accelerate_args: list[str]) -> dict[str, Any]:
         "port": int(pick("main_process_port", None) or DEFAULT_PORT),
         "script": args.training_script,
         "script_args": list(args.training_script_args),
-        "sharded": bool(args.use_fsdp or args.use_deepspeed)
-        or any(kind in str(getattr(config, "distributed_type", "")) for kind in ("FSDP", "DEEPSPEED", "MEGATRON")),
+        "engine": bool(args.use_deepspeed or args.use_megatron_lm)
+        or any(kind in str(getattr(config, "distributed_type", "")) for kind in ("DEEPSPEED", "MEGATRON")),
         "mixed_precision": pick("mixed_precision", None),
         "use_cpu": bool(getattr(args, "cpu", False) or pick("use_cpu", False)),
     }
@@ -287,10 +287,10 @@ def launch_recovering_in_process(
         processes = int(setup["processes"])
         if min_processes is not None and min_processes > processes:
             raise UserError(f"--min-processes {min_processes} is more than the {processes} processes launched")
-        if setup["sharded"]:
+        if setup["engine"]:
             raise UserError(
-                "--recover in-process runs DDP's processes, each holding the whole model: FSDP and DeepSpeed keep "
-                "shards no survivor holds (restart instead: torchrun --max_restarts N)"
+                "--recover in-process re-forms the process group itself: DeepSpeed's and Megatron-LM's engines keep "
+                "groups of their own (restart instead: accelerate launch --max_restarts N)"
             )
         env = process_variables(accelerate_args)  # the config's and the flags' settings, as accelerate launch's
     except UserError as error:

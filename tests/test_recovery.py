@@ -14,7 +14,9 @@ from helpers import (
     ROOT,
     STANDARD_PROBE_ARGS,
     assert_same_weights,
+    check_ok,
     kill_tree,
+    launch,
     parents,
     run_script,
     wait_for,
@@ -166,6 +168,25 @@ def test_a_replacement_joins_where_the_survivors_cannot_keep_the_sum_s_order(sta
 
 
 @pytest.mark.multiprocess
+def test_under_fsdp_the_survivor_keeps_its_process_and_resumes_from_the_last_checkpoint_bitwise(tmp_path):
+    # no survivor holds the lost rank's shards: the step reached is not saved (said in one line), and the new
+    # group, the survivor and a replacement, resumes from the last complete checkpoint: the steps since are redone
+    fsdp = ["--config_file", str(ROOT / "accelerate_configs" / "fsdp.yaml")]
+    job = ["--dropout", "0", "--train-size", "96", "--epochs", "4", "--checkpointing-steps", "5", "--batch-size", "4"]
+    job += ["--mixed-precision", "no"]
+    reference = tmp_path / "reference"
+    check_ok(launch(PROBE, *job, "--output-dir", reference, config=ROOT / "accelerate_configs" / "fsdp.yaml"))
+    output_dir = tmp_path / "recovered"
+    launcher = recovering_launch(output_dir, 2, *job, "--step-ms", "60", options=tuple(fsdp))
+    kill_slot_after_some_steps(launcher, output_dir, slot=1)
+    code, log = finish(launcher, output_dir)
+    assert code == 0, log[-3000:]
+    assert "the restart resumes from the last checkpoint (FSDP: no rank holds another's shard)" in log, log[-3000:]
+    assert "1 replacement(s) join the 1 survivors" in log and "resumed from" in log, log[-3000:]
+    assert_same_weights(reference, output_dir)
+
+
+@pytest.mark.multiprocess
 def test_a_second_loss_while_the_group_forms_gives_that_group_up_and_the_next_one_ends_bitwise(tmp_path):
     # 3 x 4 in pieces of 4: 2 survivors cannot keep the sum's pieces, so a replacement joins at once; while it
     # starts (seconds of imports) the survivors wait to meet it, and one of them is killed there too. The other
@@ -227,16 +248,19 @@ def test_a_rank_cut_off_in_a_deadlock_is_ended_once_its_peer_s_collective_timed_
 
 
 @pytest.mark.inprocess
-def test_in_process_recovery_refuses_more_than_one_machine_or_a_sharded_config_in_one_line(capsys):
+def test_in_process_recovery_refuses_more_than_one_machine_or_an_engine_with_groups_of_its_own_in_one_line(
+    capsys, monkeypatch
+):
+    from ddp_accel import recovery
     from ddp_accel.launch import main
 
     assert main(["--recover", "in-process", "--num_machines", "2", "--num_processes", "4", PROBE]) == 2
     assert capsys.readouterr().err.strip() == (
         "error: --recover in-process runs the processes of one machine: give num_machines 1"
     )
-    fsdp = ROOT / "accelerate_configs" / "fsdp.yaml"
-    assert main(["--recover", "in-process", "--config_file", str(fsdp), "--num_processes", "2", PROBE]) == 2
-    assert "FSDP and DeepSpeed keep shards no survivor holds" in capsys.readouterr().err
+    monkeypatch.setattr(recovery, "launch", lambda *how: 0)  # (nothing launched where the refusal is missing)
+    assert main(["--recover", "in-process", "--use_deepspeed", "--num_processes", "2", PROBE]) == 2
+    assert "DeepSpeed's and Megatron-LM's engines keep groups of their own" in capsys.readouterr().err
     assert main(["--recover", "in-process", "--min-processes", "4", "--num_processes", "3", PROBE]) == 2
     assert "--min-processes 4 is more than the 3 processes launched" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -246,7 +270,8 @@ def test_in_process_recovery_refuses_more_than_one_machine_or_a_sharded_config_i
 
 @pytest.mark.inprocess
 def test_every_setting_accelerate_launch_gives_its_processes_reaches_the_recovering_launcher_s(tmp_path, monkeypatch):
-    from ddp_accel import launch, recovery
+    from ddp_accel import recovery
+    from ddp_accel.launch import main
 
     config = tmp_path / "debug.yaml"
     config.write_text(
@@ -256,13 +281,13 @@ def test_every_setting_accelerate_launch_gives_its_processes_reaches_the_recover
     handed = {}
     monkeypatch.setattr(recovery, "launch", lambda command, processes, env, *rest: handed.update(env) or 0)
     threads = ["--num_cpu_threads_per_process", "3"]  # (a flag only)
-    assert launch.main(["--recover", "in-process", "--config_file", str(config), *threads, PROBE, "--epochs", "1"]) == 0
+    assert main(["--recover", "in-process", "--config_file", str(config), *threads, PROBE, "--epochs", "1"]) == 0
     assert handed["ACCELERATE_MIXED_PRECISION"] == "bf16" and handed["ACCELERATE_DEBUG_MODE"] == "true"
     assert handed["CUDA_VISIBLE_DEVICES"] == "0,1" and handed["OMP_NUM_THREADS"] == "3"
     assert handed["ACCELERATE_DYNAMO_BACKEND"] == "INDUCTOR"
     handed.clear()  # a flag over the file, as accelerate launch reads it
     flag = ["--mixed_precision", "fp16"]
-    assert launch.main(["--recover", "in-process", "--config_file", str(config), *flag, PROBE]) == 0
+    assert main(["--recover", "in-process", "--config_file", str(config), *flag, PROBE]) == 0
     assert handed["ACCELERATE_MIXED_PRECISION"] == "fp16"
 
 

@@ -1084,9 +1084,9 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         """        if False:
             close_the_connections()""",
     ),
-    "a_sharded_config_recovered_in_process": (
+    "an_engine_config_recovered_in_process": (
         "ddp_accel/launch.py",
-        '        if setup["sharded"]:',
+        '        if setup["engine"]:',
         "        if False:",
     ),
     "a_recovering_launcher_s_processes_outlive_it": (
