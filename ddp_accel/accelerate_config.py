@@ -86,29 +86,26 @@ def same_plugin(one: Any, other: Any) -> bool:
 def launch_environment(path: str, drop: str | None = None) -> dict[str, str]:
     """The variables `accelerate launch --config_file path` gives each process (its own launch code), with the
     key `drop` of fsdp_config left out (a copy of the file without it)."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_multi_gpu_env
-
     with tempfile.TemporaryDirectory() as folder:
         if drop is not None:
             raw = read_settings(path)
             raw["fsdp_config"] = {key: value for key, value in raw["fsdp_config"].items() if key != drop}
             path = str(Path(folder) / Path(path).name)
             Path(path).write_text(yaml.safe_dump(raw))
-        args = launch_command_parser().parse_args(["--config_file", path, "--main_process_port", "1", "train.py"])
-        try:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                args, _, _ = _validate_launch_command(args)
-                return dict(prepare_multi_gpu_env(args))
-        except (ValueError, TypeError, KeyError) as error:
-            message = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise UserError(f"{path}: accelerate launch would refuse it: {message}") from None
+        return accelerate_launch_environment(["--config_file", path, "train.py"], f"{path}: accelerate launch")
 
 
 def process_variables(arguments: list[str]) -> dict[str, str]:
-    """What `accelerate launch ARGUMENTS` adds to the environment of each process it starts (its own launch code:
-    the precision, dynamo, the debug mode, the visible devices, FSDP's settings), for a launcher of ours that starts
-    the processes itself (`ddp-accel launch --recover in-process`: the rendezvous is its own)."""
+    """What `accelerate launch ARGUMENTS` adds to the environment of each process it starts (the precision, dynamo,
+    the debug mode, the visible devices, FSDP's settings), for a launcher of ours that starts the processes itself
+    (`ddp-accel launch --recover in-process`: the rendezvous is its own)."""
+    environment = accelerate_launch_environment(arguments, "accelerate launch")
+    return {name: value for name, value in environment.items() if os.environ.get(name) != value}
+
+
+def accelerate_launch_environment(arguments: list[str], who: str) -> dict[str, str]:
+    """The whole environment `accelerate launch ARGUMENTS` gives each process, from its own launch code; a UserError
+    (`{who} would refuse it: ...`) where it would refuse them."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
@@ -116,12 +113,11 @@ def process_variables(arguments: list[str]) -> dict[str, str]:
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             args, _, _ = _validate_launch_command(args)
-            args.main_process_port = 1  # (no port to check: the processes meet at the launcher's store)
-            environment = prepare_multi_gpu_env(args)
+            args.main_process_port = 1  # (no port to check: nothing is launched)
+            return dict(prepare_multi_gpu_env(args))
     except (ValueError, TypeError, KeyError) as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise UserError(f"accelerate launch would refuse these arguments: {message}") from None
-    return {name: value for name, value in environment.items() if os.environ.get(name) != value}
+        raise UserError(f"{who} would refuse it: {message}") from None
 
 
 def validate_like_accelerate_launch(path: str) -> None:

@@ -30,6 +30,7 @@ import ast
 import atexit
 import contextlib
 import gc
+import importlib.util
 import json
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
@@ -49,6 +50,15 @@ WORKER_SERVER_VARIABLE = "DDP_ACCEL_WORKER_SERVER"  # set in the forkserver (wor
 WORKER_SERVER_MODULES = ["ddp_accel.worker_server", "torch"]  # what every forkserver imports first
 FORKSERVER_COMMAND = "from multiprocessing.forkserver import main"  # how Python starts its forkserver (-c)
 PR_SET_PDEATHSIG = 1  # Linux prctl: a signal when the parent thread ends
+
+
+def require(packages: Sequence[str], install: str) -> None:
+    """Before a script's imports: one line (exit 2) where a package it needs beyond ddp-accel's own (an optional
+    extra's) is not installed, and `install` says how to add it."""
+    missing = [name for name in packages if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"error: {sys.argv[0]} needs {', '.join(missing)}: {install}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
 
 
 def option_value(argv: Sequence[str], flags: Sequence[str]) -> str | None:

@@ -3,13 +3,14 @@
 import gzip
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import assert_clean_error, check_ok, launch, load_script, metrics_of, run_script, write
+from helpers import ROOT, assert_clean_error, check_ok, launch, load_script, metrics_of, run_script, write
 
 from ddp_accel.errors import UserError
 from ddp_accel.text import sources
@@ -19,6 +20,17 @@ from ddp_accel.text.tokenizer import basic_english
 from ddp_accel.text.vocab import Vocab
 
 SHARED_IMDB = Path(__file__).resolve().parents[2] / "shared" / "data" / "imdb_train.jsonl.gz"
+
+
+@pytest.mark.multiprocess
+def test_without_datasets_the_script_says_which_extra_to_install_in_one_line():
+    # datasets is the `text` extra: a missing module is None in sys.modules (how Python blocks an import)
+    blocked = "import runpy, sys; sys.modules['datasets'] = None; sys.argv = ['scripts/imdb.py', '--help']; "
+    blocked += "runpy.run_path('scripts/imdb.py', run_name='__main__')"
+    result = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = "error: scripts/imdb.py needs datasets: pip install -e '.[text]' (Hugging Face datasets)\n"
+    assert result.stderr == line
 
 
 @pytest.mark.inprocess

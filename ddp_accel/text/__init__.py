@@ -1,4 +1,5 @@
-"""Text pipeline: a basic_english-compatible tokenizer, a vocabulary, data sources, length bucketing, models."""
+"""Text pipeline: a basic_english-compatible tokenizer, a vocabulary, data sources, length bucketing, models.
+It reads its data with Hugging Face datasets: the `text` extra (pip install -e '.[text]')."""
 
 from ddp_accel.text.models import KERNEL_SIZE, STRIDE, TextModelConfig
 from ddp_accel.text.pipeline import PadCollate, TextOptions, TextSource, make_loader, prepare_text_data

@@ -1114,6 +1114,20 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        self.devices = slot_devices(processes)",
         "        self.devices = None",
     ),
+    "datasets_installed_with_the_core": (
+        "pyproject.toml",
+        """    "accelerate>=1.10",
+    "safetensors>=0.4.3",""",
+        """    "accelerate>=1.10",
+    "datasets>=5.1",
+    "safetensors>=0.4.3",""",
+    ),
+    "imdb_without_datasets_ends_in_a_traceback": (
+        "scripts/imdb.py",
+        """    require(["datasets"], install="pip install -e '.[text]' (Hugging Face datasets)")
+""",
+        "",
+    ),
     "survivors_keep_their_old_per_process_batch": (
         "ddp_accel/recovery.py",
         "            self.next_generation(survivors, share, how, lost_at)",
