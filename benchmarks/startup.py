@@ -68,7 +68,7 @@ def main() -> None:
     table = "\n".join(rows)
     print(table)
     (HERE / "results").mkdir(exist_ok=True)
-    command = f"python benchmarks/startup.py --repeats {args.repeats}"
+    command = " ".join(["python", "benchmarks/startup.py", *sys.argv[1:]])
     (HERE / "results" / "startup.md").write_text(f"`{command}`\n\n{table}\n")
 
 
