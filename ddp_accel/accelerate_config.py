@@ -115,7 +115,7 @@ def accelerate_launch_environment(arguments: list[str], who: str) -> dict[str, s
             args, _, _ = _validate_launch_command(args)
             args.main_process_port = 1  # (no port to check: nothing is launched)
             return dict(prepare_multi_gpu_env(args))
-    except (ValueError, TypeError, KeyError) as error:
+    except (ValueError, TypeError, KeyError, RuntimeError) as error:  # (RuntimeError: fp8 without its package)
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise UserError(f"{who} would refuse it: {message}") from None
 

@@ -35,6 +35,7 @@ from ddp_accel.cli import ArgumentParser, positive, positive_int
 from ddp_accel.elastic import child_processes
 from ddp_accel.errors import UserError
 from ddp_accel.launch_environments import answers
+from ddp_accel.recovery import REPORT_TIMEOUT_S
 
 DEFAULT_PORT = 29500
 
@@ -266,6 +267,11 @@ def main(argv: list[str]) -> int:
         parser.error("give accelerate launch's arguments and the training script")
     if args.recover != "in-process" and (args.min_processes is not None or args.stopped_timeout_s is not None):
         parser.error("--min-processes and --stopped-timeout-s shape --recover in-process: give it")
+    if args.stopped_timeout_s is not None and args.stopped_timeout_s >= REPORT_TIMEOUT_S / 2:
+        parser.error(
+            f"--stopped-timeout-s: give less than {REPORT_TIMEOUT_S / 2:g} s (the survivors wait {REPORT_TIMEOUT_S:g} "
+            "s for their next group)"
+        )
     if args.recover == "in-process":
         return launch_recovering_in_process(accelerate_args, args.min_processes, args.stopped_timeout_s)
     return launch(accelerate_args, args.join_timeout_s, args.wait_report_s)

@@ -27,6 +27,7 @@ they meet at (a TCPStore in the launcher: losing rank 0 loses no store). When a 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -271,6 +272,7 @@ class Launcher:
         self.facts: Facts | None = None  # the run's, from the first loss
         self.lost_steps: list[int] = []
         self.received: list[int] = []
+        self.error_code = 0  # a process that ended with an error of its own while the others reported
 
     def start(self, slot: str, *, resume: bool = False, joins: bool = False, lost_at: float = 0) -> subprocess.Popen:
         """A process for `slot`: its place in the current group (a replacement that joins: in the first group's)."""
@@ -329,7 +331,7 @@ class Launcher:
             if self.running and not self.received and self.store.add(f"{KEY}/reported_{self.generation}", 0):
                 if not self.recover(None):  # a survivor's collective timed out on a peer that runs, cut off
                     self.end_all()
-                    return 1
+                    return self.error_code or 1
                 continue
             ready = [slot for slot, (_, start) in self.joining.items() if self.store.check([f"{KEY}/ready/{start}"])]
             if self.joining and len(ready) == len(self.joining) and self.running and not self.received:
@@ -352,6 +354,8 @@ class Launcher:
                     reports[slot] = json.loads(self.store.get(key))
                 elif slot not in reports and process.poll() is not None:
                     del self.running[slot]
+                    if process.returncode > 0:  # an error of its own (its line says which), not a loss
+                        self.error_code = self.error_code or process.returncode
             if set(reports) == set(self.running):
                 return reports
             if time.monotonic() - started > silent_s:
@@ -363,7 +367,10 @@ class Launcher:
                         file=sys.stderr,
                         flush=True,
                     )
-                    self.running.pop(slot).kill()
+                    ended = self.running.pop(slot)
+                    ended.kill()
+                    with contextlib.suppress(subprocess.TimeoutExpired):  # (in the kernel, it ends when it leaves)
+                        ended.wait(timeout=10)  # its device's memory given back before a replacement starts there
                 return reports
             time.sleep(0.02)
         return {}  # stopped meanwhile: no new group
@@ -408,7 +415,10 @@ class Launcher:
             name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(code)
             what, silent_s = f"rank {self.members.index(lost)} ended by {name}", None
         print(f"ddp-accel launch: {what}; recovering in process", file=sys.stderr, flush=True)
-        return self.regroup(self.reports(silent_s), lost_at)
+        reports = self.reports(silent_s)
+        if lost is None and self.error_code:  # not cut off: it failed on its own, and would again at every try
+            return False
+        return self.regroup(reports, lost_at)
 
     def regroup(self, reports: dict[str, dict[str, Any]], lost_at: float) -> bool:
         """The next generation after a loss: the survivors alone where they keep the global batch bitwise (a
@@ -513,12 +523,10 @@ def slot_devices(processes: int) -> list[str] | None:
 
     if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
         return None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        devices = [device.strip() for device in visible.split(",") if device.strip()]
-    else:
-        devices = [str(index) for index in range(torch.cuda.device_count())]
-    return devices[:processes] if len(devices) >= processes else None
+    count, visible = torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES")
+    # (CUDA reads the visible list up to its first entry that names no device: the count says how far)
+    devices = visible.split(",")[:count] if visible is not None else [str(index) for index in range(count)]
+    return [device.strip() for device in devices[:processes]] if len(devices) >= processes else None
 
 
 def process_state(pid: int) -> str:

@@ -52,12 +52,12 @@ FORKSERVER_COMMAND = "from multiprocessing.forkserver import main"  # how Python
 PR_SET_PDEATHSIG = 1  # Linux prctl: a signal when the parent thread ends
 
 
-def require(packages: Sequence[str], install: str) -> None:
-    """Before a script's imports: one line (exit 2) where a package it needs beyond ddp-accel's own (an optional
-    extra's) is not installed, and `install` says how to add it."""
+def require(packages: Sequence[str], install: str, who: str | None = None) -> None:
+    """Before a script's imports: one line (exit 2) where a package that `who` (default: the script) needs beyond
+    ddp-accel's own (an optional extra's) is not installed, and `install` says how to add it."""
     missing = [name for name in packages if importlib.util.find_spec(name) is None]
     if missing:
-        print(f"error: {sys.argv[0]} needs {', '.join(missing)}: {install}", file=sys.stderr, flush=True)
+        print(f"error: {who or sys.argv[0]} needs {', '.join(missing)}: {install}", file=sys.stderr, flush=True)
         raise SystemExit(2)
 
 

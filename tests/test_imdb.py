@@ -31,6 +31,10 @@ def test_without_datasets_the_script_says_which_extra_to_install_in_one_line():
     assert result.returncode == 2, result.stderr[-2000:]
     line = "error: scripts/imdb.py needs datasets: pip install -e '.[text]' (Hugging Face datasets)\n"
     assert result.stderr == line
+    blocked = "import sys; sys.modules['datasets'] = None; from ddp_accel.__main__ import main; "
+    blocked += "main(['shard', 'text', 'reviews.jsonl', 'shards'])"
+    result = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 2 and result.stderr == line.replace("scripts/imdb.py", "ddp-accel shard text")
 
 
 @pytest.mark.inprocess

@@ -61,10 +61,13 @@ def test_survivors_finish_without_a_replacement_only_as_many_as_min_processes(mi
 def test_each_slot_keeps_its_own_gpu_whatever_rank_it_takes_and_a_replacement_takes_the_lost_one_s(monkeypatch):
     # LOCAL_RANK follows the rank in each new group (Accelerate's local main process is rank 0's): the device
     # must not, or a survivor moves to another GPU (the lost rank's, maybe the one that failed)
+    import torch
+
     from ddp_accel import recovery
 
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")  # accelerate's gpu_ids
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)  # (CUDA's count of the visible ones)
     launcher = recovery.Launcher(["python", "train.py"], 3)
     started = {}
     monkeypatch.setattr(recovery.subprocess, "Popen", lambda command, env, **how: started.update({env[SLOT]: env}))
@@ -74,10 +77,42 @@ def test_each_slot_keeps_its_own_gpu_whatever_rank_it_takes_and_a_replacement_ta
     facts = {"step": 5, "global_batch": 12, "exact_micro_batch": 4}  # 2 survivors cannot keep the pieces
     assert launcher.regroup({"0": facts, "2": facts}, lost_at=1.0)  # slot 1 lost: its replacement starts
     assert started["1"]["CUDA_VISIBLE_DEVICES"] == "5" and started["1"]["RANK"] == "1"
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")  # fewer GPUs than processes: Accelerate shares them out
-    assert recovery.slot_devices(3) is None and recovery.slot_devices(2) == ["3", "5"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,7")  # CUDA stops at 7 on a 2-GPU machine: it sees 2
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert recovery.slot_devices(3) is None and recovery.slot_devices(2) == ["0", "1"]  # fewer: Accelerate shares
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
     assert recovery.slot_devices(2) is None
+
+
+class Ended:
+    """A launched process as the launcher sees it: running for `polls` polls, then ended with `code`."""
+
+    def __init__(self, code: int, polls: int = 0):
+        self.code, self.polls, self.pid, self.returncode = code, polls, -1, None
+
+    def poll(self):
+        self.polls -= 1
+        self.returncode = self.code if self.polls < 0 else None
+        return self.returncode
+
+    def wait(self, timeout=None):
+        return self.code
+
+    terminate = kill = send_signal = lambda self, *signal: None
+
+
+@pytest.mark.inprocess
+def test_a_process_that_fails_on_its_own_while_its_peer_reports_it_lost_ends_the_job_with_its_code(monkeypatch):
+    # the failed process closes its connections before it exits: its peer reports a lost peer while it still runs,
+    # but it was not cut off: its error (a user error, exit 2) is the job's, as without in-process recovery
+    from ddp_accel.recovery import KEY, Launcher
+
+    launcher = Launcher(["python", "train.py"], 2, stopped_timeout_s=5)
+    launcher.start = lambda slot, **how: pytest.fail("a replacement started for a process that failed on its own")
+    launcher.running = {"0": Ended(0, polls=1000), "1": Ended(2, polls=1)}  # rank 1 ends at its second poll
+    launcher.store.set(f"{KEY}/saved_0/0", json.dumps({"step": 3, "global_batch": 8, "exact_micro_batch": 0}))
+    launcher.store.add(f"{KEY}/reported_0", 1)
+    assert launcher.watch() == 2
 
 
 def recovering_launch(output_dir: Path, processes: int, *args, options: tuple = ()) -> subprocess.Popen:
@@ -266,6 +301,9 @@ def test_in_process_recovery_refuses_more_than_one_machine_or_an_engine_with_gro
     with pytest.raises(SystemExit):
         main(["--min-processes", "2", "--num_processes", "3", PROBE])
     assert "--min-processes and --stopped-timeout-s shape --recover in-process: give it" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the survivors would stop waiting for their next group first
+        main(["--recover", "in-process", "--stopped-timeout-s", "200", "--num_processes", "3", PROBE])
+    assert "--stopped-timeout-s: give less than 150 s" in capsys.readouterr().err
 
 
 @pytest.mark.inprocess

@@ -1128,6 +1128,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
 """,
         "",
     ),
+    "a_process_s_own_error_taken_for_a_cut_off_peer": (
+        "ddp_accel/recovery.py",
+        "        if lost is None and self.error_code:",
+        "        if False:",
+    ),
     "survivors_keep_their_old_per_process_batch": (
         "ddp_accel/recovery.py",
         "            self.next_generation(survivors, share, how, lost_at)",
