@@ -360,17 +360,8 @@ class Launcher:
                 return reports
             if time.monotonic() - started > silent_s:
                 for slot in set(self.running) - set(reports):  # alive but silent (stopped, cut off): ended
-                    print(
-                        f"ddp-accel launch: rank {self.members.index(slot) if slot in self.members else slot} silent "
-                        f"for {silent_s:.0f} s while its peers reported (cut off: a deadlock, a wait in the kernel): "
-                        "ended, and recovered from as lost",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    ended = self.running.pop(slot)
-                    ended.kill()
-                    with contextlib.suppress(subprocess.TimeoutExpired):  # (in the kernel, it ends when it leaves)
-                        ended.wait(timeout=10)  # its device's memory given back before a replacement starts there
+                    rank = self.members.index(slot) if slot in self.members else slot
+                    end_the_silent(self.running.pop(slot), f"rank {rank} silent for {silent_s:.0f} s")
                 return reports
             time.sleep(0.02)
         return {}  # stopped meanwhile: no new group
@@ -514,6 +505,20 @@ def launch(
     os.environ.update(env or {})
     command = [sys.executable, *script_command]
     return Launcher(command, processes, min_processes=min_processes, stopped_timeout_s=stopped_timeout_s).run()
+
+
+def end_the_silent(process: subprocess.Popen, who: str) -> None:
+    """A process silent while its peers reported: ended, and waited for (its device's memory given back before a
+    replacement starts there; one waiting in the kernel ends when it leaves it)."""
+    print(
+        f"ddp-accel launch: {who} while its peers reported (cut off: a deadlock, a wait in the kernel): ended, and "
+        "recovered from as lost",
+        file=sys.stderr,
+        flush=True,
+    )
+    process.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=10)
 
 
 def slot_devices(processes: int) -> list[str] | None:
