@@ -272,7 +272,7 @@ class Launcher:
         self.facts: Facts | None = None  # the run's, from the first loss
         self.lost_steps: list[int] = []
         self.received: list[int] = []
-        self.error_code = 0  # a process that ended with an error of its own while the others reported
+        self.error_code = 0  # a process that ended with an error of its own while the others reported (this loss)
 
     def start(self, slot: str, *, resume: bool = False, joins: bool = False, lost_at: float = 0) -> subprocess.Popen:
         """A process for `slot`: its place in the current group (a replacement that joins: in the first group's)."""
@@ -398,7 +398,7 @@ class Launcher:
         its collective timed out (`--timeout-s`) on a peer alive but cut off (a deadlock, a wait in the kernel), and
         whoever stays silent past the stopped bound is ended. Then the survivors' reports and the next generation
         (`regroup`). False where the job ends instead (said)."""
-        lost_at = time.time()
+        lost_at, self.error_code = time.time(), 0  # (an earlier generation's collateral error is not this one's)
         self.store.set(f"{KEY}/abandoned_{self.generation}", "1")  # any member still waiting to meet: report again
         if lost is None:
             what, silent_s = "a process lost a peer that still runs", self.stopped_timeout_s

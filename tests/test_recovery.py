@@ -113,6 +113,13 @@ def test_a_process_that_fails_on_its_own_while_its_peer_reports_it_lost_ends_the
     launcher.store.set(f"{KEY}/saved_0/0", json.dumps({"step": 3, "global_batch": 8, "exact_micro_batch": 0}))
     launcher.store.add(f"{KEY}/reported_0", 1)
     assert launcher.watch() == 2
+    # an earlier loss's collateral error (a survivor that ended while the group re-formed) is not a later one's
+    launcher.error_code, launcher.generation = 1, 1
+    launcher.start = lambda slot, **how: Ended(0, polls=1000)
+    launcher.running = {"0": Ended(0, polls=1000), "1": Ended(0, polls=1000)}
+    launcher.store.set(f"{KEY}/saved_1/0", json.dumps({"step": 5, "global_batch": 8, "exact_micro_batch": 0}))
+    launcher.stopped_timeout_s = 0.1  # rank 1 is silent: cut off, and replaced
+    assert launcher.recover(None) and launcher.generation == 2
 
 
 def recovering_launch(output_dir: Path, processes: int, *args, options: tuple = ()) -> subprocess.Popen:

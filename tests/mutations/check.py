@@ -1133,6 +1133,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        if lost is None and self.error_code:",
         "        if False:",
     ),
+    "an_earlier_loss_s_error_ends_a_later_cut_off": (
+        "ddp_accel/recovery.py",
+        "        lost_at, self.error_code = time.time(), 0",
+        "        lost_at = time.time()",
+    ),
     "survivors_keep_their_old_per_process_batch": (
         "ddp_accel/recovery.py",
         "            self.next_generation(survivors, share, how, lost_at)",
