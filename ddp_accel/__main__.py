@@ -18,7 +18,7 @@ from ddp_accel.accelerate_config import check_config
 from ddp_accel.cli import ArgumentParser, nonnegative, positive, positive_int
 from ddp_accel.config_file import NotOnThisMachine
 from ddp_accel.errors import UserError
-from ddp_accel.startup import require
+from ddp_accel.startup import TEXT_EXTRA, require
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 def write_shards(args: argparse.Namespace) -> list:
     """The manifests `ddp-accel shard` wrote (the writers import torch: not for check-config)."""
     if args.kind == "text":
-        require(["datasets"], "pip install -e '.[text]' (Hugging Face datasets)", who="ddp-accel shard text")
+        require(["datasets"], TEXT_EXTRA, who="ddp-accel shard text")
         from ddp_accel.text.streamed import write_text_shards
 
         return [write_text_shards(args.source, args.output, args.samples_per_shard or 10_000, args.seed, args.format)]

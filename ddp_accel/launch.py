@@ -31,11 +31,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from ddp_accel import recovery
 from ddp_accel.cli import ArgumentParser, positive, positive_int
 from ddp_accel.elastic import child_processes
 from ddp_accel.errors import UserError
 from ddp_accel.launch_environments import answers
-from ddp_accel.recovery import REPORT_TIMEOUT_S
 
 DEFAULT_PORT = 29500
 
@@ -67,7 +67,6 @@ def machine_setup(accelerate_args: list[str]) -> dict[str, Any]:
         "script_args": list(args.training_script_args),
         "engine": bool(args.use_deepspeed or args.use_megatron_lm)
         or any(kind in str(getattr(config, "distributed_type", "")) for kind in ("DEEPSPEED", "MEGATRON")),
-        "mixed_precision": pick("mixed_precision", None),
         "use_cpu": bool(getattr(args, "cpu", False) or pick("use_cpu", False)),
     }
     check_address(setup["address"], setup["port"])
@@ -267,10 +266,10 @@ def main(argv: list[str]) -> int:
         parser.error("give accelerate launch's arguments and the training script")
     if args.recover != "in-process" and (args.min_processes is not None or args.stopped_timeout_s is not None):
         parser.error("--min-processes and --stopped-timeout-s shape --recover in-process: give it")
-    if args.stopped_timeout_s is not None and args.stopped_timeout_s >= REPORT_TIMEOUT_S / 2:
+    if args.stopped_timeout_s is not None and args.stopped_timeout_s >= recovery.REPORT_TIMEOUT_S / 2:
         parser.error(
-            f"--stopped-timeout-s: give less than {REPORT_TIMEOUT_S / 2:g} s (the survivors wait {REPORT_TIMEOUT_S:g} "
-            "s for their next group)"
+            f"--stopped-timeout-s: give less than {recovery.REPORT_TIMEOUT_S / 2:g} s (the survivors wait "
+            f"{recovery.REPORT_TIMEOUT_S:g} s for their next group)"
         )
     if args.recover == "in-process":
         return launch_recovering_in_process(accelerate_args, args.min_processes, args.stopped_timeout_s)
@@ -281,7 +280,6 @@ def launch_recovering_in_process(
     accelerate_args: list[str], min_processes: int | None = None, stopped_timeout_s: float | None = None
 ) -> int:
     """The processes started here, around a store of this launcher's (ddp_accel.recovery)."""
-    from ddp_accel import recovery
     from ddp_accel.accelerate_config import process_variables
 
     try:

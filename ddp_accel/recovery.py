@@ -499,7 +499,7 @@ def launch(
     stopped_timeout_s: float | None = None,
 ) -> int:
     """`ddp-accel launch --recover in-process`: `script_command` (the script and its arguments) on `processes`
-    processes of this machine, with `env` added to their environment (the config's precision); survivors that
+    processes of this machine, with `env` added to their environment (accelerate launch's settings); survivors that
     number `min_processes` (default: all) and keep the global batch finish the run without replacements; a process
     stopped for `stopped_timeout_s` (default STOPPED_TIMEOUT_S) is ended and recovered from as lost."""
     os.environ.update(env or {})

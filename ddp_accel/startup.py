@@ -50,6 +50,7 @@ WORKER_SERVER_VARIABLE = "DDP_ACCEL_WORKER_SERVER"  # set in the forkserver (wor
 WORKER_SERVER_MODULES = ["ddp_accel.worker_server", "torch"]  # what every forkserver imports first
 FORKSERVER_COMMAND = "from multiprocessing.forkserver import main"  # how Python starts its forkserver (-c)
 PR_SET_PDEATHSIG = 1  # Linux prctl: a signal when the parent thread ends
+TEXT_EXTRA = "pip install -e '.[text]' (Hugging Face datasets)"  # (`require`: what the text pipeline needs)
 
 
 def require(packages: Sequence[str], install: str, who: str | None = None) -> None:

@@ -15,9 +15,9 @@ from __future__ import annotations
 # A preemption signal during the imports below ends the process at once with its marker (ddp_accel/startup.py);
 # only when run as a script: a program that imports this module keeps its own signal handling
 if __name__ == "__main__":
-    from ddp_accel.startup import require, start_worker_server_early, stop_during_imports
+    from ddp_accel.startup import TEXT_EXTRA, require, start_worker_server_early, stop_during_imports
 
-    require(["datasets"], install="pip install -e '.[text]' (Hugging Face datasets)")
+    require(["datasets"], install=TEXT_EXTRA)
     stop_during_imports(default_output_dir="outputs/imdb")
     start_worker_server_early(("--workers",), default=0)
 

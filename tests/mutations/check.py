@@ -1097,7 +1097,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     "in_process_launch_drops_the_config_s_settings": (
         "ddp_accel/launch.py",
         "        env = process_variables(accelerate_args)",
-        '        env = {"ACCELERATE_MIXED_PRECISION": str(setup["mixed_precision"] or "no")}',
+        "        env = {}",
     ),
     "generations_share_one_store_prefix": (
         "ddp_accel/recovery.py",
@@ -1124,7 +1124,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "imdb_without_datasets_ends_in_a_traceback": (
         "scripts/imdb.py",
-        """    require(["datasets"], install="pip install -e '.[text]' (Hugging Face datasets)")
+        """    require(["datasets"], install=TEXT_EXTRA)
 """,
         "",
     ),
