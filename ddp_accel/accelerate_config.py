@@ -99,7 +99,11 @@ def process_variables(arguments: list[str]) -> dict[str, str]:
     """What `accelerate launch ARGUMENTS` adds to the environment of each process it starts (the precision, dynamo,
     the debug mode, the visible devices, FSDP's settings), for a launcher of ours that starts the processes itself
     (`ddp-accel launch --recover in-process`: the rendezvous is its own)."""
+    from accelerate.utils import check_cuda_p2p_ib_support
+
     environment = accelerate_launch_environment(arguments, "accelerate launch")
+    if not check_cuda_p2p_ib_support():  # GPUs whose P2P and InfiniBand NCCL must not use (accelerate launch's check)
+        environment = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1", **environment}
     return {name: value for name, value in environment.items() if os.environ.get(name) != value}
 
 

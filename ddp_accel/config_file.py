@@ -200,17 +200,26 @@ def launch_arguments(command: list[str]) -> tuple[dict[str, Any], dict[str, Any]
         return None
 
 
+def file_accelerate_launch_reads(config_file: str | None, cpu: bool) -> str | None:
+    """The config file `accelerate launch` reads: its --config_file, else Accelerate's default config file (what
+    `accelerate config` writes) where there is one, as accelerate launch reads it: not under --cpu. None: none."""
+    if config_file:
+        return config_file
+    from accelerate.commands.config.config_args import default_config_file
+
+    return default_config_file if os.path.isfile(default_config_file) and not cpu else None
+
+
 def launched_config(command: list[str] | None = None) -> str | None:
     """The config file of the `accelerate launch` that started this process (its parent): its --config_file,
     else Accelerate's default config file where there is one; None under any other launcher."""
     arguments = launch_arguments(launch_environments.parent_command() if command is None else command)
     if arguments is None:
         return None
-    path = arguments[0].get("config_file")
-    if not path:  # (as accelerate launch reads it: not under --cpu)
-        from accelerate.commands.config.config_args import default_config_file
-
-        return default_config_file if os.path.isfile(default_config_file) and not arguments[0].get("cpu") else None
+    given = arguments[0].get("config_file")
+    path = file_accelerate_launch_reads(given, bool(arguments[0].get("cpu")))
+    if path is None or not given:
+        return path
     if not os.path.isabs(path) and command is None:  # the launcher's own folder (the script may change its own)
         with contextlib.suppress(OSError):
             return os.path.join(os.readlink(f"/proc/{os.getppid()}/cwd"), path)

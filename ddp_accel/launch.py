@@ -38,6 +38,7 @@ from ddp_accel.errors import UserError
 from ddp_accel.launch_environments import answers
 
 DEFAULT_PORT = 29500
+PARALLELISM = "ACCELERATE_USE_PARALLELISM_CONFIG"  # (accelerate launch's word to its processes: a parallelism_config)
 
 
 def machine_setup(accelerate_args: list[str]) -> dict[str, Any]:
@@ -46,12 +47,14 @@ def machine_setup(accelerate_args: list[str]) -> dict[str, Any]:
     from accelerate.commands.launch import launch_command_parser
 
     from ddp_accel.accelerate_config import check_config
+    from ddp_accel.config_file import file_accelerate_launch_reads
 
     args = launch_command_parser().parse_args(accelerate_args)  # argparse's own one line for a bad flag
     config: Any = None
-    if args.config_file:
-        check_config(args.config_file)  # one line for a bad file
-        config = load_config_from_file(args.config_file)
+    path = file_accelerate_launch_reads(args.config_file, bool(args.cpu))  # (the default one too: accelerate config's)
+    if path:
+        check_config(path)  # one line for a bad file
+        config = load_config_from_file(path)
 
     def pick(name: str, default: Any) -> Any:
         given = getattr(args, name, None)
@@ -297,6 +300,12 @@ def launch_recovering_in_process(
                 "groups of their own (restart instead: accelerate launch --max_restarts N)"
             )
         env = process_variables(accelerate_args)  # the config's and the flags' settings, as accelerate launch's
+        if env.get(PARALLELISM, os.environ.get(PARALLELISM, "")).lower() == "true":
+            raise UserError(
+                "--recover in-process re-forms the process group at another size: a parallelism_config fixes its "
+                "sizes (tensor, context, data parallel) for the run (restart instead: accelerate launch "
+                "--max_restarts N)"
+            )
     except UserError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2

@@ -303,6 +303,11 @@ def test_in_process_recovery_refuses_more_than_one_machine_or_an_engine_with_gro
     monkeypatch.setattr(recovery, "launch", lambda *how: 0)  # (nothing launched where the refusal is missing)
     assert main(["--recover", "in-process", "--use_deepspeed", "--num_processes", "2", PROBE]) == 2
     assert "DeepSpeed's and Megatron-LM's engines keep groups of their own" in capsys.readouterr().err
+    fsdp2 = ["--use_fsdp", "--fsdp_version", "2", "--num_processes", "2"]
+    assert main(["--recover", "in-process", *fsdp2, "--parallelism_config_dp_shard_size", "2", PROBE]) == 0
+    tensor_parallel = ["--use_parallelism_config", "--parallelism_config_tp_size", "2"]
+    assert main(["--recover", "in-process", *fsdp2, *tensor_parallel, PROBE]) == 2
+    assert "a parallelism_config fixes its sizes (tensor, context, data parallel)" in capsys.readouterr().err
     assert main(["--recover", "in-process", "--min-processes", "4", "--num_processes", "3", PROBE]) == 2
     assert "--min-processes 4 is more than the 3 processes launched" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -334,6 +339,38 @@ def test_every_setting_accelerate_launch_gives_its_processes_reaches_the_recover
     flag = ["--mixed_precision", "fp16"]
     assert main(["--recover", "in-process", "--config_file", str(config), *flag, PROBE]) == 0
     assert handed["ACCELERATE_MIXED_PRECISION"] == "fp16"
+    assert "NCCL_P2P_DISABLE" not in handed
+    # GPUs whose P2P and InfiniBand NCCL must not use (accelerate launch's own check): both off, as it sets them
+    import accelerate.utils
+
+    monkeypatch.setattr(accelerate.utils, "check_cuda_p2p_ib_support", lambda: False)
+    handed.clear()
+    assert main(["--recover", "in-process", "--config_file", str(config), PROBE]) == 0
+    assert handed["NCCL_P2P_DISABLE"] == "1" and handed["NCCL_IB_DISABLE"] == "1"
+
+
+@pytest.mark.inprocess
+def test_the_recovering_launcher_reads_the_default_config_file_accelerate_config_writes(tmp_path, monkeypatch, capsys):
+    # without --config_file accelerate launch reads the file `accelerate config` wrote: its process count, its
+    # precision, and what the launcher refuses (more than one machine) come from there too
+    import accelerate.commands.launch
+    from accelerate.commands.config import config_args
+
+    from ddp_accel import recovery
+    from ddp_accel.launch import machine_setup, main
+
+    default = tmp_path / "default_config.yaml"
+    for module in (config_args, accelerate.commands.launch):
+        monkeypatch.setattr(module, "default_config_file", str(default))
+    default.write_text("distributed_type: MULTI_CPU\nnum_machines: 1\nnum_processes: 3\nmixed_precision: bf16\n")
+    launched = []
+    monkeypatch.setattr(recovery, "launch", lambda command, processes, env, *rest: launched.append((processes, env)) or 0)
+    assert main(["--recover", "in-process", PROBE]) == 0
+    assert launched[0][0] == 3 and launched[0][1]["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    default.write_text(default.read_text().replace("num_machines: 1\nnum_processes: 3", "num_machines: 2\nnum_processes: 4"))
+    assert main(["--recover", "in-process", PROBE]) == 2
+    assert "runs the processes of one machine: give num_machines 1" in capsys.readouterr().err
+    assert machine_setup([PROBE])["machines"] == 2  # (the restart's launcher waits for every machine it names)
 
 
 @pytest.mark.inprocess

@@ -1089,6 +1089,21 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         '        if setup["engine"]:',
         "        if False:",
     ),
+    "a_parallelism_config_recovered_in_process": (
+        "ddp_accel/launch.py",
+        '        if env.get(PARALLELISM, os.environ.get(PARALLELISM, "")).lower() == "true":',
+        "        if False:",
+    ),
+    "nccl_p2p_left_on_where_accelerate_launch_turns_it_off": (
+        "ddp_accel/accelerate_config.py",
+        "    if not check_cuda_p2p_ib_support():",
+        "    if False:",
+    ),
+    "the_launcher_reads_no_default_config_file": (
+        "ddp_accel/launch.py",
+        "    path = file_accelerate_launch_reads(args.config_file, bool(args.cpu))",
+        "    path = args.config_file",
+    ),
     "a_recovering_launcher_s_processes_outlive_it": (
         "ddp_accel/elastic.py",
         "    if launcher is not None and launcher == str(os.getppid()):",
