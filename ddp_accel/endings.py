@@ -64,6 +64,12 @@ def lost_peers(error: BaseException) -> bool:
     )
 
 
+def a_loader_worker_lost(error: BaseException) -> bool:
+    """A DataLoader worker of this process ended without an error of its own (killed: the OOM killer, a signal);
+    torch's own words for it (a worker's own exception comes back as that exception)."""
+    return isinstance(error, RuntimeError) and str(error).startswith("DataLoader worker (pid")
+
+
 def _interrupted(signals: StopSignals) -> int:
     """Ctrl-C: one line (rank 0) with where to continue from; exit status 130."""
     signals.enter(Phase.DONE)

@@ -401,7 +401,7 @@ class Launcher:
         lost_at, self.error_code = time.time(), 0  # (an earlier generation's collateral error is not this one's)
         self.store.set(f"{KEY}/abandoned_{self.generation}", "1")  # any member still waiting to meet: report again
         if lost is None:
-            what, silent_s = "a process lost a peer that still runs", self.stopped_timeout_s
+            what, silent_s = "a process left its group while every process runs", self.stopped_timeout_s
         else:
             name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(code)
             what, silent_s = f"rank {self.members.index(lost)} ended by {name}", None
@@ -435,6 +435,9 @@ class Launcher:
         survivors = sorted(reports, key=self.everyone.index)
         lost = [slot for slot in self.everyone if slot not in reports and slot not in self.joining]
         share = self.facts.shares(len(survivors)) if self.facts else None
+        if not lost and not self.joining:  # none lost (a process's DataLoader worker was): the same processes go on
+            self.next_generation(survivors, share, f"the {len(survivors)} processes go on{at}", lost_at)
+            return True
         if share is not None:
             replaced = len(survivors) < self.min_processes
             how = f"{len(survivors)} survivors go on{at}, {share} samples each"

@@ -116,10 +116,10 @@ def save_what_survived(
     streams = streams_of(state, agreement)
     if reason is None and state.batches_in_epoch % accumulation:
         reason = "the peer was lost inside a gradient accumulation"
-    if reason is None and streams is None:
-        reason = f"the ranks' random streams at step {state.step} were not the same"
     if reason is None and state.step == 0:
         reason = "nothing was trained yet"
+    if reason is None and streams is None:
+        reason = f"the ranks' random streams at step {state.step} were not the same"
     if reason is None and rank != 0 and ranks_own_buffers(contents):
         reason = "process 0 was lost, and the models' buffers a checkpoint keeps were its own"
     buffers = buffers_of(state, agreement) if reason is None else None

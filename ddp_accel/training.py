@@ -38,7 +38,7 @@ from ddp_accel.callbacks import Callback, Callbacks
 from ddp_accel.checkpoint import Checkpoints, every
 from ddp_accel.config import TrainConfig
 from ddp_accel.context import RunContext
-from ddp_accel.endings import lost_peers
+from ddp_accel.endings import a_loader_worker_lost, lost_peers
 from ddp_accel.errors import UserError
 from ddp_accel.evaluation import Evaluations
 from ddp_accel.exact_reduction import ExactReduction, refusal
@@ -502,15 +502,20 @@ def train_on(run: Trainer, batch: Any) -> None:
 def after_a_crash(run: Trainer, error: Exception) -> None:
     """A peer lost: the survivors save the step reached (or a line says why not). Any other crash but a UserError
     is noted, and refused when it repeats from the same start at the same step: it is deterministic, and a
-    UserError then keeps the launcher from restarting it again."""
-    if lost_peers(error):
+    UserError then keeps the launcher from restarting it again. Under in-process recovery a DataLoader worker
+    killed (the OOM killer) costs no more: this process saves the step reached and leaves the group, whose next
+    generation, the same processes, starts new workers there."""
+    in_process = recovery.under_in_process_recovery()
+    if in_process and a_loader_worker_lost(error):
+        rescue.say(f"process {run.accelerator.process_index}: {error}: the group goes on in a new one at the step reached")
+    if lost_peers(error) or (in_process and a_loader_worker_lost(error)):
         root, contents = run.checkpoints.root, run.checkpoints.contents
         accumulation = run.prepared.accumulation
         saved = rescue.save_what_survived(
             run.accelerator, root, run.state, run.identity, contents, run.agreement, accumulation
         )
         rescue.say(saved)
-        if recovery.under_in_process_recovery():  # the launcher forms a new group: this process goes on in it
+        if in_process:  # the launcher forms a new group: this process goes on in it
             rescue.wait_for_another_survivor_s_save(root, run.state.step)
             exact = run.config.communication.exact_micro_batch or 0
             raise recovery.Regroup(recovery.Facts(run.state.step, run.state.global_batch, exact)) from error

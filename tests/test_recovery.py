@@ -18,6 +18,7 @@ from helpers import (
     kill_tree,
     launch,
     parents,
+    process_tree,
     run_script,
     wait_for,
 )
@@ -209,6 +210,32 @@ def test_a_replacement_joins_where_the_survivors_cannot_keep_the_sum_s_order(sta
     assert_same_weights(standard_reference, output_dir)
 
 
+def loader_workers_of_slot(slot: int) -> list[int]:
+    """The DataLoader workers of a slot's process: the children of its workers' forkserver."""
+    ranks = [pid for pid in probes_of_slot(slot) if "ddp-accel" in Path(f"/proc/{parents()[pid]}/cmdline").read_text()]
+    tree = process_tree(ranks[0]) if ranks else []
+    return [pid for pid in tree if parents().get(pid) in tree and parents()[pid] != ranks[0]]
+
+
+@pytest.mark.multiprocess
+def test_a_killed_dataloader_worker_costs_its_group_a_regroup_at_the_step_reached_bitwise(standard_reference, tmp_path):
+    # the OOM killer's usual victim: the process whose worker it was saves the step reached and leaves the group;
+    # the same processes go on in the next one, with new workers (no process replaced, no job ended)
+    output_dir = tmp_path / "worker"
+    job = [*STANDARD_PROBE_ARGS, "--step-ms", "40", "--workers", "1", "--persistent-workers"]
+    launcher = recovering_launch(output_dir, 2, *job, "--checkpointing-steps", "1000")
+    log_file = output_dir.with_suffix(".log")
+    wait_for(lambda: "train:" in log_file.read_text(), alive=launcher, what="the training")
+    time.sleep(1.5)  # some steps in
+    os.kill(wait_for(lambda: loader_workers_of_slot(1))[0], signal.SIGKILL)
+    code, log = finish(launcher, output_dir)
+    assert code == 0, log[-3000:]
+    assert "process 1: DataLoader worker (pid" in log and "the group goes on in a new one" in log, log[-3000:]
+    assert "generation 1: the 2 processes go on at step" in log, log[-3000:]
+    assert "saved the step it reached" in log and "replacement" not in log, log[-3000:]
+    assert_same_weights(standard_reference, output_dir)
+
+
 @pytest.mark.multiprocess
 def test_under_fsdp_the_survivor_keeps_its_process_and_resumes_from_the_last_checkpoint_bitwise(tmp_path):
     # no survivor holds the lost rank's shards: the step reached is not saved (said in one line), and the new
@@ -281,7 +308,7 @@ def test_a_rank_cut_off_in_a_deadlock_is_ended_once_its_peer_s_collective_timed_
     launcher = recovering_launch(output_dir, 2, *job, "--hang-timeout-s", "120", options=("--stopped-timeout-s", "2"))
     code, log = finish(launcher, output_dir)
     assert code == 0, log[-3000:]
-    assert "a process lost a peer that still runs; recovering in process" in log, log[-3000:]
+    assert "a process left its group while every process runs; recovering in process" in log, log[-3000:]
     assert "silent for 2 s while its peers reported (cut off: a deadlock, a wait in the kernel): ended" in log, log
     assert "1 replacement(s) join the 1 survivors" in log and "saved the step it reached" in log, log[-3000:]
     assert (output_dir / "hung_once").exists()  # (the sample did block)

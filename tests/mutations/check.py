@@ -1089,6 +1089,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         '        if setup["engine"]:',
         "        if False:",
     ),
+    "a_killed_loader_worker_ends_the_recovering_job": (
+        "ddp_accel/training.py",
+        "    if lost_peers(error) or (in_process and a_loader_worker_lost(error)):",
+        "    if lost_peers(error):",
+    ),
     "a_parallelism_config_recovered_in_process": (
         "ddp_accel/launch.py",
         '        if env.get(PARALLELISM, os.environ.get(PARALLELISM, "")).lower() == "true":',
