@@ -688,7 +688,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "a_lost_peer_s_survivor_saves_nothing": (
         "ddp_accel/training.py",
-        "    if lost_peers(error):\n        root, contents",
+        "    if lost_peers(error) or (in_process and a_loader_worker_lost(error)):\n        root, contents",
         "    if False:\n        root, contents",
     ),
     "auto_interval_chosen_by_each_rank_alone": (
@@ -1036,7 +1036,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "in_process_recovery_exits_instead_of_regrouping": (
         "ddp_accel/training.py",
-        "        if recovery.under_in_process_recovery():",
+        "        if in_process:  # the launcher forms a new group: this process goes on in it",
         "        if False:",
     ),
     "the_launcher_never_calls_its_replacements_in": (
