@@ -170,6 +170,17 @@ def _main_through_regroups(main: Callable[..., Any], signals: StopSignals) -> No
         except recovery.Regroup as regroup:
             facts = regroup.facts
             _drop_frames(regroup)
+        except Exception as error:  # a peer lost outside the loop (the group's start, its resume): its last save
+            if not (recovery.under_in_process_recovery() and lost_peers(error)):
+                raise
+            print(
+                f"process {process_rank()}: a peer was lost outside the training steps ({type(error).__name__}); "
+                "the next group resumes from the last checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+            facts = None
+            _drop_frames(error)
         except Preempted as preempted:
             if not recovery.hand_back_asked():  # a stop: as it is
                 raise

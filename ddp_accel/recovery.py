@@ -431,7 +431,7 @@ class Launcher:
             )
             return False
         self.lost_steps.append(step if step is not None else -1)
-        at = f" at step {step}" if step is not None else ""
+        at = f" at step {step}" if step is not None else " from the last checkpoint"
         survivors = sorted(reports, key=self.everyone.index)
         lost = [slot for slot in self.everyone if slot not in reports and slot not in self.joining]
         share = self.facts.shares(len(survivors)) if self.facts else None

@@ -279,6 +279,29 @@ def test_a_second_loss_while_the_group_forms_gives_that_group_up_and_the_next_on
 
 
 @pytest.mark.multiprocess
+def test_a_loss_while_a_new_group_starts_its_main_regroups_from_the_last_checkpoint_bitwise(tmp_path):
+    # the group formed (each process built its Accelerator again) and a survivor is killed before the first step:
+    # the other's collective fails in the script's start (DDP's broadcast, the resume), outside the training loop
+    job = ["--train-size", "96", "--epochs", "12", "--exact-micro-batch", "2", "--checkpointing-steps", "1000"]
+    reference = tmp_path / "reference"
+    check = run_script(PROBE, *job, "--batch-size", "12", "--output-dir", reference)
+    assert check.returncode == 0, check.stderr[-3000:]
+    output_dir, pids = tmp_path / "recovered", tmp_path / "pids"
+    options = ["--step-ms", "60", "--hang-timeout-s", "30", "--timeout-s", "60", "--pid-dir", pids]
+    launcher = recovering_launch(output_dir, 3, *job, "--batch-size", "4", *options)
+    slot_2 = wait_for(lambda: probes_of_slot(2))[0]
+    kill_slot_after_some_steps(launcher, output_dir, slot=1)
+    wait_for(lambda: (pids / f"rank1.{slot_2}").exists(), alive=launcher, interval=0.01, timeout=60)
+    os.kill(slot_2, signal.SIGKILL)  # slot 2, rank 1 of generation 1, as the group's main starts
+    code, log = finish(launcher, output_dir)
+    assert code == 0, log[-3000:]
+    assert "process 0: a peer was lost outside the training steps" in log, log[-3000:]
+    assert "1 survivors go on from the last checkpoint, 12 samples each" in log, log[-3000:]
+    assert_same_weights(reference, output_dir)
+    assert not any(probes_of_slot(slot) for slot in range(3))
+
+
+@pytest.mark.multiprocess
 def test_a_rank_stopped_past_the_bound_is_ended_and_replaced_and_the_run_ends_bitwise(standard_reference, tmp_path):
     # SIGSTOP: alive, but its peers wait for it in a collective (a stuck driver); the launcher sees it stopped
     output_dir = tmp_path / "stopped"

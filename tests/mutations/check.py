@@ -1094,6 +1094,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    if lost_peers(error) or (in_process and a_loader_worker_lost(error)):",
         "    if lost_peers(error):",
     ),
+    "a_loss_at_a_group_s_start_ends_the_job": (
+        "ddp_accel/endings.py",
+        "            if not (recovery.under_in_process_recovery() and lost_peers(error)):",
+        "            if True:",
+    ),
     "a_parallelism_config_recovered_in_process": (
         "ddp_accel/launch.py",
         '        if env.get(PARALLELISM, os.environ.get(PARALLELISM, "")).lower() == "true":',
