@@ -36,7 +36,7 @@ from ddp_accel.stopping import (
 )
 
 
-def shutdown(clean: bool) -> None:
+def shutdown(clean: bool) -> bool:
     """Tear down the process group after every DDP/gloo object is gone.
 
     The gloo teardown abort (`terminate called without an active exception`, ~1 run in 5) comes from
@@ -45,12 +45,21 @@ def shutdown(clean: bool) -> None:
     optimizer and loaders) are already released; garbage collection then destroys what reference
     cycles still hold before the group goes away. Without a group there is nothing to protect, and a full
     collection in a long-lived caller (a notebook, a test session) costs ~0.3 s a run.
+    Returns False where a peer was lost at the end (its barrier failed: process 0 had written the outputs only if
+    it is this process).
     """
+    whole = True
     if dist.is_available() and dist.is_initialized():
         gc.collect()
         if clean:
-            dist.barrier()  # nobody destroys the group while a peer still uses it
+            try:
+                dist.barrier()  # nobody destroys the group while a peer still uses it
+            except Exception as error:
+                if not lost_peers(error):
+                    raise
+                whole = False
         dist.destroy_process_group()
+    return whole
 
 
 def lost_peers(error: BaseException) -> bool:
@@ -151,10 +160,26 @@ def run_main(main: Callable[..., Any]) -> None:
         kill_leftover_workers()
     else:
         end_worker_processes()  # so that the command returns with nothing left in its process group
-    shutdown(clean=outcome.code in (0, PEER_STOPPED_EXIT_CODE))
+    rank = process_rank()
+    if not shutdown(clean=outcome.code in (0, PEER_STOPPED_EXIT_CODE)) and outcome.code == 0:
+        outcome = _lost_at_the_end(rank, outcome)
     signals.uninstall()
     note_command_start(None)  # a later fit() in this process (a notebook) counts from its own start
     sys.exit(outcome.code)
+
+
+def _lost_at_the_end(rank: int, outcome: Outcome) -> Outcome:
+    """A peer lost after this process's run ended: process 0 reached the end's barrier with the outputs written
+    (the run is whole); another process cannot know whether process 0 had, and ends as after a lost peer."""
+    if rank == 0:
+        print("process 0: a peer was lost after the run ended; its outputs are whole", file=sys.stderr, flush=True)
+        return outcome
+    message = (
+        f"error: process {rank}: a peer was lost at the run's end, before every process was done (process 0 may not "
+        "have written the outputs); the same command with --resume-from-checkpoint latest ends the run"
+    )
+    print(message, file=sys.stderr, flush=True)
+    return Outcome("crashed", 1, message)
 
 
 def _main_through_regroups(main: Callable[..., Any], signals: StopSignals) -> None:

@@ -273,6 +273,7 @@ class Launcher:
         self.lost_steps: list[int] = []
         self.received: list[int] = []
         self.error_code = 0  # a process that ended with an error of its own while the others reported (this loss)
+        self.ended_whole: set[str] = set()  # processes whose script ended with exit status 0
 
     def start(self, slot: str, *, resume: bool = False, joins: bool = False, lost_at: float = 0) -> subprocess.Popen:
         """A process for `slot`: its place in the current group (a replacement that joins: in the first group's)."""
@@ -318,6 +319,8 @@ class Launcher:
             self.end_the_stopped()
             for slot in [slot for slot, process in self.running.items() if process.poll() is not None]:
                 code = self.running.pop(slot).returncode
+                if code == 0:
+                    self.ended_whole.add(slot)
                 if code < 0 and not self.received:  # killed by a signal (SIGKILL, a crash): a loss to recover
                     if not self.recover(slot, code):
                         self.end_all()
@@ -354,6 +357,8 @@ class Launcher:
                     reports[slot] = json.loads(self.store.get(key))
                 elif slot not in reports and process.poll() is not None:
                     del self.running[slot]
+                    if process.returncode == 0:  # its run ended (a survivor done before it could save)
+                        self.ended_whole.add(slot)
                     if process.returncode > 0:  # an error of its own (its line says which), not a loss
                         self.error_code = self.error_code or process.returncode
             if set(reports) == set(self.running):
@@ -415,6 +420,9 @@ class Launcher:
         """The next generation after a loss: the survivors alone where they keep the global batch bitwise (a
         replacement starts for each lost process, to be called in later: `hand_back`), else the first group's size
         again at once, with replacements."""
+        if not reports and self.members[0] in self.ended_whole:  # its rank 0 wrote the outputs: a loss at the end
+            print("ddp-accel launch: the run had ended (rank 0 done): nothing to recover", file=sys.stderr, flush=True)
+            return True
         if not reports:
             if not self.received:
                 print("error: in-process recovery: no process survived to go on", file=sys.stderr, flush=True)
@@ -481,6 +489,8 @@ class Launcher:
 
     def end_all(self) -> None:
         processes = [*self.running.values(), *(process for process, _ in self.joining.values())]
+        for process, _ in self.joining.values():  # not called in: nothing to save, and deaf in the store's wait
+            process.kill()
         for process in processes:
             if process.poll() is None:
                 process.terminate()

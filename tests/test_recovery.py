@@ -302,6 +302,24 @@ def test_a_loss_while_a_new_group_starts_its_main_regroups_from_the_last_checkpo
 
 
 @pytest.mark.multiprocess
+def test_a_loss_after_the_run_ended_is_no_failure_once_rank_0_wrote_the_outputs(tmp_path):
+    # every process trained to the end and rank 0 wrote the outputs; rank 1 is killed before the group's last
+    # barrier: the others' barrier fails, rank 0's outputs are whole, and there is nothing to recover
+    output_dir = tmp_path / "ended"
+    launcher = recovering_launch(output_dir, 3, "--train-size", "48", "--epochs", "1", "--linger-s", "3")
+    log_file = output_dir.with_suffix(".log")
+    wait_for(lambda: "probe rank 1 " in log_file.read_text() and "done:" in log_file.read_text(), alive=launcher)
+    os.kill(probes_of_slot(1)[0], signal.SIGKILL)
+    code, log = finish(launcher, output_dir)
+    assert code == 0, log[-3000:]
+    assert "process 0: a peer was lost after the run ended; its outputs are whole" in log, log[-3000:]
+    assert "error: process 2: a peer was lost at the run's end" in log, log[-3000:]
+    assert "the run had ended (rank 0 done): nothing to recover" in log and "Traceback" not in log, log[-3000:]
+    assert (output_dir / "model.safetensors").is_file() and (output_dir / "metrics.json").is_file()
+    assert not any(probes_of_slot(slot) for slot in range(3))
+
+
+@pytest.mark.multiprocess
 def test_a_rank_stopped_past_the_bound_is_ended_and_replaced_and_the_run_ends_bitwise(standard_reference, tmp_path):
     # SIGSTOP: alive, but its peers wait for it in a collective (a stuck driver); the launcher sees it stopped
     output_dir = tmp_path / "stopped"

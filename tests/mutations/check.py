@@ -1099,6 +1099,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            if not (recovery.under_in_process_recovery() and lost_peers(error)):",
         "            if True:",
     ),
+    "a_loss_after_the_run_ended_taken_for_a_failure": (
+        "ddp_accel/recovery.py",
+        "        if not reports and self.members[0] in self.ended_whole:",
+        "        if False:",
+    ),
+    "the_end_s_barrier_fails_with_a_traceback": (
+        "ddp_accel/endings.py",
+        "            except Exception as error:\n                if not lost_peers(error):",
+        "            except Exception as error:\n                if True:",
+    ),
     "a_parallelism_config_recovered_in_process": (
         "ddp_accel/launch.py",
         '        if env.get(PARALLELISM, os.environ.get(PARALLELISM, "")).lower() == "true":',
