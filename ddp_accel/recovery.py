@@ -135,6 +135,14 @@ def meet(timeout_s: float) -> None:
         raise Regroup(None)
 
 
+def given_up() -> bool:
+    """Whether the launcher gave this process's generation up (a member lost before the group formed)."""
+    try:
+        return bool(store_client(5).check([f"{KEY}/abandoned_{os.environ[GENERATION]}"]))
+    except Exception:  # the launcher (its store) is gone
+        return False
+
+
 def hand_back_asked() -> bool:
     """Whether the launcher asked this process's group to stop for its replacements (else a stop is a stop)."""
     if not under_in_process_recovery():

@@ -227,13 +227,18 @@ def init_elastic_process_group(cpu: bool, timeout_s: int) -> None:
         # unique per rendezvous: a node leaving uses up a restart, a node joining changes the world size (and not
         # the restart count), so the pair tells the groups of one job apart; and per launch on one machine (below)
         prefix = f"ddp_accel/restart_{restart}_world_{os.environ['WORLD_SIZE']}{launch_key()}"
-    dist.init_process_group(
-        "gloo" if cpu else "nccl",
-        store=dist.PrefixStore(prefix, store),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=timeout,
-    )
+    try:
+        dist.init_process_group(
+            "gloo" if cpu else "nccl",
+            store=dist.PrefixStore(prefix, store),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+        )
+    except Exception:  # a member lost after the meeting, before its connections (seen at --timeout-s): given up
+        if recovery.under_in_process_recovery() and recovery.given_up():
+            raise recovery.Regroup(None) from None
+        raise
 
 
 def launch_key() -> str:

@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -460,6 +461,29 @@ def test_each_generation_forms_its_group_on_keys_no_earlier_generation_wrote(mon
         runtime.init_elastic_process_group(cpu=True, timeout_s=10)
     formed[0].set("rank_0", "the address of a process lost since")
     assert formed[0].check(["rank_0"]) and not formed[1].check(["rank_0"])
+
+
+@pytest.mark.inprocess
+def test_a_member_lost_after_the_meeting_but_before_its_connections_makes_its_peers_regroup(monkeypatch):
+    # every member met; one is killed before it wrote its address: the others' connections wait for it in the
+    # launcher's store until --timeout-s; then they see the launcher gave the group up, and regroup
+    import torch.distributed as dist
+
+    from ddp_accel import recovery, runtime
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv(GENERATION, "3")
+    store.add(f"{recovery.KEY}/arrived_3", 1)  # the other member arrived, and is lost once this one met it:
+    lost = threading.Timer(0.5, store.set, (f"{recovery.KEY}/abandoned_3", "1"))  # (the launcher, on its loss)
+    lost.start()
+    started = time.monotonic()
+    with pytest.raises(recovery.Regroup, match="lost before the group formed"):
+        runtime.init_elastic_process_group(cpu=True, timeout_s=3)
+    assert time.monotonic() - started < 30 and not dist.is_initialized()
+    lost.join()
 
 
 @pytest.mark.multiprocess

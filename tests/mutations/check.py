@@ -1109,6 +1109,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            except Exception as error:\n                if not lost_peers(error):",
         "            except Exception as error:\n                if True:",
     ),
+    "a_group_given_up_while_connecting_ends_the_job": (
+        "ddp_accel/runtime.py",
+        "        if recovery.under_in_process_recovery() and recovery.given_up():",
+        "        if False:",
+    ),
     "a_parallelism_config_recovered_in_process": (
         "ddp_accel/launch.py",
         '        if env.get(PARALLELISM, os.environ.get(PARALLELISM, "")).lower() == "true":',
