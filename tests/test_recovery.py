@@ -226,9 +226,8 @@ def test_a_killed_dataloader_worker_costs_its_group_a_regroup_at_the_step_reache
     job = [*STANDARD_PROBE_ARGS, "--step-ms", "40", "--workers", "1", "--persistent-workers"]
     launcher = recovering_launch(output_dir, 2, *job, "--checkpointing-steps", "1000")
     log_file = output_dir.with_suffix(".log")
-    wait_for(lambda: "train:" in log_file.read_text(), alive=launcher, what="the training")
-    time.sleep(1.5)  # some steps in
-    os.kill(wait_for(lambda: loader_workers_of_slot(1))[0], signal.SIGKILL)
+    wait_for(lambda: "step 32: eval_loss" in log_file.read_text(), alive=launcher, what="the first epoch")
+    os.kill(wait_for(lambda: loader_workers_of_slot(1))[0], signal.SIGKILL)  # (persistent: the epoch's own)
     code, log = finish(launcher, output_dir)
     assert code == 0, log[-3000:]
     assert "process 1: DataLoader worker (pid" in log and "the group goes on in a new one" in log, log[-3000:]
