@@ -496,20 +496,25 @@ class Launcher:
         self.joining.clear()
 
     def end_all(self) -> None:
-        processes = [*self.running.values(), *(process for process, _ in self.joining.values())]
-        for process, _ in self.joining.values():  # not called in: nothing to save, and deaf in the store's wait
-            process.kill()
-        for process in processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        end_processes(list(self.running.values()), [process for process, _ in self.joining.values()])
         self.running.clear()
         self.joining.clear()
+
+
+def end_processes(running: list[subprocess.Popen], waiting: list[subprocess.Popen]) -> None:
+    """The group's processes asked to end (a stop: they save the step reached), those waiting to be called in
+    killed (nothing to save, and deaf to a signal in the store's wait); each waited for."""
+    for process in waiting:
+        process.kill()
+    for process in running:
+        if process.poll() is None:
+            process.terminate()
+    for process in [*running, *waiting]:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def launch(

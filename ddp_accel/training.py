@@ -507,7 +507,9 @@ def after_a_crash(run: Trainer, error: Exception) -> None:
     generation, the same processes, starts new workers there."""
     in_process = recovery.under_in_process_recovery()
     if in_process and a_loader_worker_lost(error):
-        rescue.say(f"process {run.accelerator.process_index}: {error}: the group goes on in a new one at the step reached")
+        rescue.say(
+            f"process {run.accelerator.process_index}: {error}: the group goes on in a new one at the step reached"
+        )
     if lost_peers(error) or (in_process and a_loader_worker_lost(error)):
         root, contents = run.checkpoints.root, run.checkpoints.contents
         accumulation = run.prepared.accumulation

@@ -432,10 +432,14 @@ def test_the_recovering_launcher_reads_the_default_config_file_accelerate_config
         monkeypatch.setattr(module, "default_config_file", str(default))
     default.write_text("distributed_type: MULTI_CPU\nnum_machines: 1\nnum_processes: 3\nmixed_precision: bf16\n")
     launched = []
-    monkeypatch.setattr(recovery, "launch", lambda command, processes, env, *rest: launched.append((processes, env)) or 0)
+    monkeypatch.setattr(
+        recovery, "launch", lambda command, processes, env, *rest: launched.append((processes, env)) or 0
+    )
     assert main(["--recover", "in-process", PROBE]) == 0
     assert launched[0][0] == 3 and launched[0][1]["ACCELERATE_MIXED_PRECISION"] == "bf16"
-    default.write_text(default.read_text().replace("num_machines: 1\nnum_processes: 3", "num_machines: 2\nnum_processes: 4"))
+    default.write_text(
+        default.read_text().replace("num_machines: 1\nnum_processes: 3", "num_machines: 2\nnum_processes: 4")
+    )
     assert main(["--recover", "in-process", PROBE]) == 2
     assert "runs the processes of one machine: give num_machines 1" in capsys.readouterr().err
     assert machine_setup([PROBE])["machines"] == 2  # (the restart's launcher waits for every machine it names)
