@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 from accelerate.utils.memory import should_reduce_batch_size
 
-from ddp_accel import launch_environments
+from ddp_accel import launch_environments, recovery
 from ddp_accel.budget import note_command_start
 from ddp_accel.elastic import end_with_the_launcher, process_rank, report_to_launcher, stop_restarts
 from ddp_accel.errors import UserError
@@ -161,6 +161,8 @@ def run_main(main: Callable[..., Any]) -> None:
     else:
         end_worker_processes()  # so that the command returns with nothing left in its process group
     rank = process_rank()
+    if outcome.kind == "completed":
+        recovery.say_completed()
     if not shutdown(clean=outcome.code in (0, PEER_STOPPED_EXIT_CODE)) and outcome.code == 0:
         outcome = _lost_at_the_end(rank, outcome)
     signals.uninstall()
@@ -186,8 +188,6 @@ def _main_through_regroups(main: Callable[..., Any], signals: StopSignals) -> No
     """main(), run again in this process after each lost peer under `ddp-accel launch --recover in-process`
     (ddp_accel.recovery): the survivor saved the step it reached, and resumes there in the launcher's next group;
     and after the save the launcher asks for when a replacement joins."""
-    from ddp_accel import recovery
-
     while True:
         try:
             main(signals) if inspect.signature(main).parameters else main()

@@ -51,9 +51,10 @@ def machine_setup(accelerate_args: list[str]) -> dict[str, Any]:
 
     args = launch_command_parser().parse_args(accelerate_args)  # argparse's own one line for a bad flag
     config: Any = None
+    if args.config_file:
+        check_config(args.config_file)  # one line for a bad file (the default one: the script checks it)
     path = file_accelerate_launch_reads(args.config_file, bool(args.cpu))  # (the default one too: accelerate config's)
     if path:
-        check_config(path)  # one line for a bad file
         config = load_config_from_file(path)
 
     def pick(name: str, default: Any) -> Any:

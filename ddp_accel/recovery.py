@@ -165,6 +165,13 @@ def wait_to_be_called(timeout_s: float) -> None:
     del os.environ[JOINS]
 
 
+def say_completed() -> None:
+    """Rank 0 ended its run whole (the outputs written): a loss the launcher sees after this is no failure."""
+    if under_in_process_recovery() and os.environ.get("RANK") == "0":
+        with contextlib.suppress(Exception):  # the launcher gone: nobody to tell
+            store_client(5).set(f"{KEY}/completed_{os.environ[GENERATION]}", "1")
+
+
 def say_the_first_step() -> None:
     """At a recovered generation's first completed step, process 0 says how long after the loss it came."""
     lost_at = os.environ.pop(LOST_AT, None)
@@ -281,7 +288,6 @@ class Launcher:
         self.lost_steps: list[int] = []
         self.received: list[int] = []
         self.error_code = 0  # a process that ended with an error of its own while the others reported (this loss)
-        self.ended_whole: set[str] = set()  # processes whose script ended with exit status 0
 
     def start(self, slot: str, *, resume: bool = False, joins: bool = False, lost_at: float = 0) -> subprocess.Popen:
         """A process for `slot`: its place in the current group (a replacement that joins: in the first group's)."""
@@ -325,10 +331,11 @@ class Launcher:
     def watch(self) -> int:
         while self.running:
             self.end_the_stopped()
-            for slot in [slot for slot, process in self.running.items() if process.poll() is not None]:
+            ended = [slot for slot, process in self.running.items() if process.poll() is not None]
+            for slot in sorted(ended, key=lambda slot: self.running[slot].returncode >= 0):  # deaths first: the
+                if slot not in self.running:  # others' errors may be theirs (taken by the death's recovery)
+                    continue
                 code = self.running.pop(slot).returncode
-                if code == 0:
-                    self.ended_whole.add(slot)
                 if code < 0 and not self.received:  # killed by a signal (SIGKILL, a crash): a loss to recover
                     if not self.recover(slot, code):
                         self.end_all()
@@ -365,8 +372,6 @@ class Launcher:
                     reports[slot] = json.loads(self.store.get(key))
                 elif slot not in reports and process.poll() is not None:
                     del self.running[slot]
-                    if process.returncode == 0:  # its run ended (a survivor done before it could save)
-                        self.ended_whole.add(slot)
                     if process.returncode > 0:  # an error of its own (its line says which), not a loss
                         self.error_code = self.error_code or process.returncode
             if set(reports) == set(self.running):
@@ -428,7 +433,7 @@ class Launcher:
         """The next generation after a loss: the survivors alone where they keep the global batch bitwise (a
         replacement starts for each lost process, to be called in later: `hand_back`), else the first group's size
         again at once, with replacements."""
-        if not reports and self.members[0] in self.ended_whole:  # its rank 0 wrote the outputs: a loss at the end
+        if not reports and self.store.check([f"{KEY}/completed_{self.generation}"]):  # rank 0 wrote the outputs
             print("ddp-accel launch: the run had ended (rank 0 done): nothing to recover", file=sys.stderr, flush=True)
             return True
         if not reports:
@@ -451,6 +456,14 @@ class Launcher:
         survivors = sorted(reports, key=self.everyone.index)
         lost = [slot for slot in self.everyone if slot not in reports and slot not in self.joining]
         share = self.facts.shares(len(survivors)) if self.facts else None
+        if not lost and not self.joining and first is None:  # none lost, none reached a step: an error that repeats
+            print(
+                "error: in-process recovery: every process failed in a collective, and none was lost (it would fail "
+                "again the same way); their lines say where",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
         if not lost and not self.joining:  # none lost (a process's DataLoader worker was): the same processes go on
             self.next_generation(survivors, share, f"the {len(survivors)} processes go on{at}", lost_at)
             return True

@@ -503,14 +503,16 @@ def after_a_crash(run: Trainer, error: Exception) -> None:
     """A peer lost: the survivors save the step reached (or a line says why not). Any other crash but a UserError
     is noted, and refused when it repeats from the same start at the same step: it is deterministic, and a
     UserError then keeps the launcher from restarting it again. Under in-process recovery a DataLoader worker
-    killed (the OOM killer) costs no more: this process saves the step reached and leaves the group, whose next
-    generation, the same processes, starts new workers there."""
+    killed (the OOM killer) costs no more: this process leaves the group (its state may be mid-step: torch raises
+    from its SIGCHLD handler), its peers save the step they reached, and the next generation, the same processes,
+    starts new workers there."""
     in_process = recovery.under_in_process_recovery()
-    if in_process and a_loader_worker_lost(error):
+    if in_process and a_loader_worker_lost(error):  # (raised anywhere, mid-step too: its peers save the step)
         rescue.say(
             f"process {run.accelerator.process_index}: {error}: the group goes on in a new one at the step reached"
         )
-    if lost_peers(error) or (in_process and a_loader_worker_lost(error)):
+        raise recovery.Regroup(None) from error
+    if lost_peers(error):
         root, contents = run.checkpoints.root, run.checkpoints.contents
         accumulation = run.prepared.accumulation
         saved = rescue.save_what_survived(

@@ -104,6 +104,37 @@ class Ended:
 
 
 @pytest.mark.inprocess
+@pytest.mark.parametrize("completed", [True, False])
+def test_a_loss_after_rank_0_completed_ends_the_job_whole_whatever_order_the_exits_are_seen_in(completed, capsys):
+    # rank 2 killed at the end's barrier; rank 1 (listed first) ended 1 for it, rank 0 ended 0: only rank 0's word
+    # that its run completed (not a preemption's exit 0) makes the job whole
+    from ddp_accel.recovery import KEY, Launcher
+
+    launcher = Launcher(["python", "train.py"], 3)
+    launcher.start = lambda slot, **how: pytest.fail("a replacement started after the run ended")
+    launcher.running = {"1": Ended(1), "2": Ended(-9), "0": Ended(0)}
+    if completed:
+        launcher.store.set(f"{KEY}/completed_0", "1")
+    assert launcher.watch() == (0 if completed else 1)
+    err = capsys.readouterr().err
+    assert ("the run had ended (rank 0 done): nothing to recover" in err) is completed, err
+    assert "rank 2 ended by SIGKILL" in err
+
+
+@pytest.mark.inprocess
+def test_every_process_failing_in_a_collective_with_none_lost_ends_the_job_instead_of_regrouping_again(capsys):
+    # (an error that comes back at every start, DDP's first broadcast: no step reported, no process lost)
+    from ddp_accel.recovery import Launcher
+
+    launcher = Launcher(["python", "train.py"], 2)
+    assert not launcher.regroup({"0": {}, "1": {}}, lost_at=1.0) and launcher.generation == 0
+    assert "every process failed in a collective, and none was lost" in capsys.readouterr().err
+    facts = {"step": 5, "global_batch": 8, "exact_micro_batch": 0}  # a DataLoader worker lost: its peer's step
+    assert launcher.regroup({"0": facts, "1": {}}, lost_at=1.0) and launcher.generation == 1
+    assert "generation 1: the 2 processes go on at step 5" in capsys.readouterr().err
+
+
+@pytest.mark.inprocess
 def test_a_process_that_fails_on_its_own_while_its_peer_reports_it_lost_ends_the_job_with_its_code(monkeypatch):
     # the failed process closes its connections before it exits: its peer reports a lost peer while it still runs,
     # but it was not cut off: its error (a user error, exit 2) is the job's, as without in-process recovery

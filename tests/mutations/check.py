@@ -688,7 +688,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "a_lost_peer_s_survivor_saves_nothing": (
         "ddp_accel/training.py",
-        "    if lost_peers(error) or (in_process and a_loader_worker_lost(error)):\n        root, contents",
+        "    if lost_peers(error):\n        root, contents",
         "    if False:\n        root, contents",
     ),
     "auto_interval_chosen_by_each_rank_alone": (
@@ -1091,8 +1091,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "a_killed_loader_worker_ends_the_recovering_job": (
         "ddp_accel/training.py",
-        "    if lost_peers(error) or (in_process and a_loader_worker_lost(error)):",
-        "    if lost_peers(error):",
+        "    if in_process and a_loader_worker_lost(error):",
+        "    if False:",
     ),
     "a_loss_at_a_group_s_start_ends_the_job": (
         "ddp_accel/endings.py",
@@ -1101,7 +1101,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "a_loss_after_the_run_ended_taken_for_a_failure": (
         "ddp_accel/recovery.py",
-        "        if not reports and self.members[0] in self.ended_whole:",
+        '        if not reports and self.store.check([f"{KEY}/completed_{self.generation}"]):',
         "        if False:",
     ),
     "the_end_s_barrier_fails_with_a_traceback": (
@@ -1113,6 +1113,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "ddp_accel/runtime.py",
         "        if recovery.under_in_process_recovery() and recovery.given_up():",
         "        if False:",
+    ),
+    "a_repeating_collective_error_regrouped_forever": (
+        "ddp_accel/recovery.py",
+        "        if not lost and not self.joining and first is None:",
+        "        if False:",
+    ),
+    "a_peer_s_collateral_exit_seen_before_the_death": (
+        "ddp_accel/recovery.py",
+        "            for slot in sorted(ended, key=lambda slot: self.running[slot].returncode >= 0):",
+        "            for slot in ended:",
     ),
     "a_parallelism_config_recovered_in_process": (
         "ddp_accel/launch.py",
