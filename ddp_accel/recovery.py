@@ -436,34 +436,19 @@ class Launcher:
         if not reports and self.store.check([f"{KEY}/completed_{self.generation}"]):  # rank 0 wrote the outputs
             print("ddp-accel launch: the run had ended (rank 0 done): nothing to recover", file=sys.stderr, flush=True)
             return True
-        if not reports:
-            if not self.received:
-                print("error: in-process recovery: no process survived to go on", file=sys.stderr, flush=True)
+        step = max((report["step"] for report in reports.values() if report), default=None)
+        lost = [slot for slot in self.everyone if slot not in reports and slot not in self.joining]
+        refusal = refusal_to_go_on(reports, step, self.lost_steps, none_lost=not lost and not self.joining)
+        if refusal is not None:
+            if reports or not self.received:  # (stopped meanwhile: no line)
+                print(f"error: in-process recovery: {refusal}", file=sys.stderr, flush=True)
             return False
         first = next((report for report in reports.values() if report), None)
         self.facts = self.facts or (Facts(**first) if first else None)  # None: lost before anything was trained
-        step = max((report["step"] for report in reports.values() if report), default=None)
-        if step is not None and self.lost_steps[-1:] == [step]:  # a crash at the same step would come back again
-            print(
-                f"error: in-process recovery: a process was lost at step {step} twice; not going on (the same "
-                "command with --resume-from-checkpoint latest resumes there)",
-                file=sys.stderr,
-                flush=True,
-            )
-            return False
         self.lost_steps.append(step if step is not None else -1)
         at = f" at step {step}" if step is not None else " from the last checkpoint"
         survivors = sorted(reports, key=self.everyone.index)
-        lost = [slot for slot in self.everyone if slot not in reports and slot not in self.joining]
         share = self.facts.shares(len(survivors)) if self.facts else None
-        if not lost and not self.joining and first is None:  # none lost, none reached a step: an error that repeats
-            print(
-                "error: in-process recovery: every process failed in a collective, and none was lost (it would fail "
-                "again the same way); their lines say where",
-                file=sys.stderr,
-                flush=True,
-            )
-            return False
         if not lost and not self.joining:  # none lost (a process's DataLoader worker was): the same processes go on
             self.next_generation(survivors, share, f"the {len(survivors)} processes go on{at}", lost_at)
             return True
@@ -528,6 +513,25 @@ def end_processes(running: list[subprocess.Popen], waiting: list[subprocess.Pope
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def refusal_to_go_on(
+    reports: dict[str, dict[str, Any]], step: int | None, lost_steps: list[int], none_lost: bool
+) -> str | None:
+    """Why the launcher ends the job instead of forming the next generation (None: it goes on)."""
+    if not reports:
+        return "no process survived to go on"
+    if step is not None and lost_steps[-1:] == [step]:  # a crash at the same step would come back again
+        return (
+            f"a process was lost at step {step} twice; not going on (the same command with --resume-from-checkpoint "
+            "latest resumes there)"
+        )
+    if none_lost and not any(reports.values()):  # none lost, and none reached a step: an error that repeats
+        return (
+            "every process failed in a collective, and none was lost (it would fail again the same way); their lines "
+            "say where"
+        )
+    return None
 
 
 def launch(

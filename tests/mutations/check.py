@@ -1116,7 +1116,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "a_repeating_collective_error_regrouped_forever": (
         "ddp_accel/recovery.py",
-        "        if not lost and not self.joining and first is None:",
+        "    if none_lost and not any(reports.values()):",
         "        if False:",
     ),
     "a_peer_s_collateral_exit_seen_before_the_death": (
