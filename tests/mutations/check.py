@@ -1117,7 +1117,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     "a_repeating_collective_error_regrouped_forever": (
         "ddp_accel/recovery.py",
         "    if none_lost and not any(reports.values()):",
-        "        if False:",
+        "    if False:",
     ),
     "a_peer_s_collateral_exit_seen_before_the_death": (
         "ddp_accel/recovery.py",
