@@ -135,22 +135,25 @@ def meet(timeout_s: float) -> None:
         raise Regroup(None)
 
 
+def launcher_set(name: str) -> bool:
+    """Whether the launcher set its key `name` for this process's generation (False: not set, or the launcher and
+    its store are gone)."""
+    if not under_in_process_recovery():
+        return False
+    try:
+        return bool(store_client(5).check([f"{KEY}/{name}_{os.environ[GENERATION]}"]))
+    except Exception:
+        return False
+
+
 def given_up() -> bool:
     """Whether the launcher gave this process's generation up (a member lost before the group formed)."""
-    try:
-        return bool(store_client(5).check([f"{KEY}/abandoned_{os.environ[GENERATION]}"]))
-    except Exception:  # the launcher (its store) is gone
-        return False
+    return launcher_set("abandoned")
 
 
 def hand_back_asked() -> bool:
     """Whether the launcher asked this process's group to stop for its replacements (else a stop is a stop)."""
-    if not under_in_process_recovery():
-        return False
-    try:
-        return bool(store_client(5).check([f"{KEY}/hand_back_{os.environ[GENERATION]}"]))
-    except Exception:  # the launcher (its store) is gone: a stop
-        return False
+    return launcher_set("hand_back")
 
 
 def wait_to_be_called(timeout_s: float) -> None:
@@ -438,7 +441,8 @@ class Launcher:
             return True
         step = max((report["step"] for report in reports.values() if report), default=None)
         lost = [slot for slot in self.everyone if slot not in reports and slot not in self.joining]
-        refusal = refusal_to_go_on(reports, step, self.lost_steps, none_lost=not lost and not self.joining)
+        none_lost = not lost and not self.joining  # (a process's DataLoader worker was)
+        refusal = refusal_to_go_on(reports, step, self.lost_steps, none_lost)
         if refusal is not None:
             if reports or not self.received:  # (stopped meanwhile: no line)
                 print(f"error: in-process recovery: {refusal}", file=sys.stderr, flush=True)
@@ -449,7 +453,7 @@ class Launcher:
         at = f" at step {step}" if step is not None else " from the last checkpoint"
         survivors = sorted(reports, key=self.everyone.index)
         share = self.facts.shares(len(survivors)) if self.facts else None
-        if not lost and not self.joining:  # none lost (a process's DataLoader worker was): the same processes go on
+        if none_lost:  # the same processes go on
             self.next_generation(survivors, share, f"the {len(survivors)} processes go on{at}", lost_at)
             return True
         if share is not None:

@@ -236,7 +236,7 @@ def init_elastic_process_group(cpu: bool, timeout_s: int) -> None:
             timeout=timeout,
         )
     except Exception:  # a member lost after the meeting, before its connections (seen at --timeout-s): given up
-        if recovery.under_in_process_recovery() and recovery.given_up():
+        if recovery.given_up():
             raise recovery.Regroup(None) from None
         raise
 

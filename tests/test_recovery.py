@@ -476,6 +476,17 @@ def test_the_recovering_launcher_reads_the_default_config_file_accelerate_config
     assert machine_setup([PROBE])["machines"] == 2  # (the restart's launcher waits for every machine it names)
 
 
+def launcher_store(monkeypatch, world: int):
+    """A launcher's store, and this process as rank 0 of a group of `world` meeting there."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    variables = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "RANK": "0", "WORLD_SIZE": str(world)}
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    return store
+
+
 @pytest.mark.inprocess
 def test_each_generation_forms_its_group_on_keys_no_earlier_generation_wrote(monkeypatch):
     # a group's keys (each rank's gloo address) have the same names in every generation: read from an earlier
@@ -484,10 +495,7 @@ def test_each_generation_forms_its_group_on_keys_no_earlier_generation_wrote(mon
 
     from ddp_accel import runtime
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "RANK": "0"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("WORLD_SIZE", "1")
+    _held = launcher_store(monkeypatch, world=1)  # (the store serves while it is held)
     formed = []
     monkeypatch.setattr(dist, "init_process_group", lambda backend, store, **how: formed.append(store))
     for generation in ("0", "1"):
@@ -505,10 +513,7 @@ def test_a_member_lost_after_the_meeting_but_before_its_connections_makes_its_pe
 
     from ddp_accel import recovery, runtime
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "RANK": "0"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    store = launcher_store(monkeypatch, world=2)
     monkeypatch.setenv(GENERATION, "3")
     store.add(f"{recovery.KEY}/arrived_3", 1)  # the other member arrived, and is lost once this one met it:
     lost = threading.Timer(0.5, store.set, (f"{recovery.KEY}/abandoned_3", "1"))  # (the launcher, on its loss)

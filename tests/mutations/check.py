@@ -1111,7 +1111,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "a_group_given_up_while_connecting_ends_the_job": (
         "ddp_accel/runtime.py",
-        "        if recovery.under_in_process_recovery() and recovery.given_up():",
+        "        if recovery.given_up():",
         "        if False:",
     ),
     "a_repeating_collective_error_regrouped_forever": (
