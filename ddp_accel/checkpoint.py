@@ -31,6 +31,7 @@ from ddp_accel.checkpoint_format import (
     checkpoint_problem,
     load_checkpoint,
     read_training_state,
+    take_held,
     write_checkpoint,
 )
 from ddp_accel.config import CheckpointOptions
@@ -269,6 +270,7 @@ class Checkpoints:
         self.writer: CheckpointWriter | None = None  # --async-checkpoint: saves written in the background
         self.in_flight: tuple[Path, float] | None = None  # the background save: its folder and the step's stall
         self.auto: AutoInterval | None = None  # --checkpointing-steps auto
+        self.from_memory = False  # whether the last load took the bulk of its states from memory (take_held)
 
     @classmethod
     def of_run(
@@ -386,7 +388,9 @@ class Checkpoints:
         return resolve_resume(value, self.root, self.accelerator, self.listing)
 
     def load(self, path: Path, state: TrainState, identity: RunIdentity) -> list[str]:
-        return load_checkpoint(self.accelerator, path, identity, state, self.contents, self.listing.state)
+        held = take_held(path)  # (a survivor's own copy of the step, under in-process recovery)
+        self.from_memory = held is not None
+        return load_checkpoint(self.accelerator, path, identity, state, self.contents, self.listing.state, held)
 
     def resume(
         self,
@@ -422,4 +426,7 @@ class Checkpoints:
             f"resumed from {path}: step {state.step}, epoch {state.epoch}, skipping {rebase.skip} batches of the "
             f"epoch{scale}"
         )
+        if self.from_memory:  # (each process's own line: which of them read the bulk back)
+            index = accelerator.process_index
+            print(f"process {index}: the models' and optimizers' states from its memory", file=sys.stderr, flush=True)
         return path

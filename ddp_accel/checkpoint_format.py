@@ -162,13 +162,16 @@ def write_checkpoint(
     sink: Sink,
     groups: list[Any] | None = None,
     replica: Replica | None = None,
+    create: bool = True,
 ) -> None:
     """This rank's part of a checkpoint into `folder`, through `sink` (module docstring); under FSDP its shards over
     `groups` (one process group per sharded state: an asynchronous save's), else the default group. With a
-    `replica`, every rank's part, written by this one process without a collective (a survivor's, under DDP)."""
+    `replica`, every rank's part, written by this one process without a collective (a survivor's, under DDP).
+    `create=False`: `folder` is not made (a sink that only holds the files in memory)."""
     from accelerate.utils import DistributedType
 
-    folder.mkdir(parents=True, exist_ok=True)
+    if create:
+        folder.mkdir(parents=True, exist_ok=True)
     shared = replica is not None or writes_shared_files(accelerator)
     objects = contents.objects
     if not listed_here(accelerator):  # (a synchronous save: --async-checkpoint and a survivor's refuse these)
@@ -359,13 +362,19 @@ def load_checkpoint(
     state: TrainState | None = None,
     contents: Contents | None = None,
     read: Reader | None = None,
+    held: dict[str, Any] | None = None,
 ) -> list[str]:
     """Load the checkpoint at `path` into the prepared objects, `state` and the `contents`' callbacks and hooks, when
     the checkpoint is of this run's `identity` (a checkpoint of another model or run is refused). Without `contents`
-    the callbacks' part is not read (an evaluation of the checkpoint's weights). Returns warnings to show."""
+    the callbacks' part is not read (an evaluation of the checkpoint's weights). With `held` (`take_held`), the
+    models' and optimizers' states come from this process's memory instead of the files. Returns warnings to
+    show."""
     saved, warning = check_checkpoint(accelerator, path, identity, read)
     try:
-        load_accelerate_state(accelerator, path)
+        if held is not None and contents is not None:
+            load_held(accelerator, path, contents.objects, held)
+        else:
+            load_accelerate_state(accelerator, path)
         if contents is not None and sharded_optimizer_left_unloaded(accelerator):
             load_sharded_optimizers(contents.objects, path)
     except (RuntimeError, FileNotFoundError, KeyError) as error:
@@ -391,6 +400,58 @@ def load_accelerate_state(accelerator: Accelerator, path: Path) -> None:
             if not POSITIONAL.match(entry.name):
                 Path(view, entry.name).symlink_to(entry.resolve())
         accelerator.load_state(view)
+
+
+@dataclass
+class HeldCheckpoint:
+    """A checkpoint this process holds in memory besides its files (a survivor's copy of the step it reached, for
+    its next group under `--recover in-process`): the models' and optimizers' states by file name, the bulk of a
+    checkpoint, which the next load takes from here instead of reading them back."""
+
+    folder: Path
+    files: dict[str, Any]
+
+
+HELD: list[HeldCheckpoint] = []  # at most one: the newest
+
+
+def bulk_files(objects: AcceleratorObjects) -> list[str]:
+    """The files of the models' and optimizers' states (Accelerate's names)."""
+    from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME
+
+    models = [numbered(SAFE_WEIGHTS_NAME, index) for index in range(len(objects.models))]
+    return models + [numbered(f"{OPTIMIZER_NAME}.bin", index) for index in range(len(objects.optimizers))]
+
+
+def hold(folder: Path, staged: Any, staged_in: Path, objects: AcceleratorObjects) -> None:
+    """Keep the models' and optimizers' states that `staged` (async_save.StagedWrites, copies made into `staged_in`)
+    holds, as the checkpoint `folder`'s; the one held before is let go."""
+    bulk = set(bulk_files(objects))
+    files = {path.relative_to(staged_in).as_posix(): obj for _, obj, path in staged.writes}
+    HELD[:] = [HeldCheckpoint(folder, {name: obj for name, obj in files.items() if name in bulk})]
+
+
+def take_held(folder: Path) -> dict[str, Any] | None:
+    """The states held for checkpoint `folder`, or None; whatever was held is let go either way (used once)."""
+    held = HELD.pop() if HELD else None
+    return held.files if held is not None and held.folder.resolve() == folder.resolve() else None
+
+
+def load_held(accelerator: Accelerator, path: Path, objects: AcceleratorObjects, files: dict[str, Any]) -> None:
+    """Accelerate's load of the checkpoint at `path`, but the models' and optimizers' states from `files` (held in
+    memory): the rest (schedulers, loaders' samplers, the gradient scaler, this rank's random streams) by
+    Accelerate's own `load_accelerator_state`, as its `load_state` reads them."""
+    from accelerate.checkpointing import load_accelerator_state
+    from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME
+
+    for index, model in enumerate(objects.models):
+        model.load_state_dict(files[numbered(SAFE_WEIGHTS_NAME, index)])
+    for index, optimizer in enumerate(objects.optimizers):
+        optimizer.load_state_dict(files[numbered(f"{OPTIMIZER_NAME}.bin", index)])
+    scaler, index = accelerator.scaler, accelerator.process_index
+    override = load_accelerator_state(str(path), [], [], objects.schedulers, objects.dataloaders, index, scaler)
+    if "step" in override:
+        accelerator.step = override["step"]
 
 
 # Accelerate before 1.13 loads an FSDP2 sharded optimizer state into the template `optimizer.state_dict()`, empty

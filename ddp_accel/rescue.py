@@ -30,9 +30,11 @@ from typing import Any
 import torch
 
 from ddp_accel.agreement import StepAgreement, running_statistics
+from ddp_accel.async_save import StagedWrites
 from ddp_accel.checkpoint import complete, step_folder, training_state_json
-from ddp_accel.checkpoint_format import Contents, Replica, WriteNow, write_checkpoint
+from ddp_accel.checkpoint_format import Contents, Replica, hold, write_checkpoint
 from ddp_accel.random_streams import RandomStreams
+from ddp_accel.recovery import under_in_process_recovery
 from ddp_accel.state import RunIdentity, TrainState
 
 REPLICATED = ("MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_HPU")
@@ -110,7 +112,9 @@ def save_what_survived(
     accumulation: int,
 ) -> str:
     """A survivor's checkpoint of the step it reached, when it can be every rank's; returns its line (also when
-    the save itself fails: the lost peer's error is the run's)."""
+    the save itself fails: the lost peer's error is the run's). Every survivor copies the step into memory first;
+    the first writes the copy. Under `--recover in-process` each keeps its copy for its next load (`hold`: the
+    process goes on)."""
     rank = accelerator.process_index
     reason = why_not_rescued(accelerator, contents)
     streams = streams_of(state, agreement)
@@ -129,6 +133,14 @@ def save_what_survived(
         return f"process {rank}: the restart resumes from the last checkpoint ({reason})"
     assert streams is not None
     final = step_folder(root, state.step)
+    replica = Replica(streams, buffers or {}, accelerator.num_processes)
+    staged = StagedWrites()  # every survivor's own copy: its next group takes the bulk from memory
+    try:
+        write_checkpoint(accelerator, final, contents, staged, replica=replica, create=False)
+    except Exception as failed:
+        return f"process {rank}: the step it reached was not saved ({failed})"
+    if under_in_process_recovery():
+        hold(final, staged, final, contents.objects)
     if (final / "training_state.json").is_file():
         return f"process {rank}: the step it reached ({state.step}) is saved already: {final}"
     rescue = root / f".rescue_step_{state.step}"
@@ -139,8 +151,8 @@ def save_what_survived(
     except OSError as failed:
         return f"process {rank}: the step it reached was not saved ({failed})"
     try:
-        replica = Replica(streams, buffers or {}, accelerator.num_processes)
-        write_checkpoint(accelerator, rescue, contents, WriteNow(), replica=replica)
+        for write, obj, path in staged.writes:
+            write(obj, rescue / path.relative_to(final))
         complete(rescue, final, json.dumps(training_state_json(state, identity), indent=2), None)
     except BaseException as failed:
         shutil.rmtree(rescue, ignore_errors=True)

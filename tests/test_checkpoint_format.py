@@ -16,7 +16,9 @@ from ddp_accel.checkpoint_format import (
     Contents,
     Replica,
     WriteNow,
+    hold,
     load_checkpoint,
+    take_held,
     write_checkpoint,
 )
 from ddp_accel.random_streams import RandomStreams
@@ -112,6 +114,49 @@ def test_a_component_registered_once_is_written_by_every_save_and_read_by_the_lo
     loaded = Contents(objects, [Counter()])
     notes = load_checkpoint(accelerator, tmp_path / "async" / "step_3", RunIdentity(), contents=loaded)
     assert loaded.components[0].value == 41 and "counter at 41" in notes
+
+
+def test_a_step_held_in_memory_loads_its_models_and_optimizers_from_there_once_and_the_rest_from_its_files(
+    tmp_path, trained
+):
+    # a survivor under --recover in-process keeps its copy of the step it saved: the next group's load takes the
+    # bulk (the models', the optimizers' states) from memory, not from the folder it reads the rest from
+    accelerator, objects = trained
+    contents, model, optimizer, scheduler = (
+        Contents(objects),
+        objects.models[0],
+        objects.optimizers[0],
+        objects.schedulers[0],
+    )
+
+    def one_step():
+        accelerator.backward(model(torch.arange(7)).logsumexp(-1).mean())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+
+    def states():
+        return [value.clone() for value in model.state_dict().values()] + [
+            value.clone() for value in optimizer.state_dict()["state"][0].values()
+        ]
+
+    folder = save_checkpoint(accelerator, tmp_path, TrainState(step=1), RunIdentity(), contents=contents)
+    staged = StagedWrites()
+    write_checkpoint(accelerator, folder, contents, staged, create=False)
+    hold(folder, staged, folder, objects)
+    held = states()
+    one_step()  # the folder's files now hold a later state than the one held
+    assert save_checkpoint(accelerator, tmp_path, TrainState(step=1), RunIdentity(), contents=contents) == folder
+    on_disk, on_disk_schedule = states(), scheduler.state_dict()["last_epoch"]
+    one_step()
+    load_checkpoint(accelerator, folder, RunIdentity(), contents=contents, held=take_held(folder))
+    assert all(torch.equal(now, then) for now, then in zip(states(), held, strict=True))
+    assert scheduler.state_dict()["last_epoch"] == on_disk_schedule  # the rest from the files
+    assert take_held(folder) is None  # used once: the next load reads the files
+    load_checkpoint(accelerator, folder, RunIdentity(), contents=contents, held=take_held(folder))
+    assert all(torch.equal(now, then) for now, then in zip(states(), on_disk, strict=True))
+    hold(tmp_path / "step_9", staged, folder, objects)
+    assert take_held(folder) is None and take_held(tmp_path / "step_9") is None  # another step's: let go
 
 
 def test_a_survivor_writes_every_rank_s_streams_and_the_buffers_the_step_left(tmp_path, trained):

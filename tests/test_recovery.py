@@ -219,6 +219,7 @@ def test_survivors_go_on_with_a_killed_rank_s_share_until_its_replacement_takes_
     assert "generation 1: 2 survivors go on at step" in log and "6 samples each" in log, log[-3000:]
     assert "generation 2: 1 replacement(s) take their share back" in log, log[-3000:]
     assert "generation 1's first step done" in log and "s after the loss" in log, log[-3000:]
+    assert log.count("states from its memory") == 2, log[-3000:]  # each survivor's copy of the step, not read back
     assert log.count("== ddp_accel ==") == 3, log[-3000:]  # the first group's banner, and each new group's
     assert "done: 128 steps" in log and "on 3 process(es)" in log, log[-3000:]
     assert_same_weights(reference, output_dir)
@@ -239,6 +240,7 @@ def test_a_replacement_joins_where_the_survivors_cannot_keep_the_sum_s_order(sta
     assert code == 0, log[-3000:]
     assert "rank 0 ended by SIGKILL" in log and "1 replacement(s) join the 1 survivors" in log, log[-3000:]
     assert "saved the step it reached" in log, log[-3000:]
+    assert log.count("states from its memory") == 1, log[-3000:]  # the survivor's; the replacement reads the files
     assert_same_weights(standard_reference, output_dir)
 
 
