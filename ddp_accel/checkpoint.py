@@ -8,6 +8,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import re
 import shutil
 import sys
@@ -20,7 +21,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from ddp_accel import launch_environments
+from ddp_accel import launch_environments, recovery
 from ddp_accel.async_save import CheckpointWriter, StagedWrites, leave_marker, write_then_mark
 from ddp_accel.checkpoint_format import (
     FILE_LIST,
@@ -29,6 +30,7 @@ from ddp_accel.checkpoint_format import (
     Reader,
     WriteNow,
     checkpoint_problem,
+    held_step,
     load_checkpoint,
     read_training_state,
     take_held,
@@ -223,6 +225,35 @@ def save_checkpoint(
     return final
 
 
+RESCUE_WRITER = "writer.pid"  # in a survivor's `.rescue_step_N` while it writes it (ddp_accel.rescue)
+
+
+def wait_for_rescues(root: Path, timeout_s: float = 300.0) -> None:
+    """Until the rescues of `root` in flight (`.rescue_step_N`, written by a survivor in the background under
+    in-process recovery) are renamed into place or given up: by a failure, or by their writer's death (a process
+    of this machine: its pid)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(writing_alive(rescue) for rescue in root.glob(".rescue_step_*")):
+        time.sleep(0.02)
+
+
+def writing_alive(rescue: Path) -> bool:
+    """Whether `rescue` is being written: its writer's pid alive (or not written yet: its folder just made)."""
+    try:
+        pid = int((rescue / RESCUE_WRITER).read_text() or 0)
+    except (OSError, ValueError):  # made and its writer not named yet, or being completed; else long given up
+        with contextlib.suppress(OSError):
+            return time.time() - rescue.stat().st_mtime < 10
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (another user's process: alive)
+        pass
+    return True
+
+
 def complete(partial: Path, final: Path, training_state: str, limit: int | None) -> None:
     """The main process, once every rank's files are in `partial`: the list of its files (checked on load: names and
     sizes, cheap inside a preemption's grace period), training_state.json, the rename, the rotation."""
@@ -385,6 +416,16 @@ class Checkpoints:
         return self.save_now(state, identity, in_background=False)
 
     def resolve(self, value: str | None) -> Path | None:
+        """`resolve_resume`; under in-process recovery, the step every member of the group holds in memory (its
+        files may still be being written), or else once the rescues in flight are written."""
+        if value == "latest" and recovery.under_in_process_recovery():
+            every_member_holds = recovery.step_every_member_holds()
+            if every_member_holds is not None:
+                if held_step() != every_member_holds:  # (the launcher's plan says every member reported it)
+                    raise RuntimeError(f"step {every_member_holds} is not held by this process")
+                return step_folder(self.root, every_member_holds)
+            wait_for_rescues(self.root)
+            self.listing.refresh()
         return resolve_resume(value, self.root, self.accelerator, self.listing)
 
     def load(self, path: Path, state: TrainState, identity: RunIdentity) -> list[str]:

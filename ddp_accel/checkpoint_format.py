@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import json
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -362,17 +363,36 @@ def load_checkpoint(
     state: TrainState | None = None,
     contents: Contents | None = None,
     read: Reader | None = None,
-    held: dict[str, Any] | None = None,
+    held: HeldCheckpoint | None = None,
 ) -> list[str]:
     """Load the checkpoint at `path` into the prepared objects, `state` and the `contents`' callbacks and hooks, when
     the checkpoint is of this run's `identity` (a checkpoint of another model or run is refused). Without `contents`
     the callbacks' part is not read (an evaluation of the checkpoint's weights). With `held` (`take_held`), the
     models' and optimizers' states come from this process's memory instead of the files. Returns warnings to
     show."""
+    if held is None:
+        return load_files(accelerator, path, identity, state, contents, read)
+    assert contents is not None, "a held checkpoint loads into a run's contents"
+    try:  # its small files from its own folder: `path` may still be being written
+        return load_files(accelerator, held.small, identity, state, contents, None, held.files)
+    finally:
+        held.let_go()
+
+
+def load_files(
+    accelerator: Accelerator,
+    path: Path,
+    identity: RunIdentity,
+    state: TrainState | None,
+    contents: Contents | None,
+    read: Reader | None,
+    bulk: dict[str, Any] | None = None,
+) -> list[str]:
+    """`load_checkpoint` of the files at `path`, the models' and optimizers' states from `bulk` where given."""
     saved, warning = check_checkpoint(accelerator, path, identity, read)
     try:
-        if held is not None and contents is not None:
-            load_held(accelerator, path, contents.objects, held)
+        if bulk is not None and contents is not None:
+            load_held(accelerator, path, contents.objects, bulk)
         else:
             load_accelerate_state(accelerator, path)
         if contents is not None and sharded_optimizer_left_unloaded(accelerator):
@@ -404,12 +424,18 @@ def load_accelerate_state(accelerator: Accelerator, path: Path) -> None:
 
 @dataclass
 class HeldCheckpoint:
-    """A checkpoint this process holds in memory besides its files (a survivor's copy of the step it reached, for
-    its next group under `--recover in-process`): the models' and optimizers' states by file name, the bulk of a
-    checkpoint, which the next load takes from here instead of reading them back."""
+    """A checkpoint this process holds besides its files (a survivor's copy of the step it reached, for its next
+    group under `--recover in-process`): the models' and optimizers' states in memory by file name (the bulk,
+    which the next load takes from here instead of reading it back), and the rest, small, in a folder of this
+    process's own (`small`: complete with training_state.json), so that a load needs nothing of `folder`, which
+    another survivor may still be writing."""
 
     folder: Path
     files: dict[str, Any]
+    small: Path
+
+    def let_go(self) -> None:
+        shutil.rmtree(self.small, ignore_errors=True)
 
 
 HELD: list[HeldCheckpoint] = []  # at most one: the newest
@@ -423,18 +449,39 @@ def bulk_files(objects: AcceleratorObjects) -> list[str]:
     return models + [numbered(f"{OPTIMIZER_NAME}.bin", index) for index in range(len(objects.optimizers))]
 
 
-def hold(folder: Path, staged: Any, staged_in: Path, objects: AcceleratorObjects) -> None:
-    """Keep the models' and optimizers' states that `staged` (async_save.StagedWrites, copies made into `staged_in`)
-    holds, as the checkpoint `folder`'s; the one held before is let go."""
+def hold(folder: Path, staged: Any, objects: AcceleratorObjects, training_state: str) -> HeldCheckpoint:
+    """Keep the checkpoint `folder` that `staged` (async_save.StagedWrites, its copies staged for `folder`) holds:
+    the bulk in memory, the rest written into a folder of this process's own with `training_state`. The one held
+    before is let go."""
     bulk = set(bulk_files(objects))
-    files = {path.relative_to(staged_in).as_posix(): obj for _, obj, path in staged.writes}
-    HELD[:] = [HeldCheckpoint(folder, {name: obj for name, obj in files.items() if name in bulk})]
+    small = Path(tempfile.mkdtemp(prefix=f".ddp_accel_held_{folder.name}_"))
+    files = {}
+    for write, obj, path in staged.writes:
+        name = path.relative_to(folder).as_posix()
+        if name in bulk:
+            files[name] = obj
+        else:
+            write(obj, small / name)
+    (small / TRAINING_STATE).write_text(training_state)
+    for earlier in HELD:
+        earlier.let_go()
+    HELD[:] = [HeldCheckpoint(folder, files, small)]
+    return HELD[0]
 
 
-def take_held(folder: Path) -> dict[str, Any] | None:
-    """The states held for checkpoint `folder`, or None; whatever was held is let go either way (used once)."""
+def held_step() -> int | None:
+    """The step of the checkpoint this process holds, or None."""
+    return int(read_training_state(HELD[0].small)["step"]) if HELD else None
+
+
+def take_held(folder: Path) -> HeldCheckpoint | None:
+    """The checkpoint held for `folder`, or None; whatever was held is no longer (used once: the caller lets it
+    go once loaded)."""
     held = HELD.pop() if HELD else None
-    return held.files if held is not None and held.folder.resolve() == folder.resolve() else None
+    if held is not None and held.folder.resolve() != folder.resolve():
+        held.let_go()
+        return None
+    return held
 
 
 def load_held(accelerator: Accelerator, path: Path, objects: AcceleratorObjects, files: dict[str, Any]) -> None:

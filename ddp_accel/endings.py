@@ -155,6 +155,10 @@ def run_main(main: Callable[..., Any]) -> None:
         outcome = _failed(error, signals)
     if launcher_watch is not None:
         launcher_watch.set()
+    if recovery.under_in_process_recovery():  # a survivor's step, written in the background (ddp_accel.rescue)
+        from ddp_accel.rescue import finish_writes
+
+        finish_writes()
     record_outcome(outcome)
     if launch_environments.current().outlives_the_script:  # a Ray worker: its helpers serve the process, which goes on
         kill_leftover_workers()

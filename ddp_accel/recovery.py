@@ -45,6 +45,7 @@ SLOT = "DDP_ACCEL_RECOVERY_SLOT"  # the process's place among the launched ones 
 LAUNCHER = "DDP_ACCEL_RECOVERY_LAUNCHER"  # the launcher's pid: a worker ends with it
 LOST_AT = "DDP_ACCEL_RECOVERY_LOST_AT"  # when the launcher saw the loss this generation recovers from
 JOINS = "DDP_ACCEL_RECOVERY_JOINS"  # a replacement: it waits to be called into a generation (the value: its start)
+HELD_STEP = "DDP_ACCEL_RECOVERY_HELD_STEP"  # the step every member of the group holds in memory: no files read
 HAND_BACK_SIGNAL = signal.SIGUSR1  # the survivors save the step they reached together (a preemption's save)
 KEY = "ddp_accel/recovery"
 REPORT_TIMEOUT_S = 300.0  # a survivor that neither reports nor ends by then is ended: the group goes on without it
@@ -64,6 +65,7 @@ class Facts:
     step: int
     global_batch: int
     exact_micro_batch: int  # 0: without --exact-micro-batch
+    held: bool = False  # it holds the step in memory (its next group needs no file of it)
 
     def shares(self, processes: int) -> int | None:
         """The per-process batch with which `processes` processes keep the global batch bitwise (None: none)."""
@@ -192,6 +194,9 @@ def take_place(generation: int, plan: dict[str, Any]) -> None:
     rank = members.index(os.environ[SLOT])
     if plan.get("lost_at"):
         os.environ[LOST_AT] = str(plan["lost_at"])
+    os.environ.pop(HELD_STEP, None)
+    if plan.get("held") is not None:
+        os.environ[HELD_STEP] = str(plan["held"])
     os.environ.update({GENERATION: str(generation), **launch_variables(rank, len(members))})
 
 
@@ -226,6 +231,19 @@ def close_the_connections() -> None:
                 work.wait(datetime.timedelta(milliseconds=1))
         except Exception:  # the timeout (every connection closed), or a connection closed already
             continue
+
+
+def step_every_member_holds() -> int | None:
+    """The step every member of this process's group holds in memory (the launcher's plan), once: None where a
+    member reads the step's files (a replacement, a process that saved nothing)."""
+    held = os.environ.pop(HELD_STEP, None)
+    return int(held) if held is not None else None
+
+
+def held_by_every_member(reports: dict[str, dict[str, Any]], step: int | None) -> int | None:
+    """`step`, where every survivor reported that it holds it in memory."""
+    holding = [report.get("held") and report.get("step") == step for report in reports.values()]
+    return step if step is not None and holding and all(holding) else None
 
 
 def rejoin(facts: Facts | None, timeout_s: float = REPORT_TIMEOUT_S) -> None:
@@ -407,10 +425,12 @@ class Launcher:
                 process.kill()
                 del self.stopped_since[slot]
 
-    def next_generation(self, members: list[str], batch_size: int | None, how: str, lost_at: float = 0) -> None:
+    def next_generation(
+        self, members: list[str], batch_size: int | None, how: str, lost_at: float = 0, held: int | None = None
+    ) -> None:
         self.generation += 1
         self.members = members
-        plan = {"members": members, "batch_size": batch_size, "lost_at": lost_at}
+        plan = {"members": members, "batch_size": batch_size, "lost_at": lost_at, "held": held}
         self.store.set(f"{KEY}/generation_{self.generation}", json.dumps(plan))
         print(f"ddp-accel launch: generation {self.generation}: {how}", file=sys.stderr, flush=True)
 
@@ -453,14 +473,15 @@ class Launcher:
         at = f" at step {step}" if step is not None else " from the last checkpoint"
         survivors = sorted(reports, key=self.everyone.index)
         share = self.facts.shares(len(survivors)) if self.facts else None
+        held = held_by_every_member(reports, step)  # (the survivors alone: no one reads the step's files)
         if none_lost:  # the same processes go on
-            self.next_generation(survivors, share, f"the {len(survivors)} processes go on{at}", lost_at)
+            self.next_generation(survivors, share, f"the {len(survivors)} processes go on{at}", lost_at, held)
             return True
         if share is not None:
             replaced = len(survivors) < self.min_processes
             how = f"{len(survivors)} survivors go on{at}, {share} samples each"
             how += "" if replaced else f" to the end (--min-processes {self.min_processes}: no replacement)"
-            self.next_generation(survivors, share, how, lost_at)
+            self.next_generation(survivors, share, how, lost_at, held)
             for slot in lost if replaced else []:  # called in once its imports are done: hand_back
                 self.joining[slot] = (self.start(slot, resume=True, joins=True), self.starts)
             return True

@@ -21,9 +21,10 @@ rank's too, but process 0's travel in each step's agreement, so any survivor hol
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
-import time
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,8 @@ import torch
 
 from ddp_accel.agreement import StepAgreement, running_statistics
 from ddp_accel.async_save import StagedWrites
-from ddp_accel.checkpoint import complete, step_folder, training_state_json
-from ddp_accel.checkpoint_format import Contents, Replica, hold, write_checkpoint
+from ddp_accel.checkpoint import RESCUE_WRITER, complete, step_folder, training_state_json
+from ddp_accel.checkpoint_format import TRAINING_STATE, Contents, Replica, hold, write_checkpoint
 from ddp_accel.random_streams import RandomStreams
 from ddp_accel.recovery import under_in_process_recovery
 from ddp_accel.state import RunIdentity, TrainState
@@ -134,40 +135,68 @@ def save_what_survived(
     assert streams is not None
     final = step_folder(root, state.step)
     replica = Replica(streams, buffers or {}, accelerator.num_processes)
-    staged = StagedWrites()  # every survivor's own copy: its next group takes the bulk from memory
+    training_state = json.dumps(training_state_json(state, identity), indent=2)
+    staged = StagedWrites()  # this survivor's copy of the step
+    in_process = under_in_process_recovery()
     try:
         write_checkpoint(accelerator, final, contents, staged, replica=replica, create=False)
+        if in_process:  # the process goes on: its next group loads its own copy
+            hold(final, staged, contents.objects, training_state)
     except Exception as failed:
         return f"process {rank}: the step it reached was not saved ({failed})"
-    if under_in_process_recovery():
-        hold(final, staged, final, contents.objects)
-    if (final / "training_state.json").is_file():
+    if (final / TRAINING_STATE).is_file():
         return f"process {rank}: the step it reached ({state.step}) is saved already: {final}"
     rescue = root / f".rescue_step_{state.step}"
     try:
         rescue.mkdir(parents=True)  # the first survivor's (atomic)
+        (rescue / RESCUE_WRITER).write_text(str(os.getpid()))
     except FileExistsError:
         return f"process {rank}: another survivor saves step {state.step}"
     except OSError as failed:
         return f"process {rank}: the step it reached was not saved ({failed})"
+    if in_process:
+        write_in_background(staged, rescue, final, training_state, rank)
+        return f"process {rank} writes the step it reached in the background (its group goes on from memory): {final}"
     try:
-        for write, obj, path in staged.writes:
-            write(obj, rescue / path.relative_to(final))
-        complete(rescue, final, json.dumps(training_state_json(state, identity), indent=2), None)
-    except BaseException as failed:
-        shutil.rmtree(rescue, ignore_errors=True)
-        if not isinstance(failed, Exception):  # the launcher's kill, a Ctrl-C: as they are
-            raise
+        write_rescue(staged, rescue, final, training_state)
+    except Exception as failed:
         return f"process {rank}: the step it reached was not saved ({failed})"
     return f"process {rank} saved the step it reached for the restart: {final}"
 
 
-def wait_for_another_survivor_s_save(root: Path, step: int, timeout_s: float = 300.0) -> None:
-    """Until the survivor that writes `step` (`.rescue_step_N`) has renamed it into place or given it up: whoever
-    resumes next finds the step whole (a survivor that lost the race to write returns at once)."""
-    rescue, deadline = root / f".rescue_step_{step}", time.monotonic() + timeout_s
-    while rescue.exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
+def write_rescue(staged: StagedWrites, rescue: Path, final: Path, training_state: str) -> None:
+    """The staged copy of the step into `rescue`, renamed to `final` once whole (removed on a failure)."""
+    try:
+        for write, obj, path in staged.writes:
+            write(obj, rescue / path.relative_to(final))
+        (rescue / RESCUE_WRITER).unlink()
+        complete(rescue, final, training_state, None)
+    except BaseException:
+        shutil.rmtree(rescue, ignore_errors=True)
+        raise
+
+
+WRITES: list[threading.Thread] = []  # the rescues this process writes in the background
+
+
+def write_in_background(staged: StagedWrites, rescue: Path, final: Path, training_state: str, rank: int) -> None:
+    """`write_rescue` in a thread of its own while the process goes on from its copy in memory; whoever needs the
+    files waits for them (checkpoint.wait_for_rescues)."""
+
+    def write() -> None:
+        try:
+            write_rescue(staged, rescue, final, training_state)
+        except Exception as failed:
+            say(f"process {rank}: the step it reached was not written ({failed}); its group went on from memory")
+
+    WRITES.append(threading.Thread(target=write, name=f"ddp_accel rescue of {final.name}"))
+    WRITES[-1].start()
+
+
+def finish_writes() -> None:
+    """Wait for the rescues written in the background (the process's end)."""
+    while WRITES:
+        WRITES.pop(0).join()
 
 
 def buffers_of(state: TrainState, agreement: StepAgreement) -> dict[tuple[int, str], torch.Tensor] | None:

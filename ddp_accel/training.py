@@ -36,6 +36,7 @@ from ddp_accel.agreement import StepAgreement, Verdict
 from ddp_accel.budget import command_started
 from ddp_accel.callbacks import Callback, Callbacks
 from ddp_accel.checkpoint import Checkpoints, every
+from ddp_accel.checkpoint_format import held_step
 from ddp_accel.config import TrainConfig
 from ddp_accel.context import RunContext
 from ddp_accel.endings import a_loader_worker_lost, lost_peers
@@ -520,9 +521,9 @@ def after_a_crash(run: Trainer, error: Exception) -> None:
         )
         rescue.say(saved)
         if in_process:  # the launcher forms a new group: this process goes on in it
-            rescue.wait_for_another_survivor_s_save(root, run.state.step)
-            exact = run.config.communication.exact_micro_batch or 0
-            raise recovery.Regroup(recovery.Facts(run.state.step, run.state.global_batch, exact)) from error
+            step, exact = run.state.step, run.config.communication.exact_micro_batch or 0
+            facts = recovery.Facts(step, run.state.global_batch, exact, held=held_step() == step)
+            raise recovery.Regroup(facts) from error
     elif not isinstance(error, UserError):
         rank, step = run.accelerator.process_index, run.state.step
         run.folder.refuse_a_repeated_crash(rank, run.resumed_from, step, error)

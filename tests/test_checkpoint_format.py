@@ -16,6 +16,7 @@ from ddp_accel.checkpoint_format import (
     Contents,
     Replica,
     WriteNow,
+    held_step,
     hold,
     load_checkpoint,
     take_held,
@@ -116,18 +117,12 @@ def test_a_component_registered_once_is_written_by_every_save_and_read_by_the_lo
     assert loaded.components[0].value == 41 and "counter at 41" in notes
 
 
-def test_a_step_held_in_memory_loads_its_models_and_optimizers_from_there_once_and_the_rest_from_its_files(
-    tmp_path, trained
-):
-    # a survivor under --recover in-process keeps its copy of the step it saved: the next group's load takes the
-    # bulk (the models', the optimizers' states) from memory, not from the folder it reads the rest from
+def test_a_step_held_by_its_process_loads_from_its_copy_once_whatever_its_folder_holds(tmp_path, trained):
+    # a survivor under --recover in-process keeps its copy of the step it saved (the bulk in memory, the small
+    # files in a folder of its own): its next group's load reads nothing of the step's folder, which another
+    # survivor may still be writing
     accelerator, objects = trained
-    contents, model, optimizer, scheduler = (
-        Contents(objects),
-        objects.models[0],
-        objects.optimizers[0],
-        objects.schedulers[0],
-    )
+    contents, model, optimizer, scheduler = Contents(objects), *objects.models, *objects.optimizers, *objects.schedulers
 
     def one_step():
         accelerator.backward(model(torch.arange(7)).logsumexp(-1).mean())
@@ -136,27 +131,31 @@ def test_a_step_held_in_memory_loads_its_models_and_optimizers_from_there_once_a
         optimizer.zero_grad()
 
     def states():
-        return [value.clone() for value in model.state_dict().values()] + [
-            value.clone() for value in optimizer.state_dict()["state"][0].values()
-        ]
+        optimizer_state = [value.clone() for value in optimizer.state_dict()["state"][0].values()]
+        schedule = torch.tensor(scheduler.state_dict()["last_epoch"])
+        return [value.clone() for value in model.state_dict().values()] + optimizer_state + [schedule]
 
     folder = save_checkpoint(accelerator, tmp_path, TrainState(step=1), RunIdentity(), contents=contents)
     staged = StagedWrites()
     write_checkpoint(accelerator, folder, contents, staged, create=False)
-    hold(folder, staged, folder, objects)
-    held = states()
+    held = hold(folder, staged, objects, (folder / "training_state.json").read_text())
+    assert sorted(held.files) == ["model.safetensors", "optimizer.bin"] and held.small.is_dir()
+    in_memory = states()
     one_step()  # the folder's files now hold a later state than the one held
     assert save_checkpoint(accelerator, tmp_path, TrainState(step=1), RunIdentity(), contents=contents) == folder
-    on_disk, on_disk_schedule = states(), scheduler.state_dict()["last_epoch"]
+    on_disk = states()
     one_step()
+    assert held_step() == 1
     load_checkpoint(accelerator, folder, RunIdentity(), contents=contents, held=take_held(folder))
-    assert all(torch.equal(now, then) for now, then in zip(states(), held, strict=True))
-    assert scheduler.state_dict()["last_epoch"] == on_disk_schedule  # the rest from the files
-    assert take_held(folder) is None  # used once: the next load reads the files
+    assert all(torch.equal(now, then) for now, then in zip(states(), in_memory, strict=True))
+    assert take_held(folder) is None and held_step() is None  # used once: the next load reads the files
     load_checkpoint(accelerator, folder, RunIdentity(), contents=contents, held=take_held(folder))
     assert all(torch.equal(now, then) for now, then in zip(states(), on_disk, strict=True))
-    hold(tmp_path / "step_9", staged, folder, objects)
-    assert take_held(folder) is None and take_held(tmp_path / "step_9") is None  # another step's: let go
+    assert not held.small.exists()  # let go once loaded
+    other, staged = tmp_path / "step_9", StagedWrites()
+    write_checkpoint(accelerator, other, contents, staged, create=False)
+    held = hold(other, staged, objects, (folder / "training_state.json").read_text())
+    assert take_held(folder) is None and not held.small.exists()  # another step's: let go
 
 
 def test_a_survivor_writes_every_rank_s_streams_and_the_buffers_the_step_left(tmp_path, trained):

@@ -239,7 +239,7 @@ def test_a_replacement_joins_where_the_survivors_cannot_keep_the_sum_s_order(sta
     code, log = finish(launcher, output_dir)
     assert code == 0, log[-3000:]
     assert "rank 0 ended by SIGKILL" in log and "1 replacement(s) join the 1 survivors" in log, log[-3000:]
-    assert "saved the step it reached" in log, log[-3000:]
+    assert "writes the step it reached in the background" in log, log[-3000:]
     assert log.count("states from its memory") == 1, log[-3000:]  # the survivor's; the replacement reads the files
     assert_same_weights(standard_reference, output_dir)
 
@@ -265,7 +265,7 @@ def test_a_killed_dataloader_worker_costs_its_group_a_regroup_at_the_step_reache
     assert code == 0, log[-3000:]
     assert "process 1: DataLoader worker (pid" in log and "the group goes on in a new one" in log, log[-3000:]
     assert "generation 1: the 2 processes go on at step" in log, log[-3000:]
-    assert "saved the step it reached" in log and "replacement" not in log, log[-3000:]
+    assert "writes the step it reached in the background" in log and "replacement" not in log, log[-3000:]
     assert_same_weights(standard_reference, output_dir)
 
 
@@ -384,7 +384,9 @@ def test_a_rank_cut_off_in_a_deadlock_is_ended_once_its_peer_s_collective_timed_
     assert code == 0, log[-3000:]
     assert "a process left its group while every process runs; recovering in process" in log, log[-3000:]
     assert "silent for 2 s while its peers reported (cut off: a deadlock, a wait in the kernel): ended" in log, log
-    assert "1 replacement(s) join the 1 survivors" in log and "saved the step it reached" in log, log[-3000:]
+    assert "1 replacement(s) join the 1 survivors" in log and "writes the step it reached in the background" in log, (
+        log[-3000:]
+    )
     assert (output_dir / "hung_once").exists()  # (the sample did block)
     assert_same_weights(standard_reference, output_dir)
     assert not any(probes_of_slot(slot) for slot in range(2))
