@@ -20,6 +20,7 @@ rank's too, but process 0's travel in each step's agreement, so any survivor hol
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -140,10 +141,11 @@ def save_what_survived(
     in_process = under_in_process_recovery()
     try:
         write_checkpoint(accelerator, final, contents, staged, replica=replica, create=False)
-        if in_process:  # the process goes on: its next group loads its own copy
-            hold(final, staged, contents.objects, training_state)
     except Exception as failed:
         return f"process {rank}: the step it reached was not saved ({failed})"
+    if in_process:  # the process goes on: its next group loads its own copy (else the step's files)
+        with contextlib.suppress(OSError):
+            hold(final, staged, contents.objects, training_state)
     if (final / TRAINING_STATE).is_file():
         return f"process {rank}: the step it reached ({state.step}) is saved already: {final}"
     rescue = root / f".rescue_step_{state.step}"

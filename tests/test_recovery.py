@@ -25,6 +25,7 @@ from helpers import (
 )
 
 from ddp_accel.recovery import GENERATION, SLOT, Facts, resumed_arguments
+from ddp_accel.recovery import LOST_AT as LOST_AT_VARIABLE
 
 PROBE = str(ROOT / "tests" / "probe.py")
 
@@ -57,6 +58,66 @@ def test_survivors_finish_without_a_replacement_only_as_many_as_min_processes(mi
     # a second loss leaves 1 survivor: below 2, every lost one is replaced (each joins once ready)
     assert launcher.regroup({"0": {**facts, "step": 9}}, lost_at=2.0)
     assert sorted(slot for slot, _ in started) == ["1", "2"] and set(launcher.joining) == {"1", "2"}
+
+
+@pytest.mark.inprocess
+def test_a_group_whose_every_member_holds_the_step_resumes_it_at_once_another_once_its_files_are_written(
+    tmp_path, monkeypatch
+):
+    # the survivors keep their copy of the step while one of them writes its files in the background: the
+    # launcher names the step where every member holds it (the survivors alone), and they resume it before its
+    # files exist; where a member reads them (a replacement, a process that saved nothing), every member waits
+    # for the rescue in flight (not for one whose writer is dead)
+    from ddp_accel.checkpoint import RESCUE_WRITER, Checkpoints, complete
+    from ddp_accel.checkpoint_format import HELD, HeldCheckpoint
+    from ddp_accel.recovery import HELD_STEP, KEY, Launcher, held_by_every_member, take_place
+
+    launcher = Launcher(["python", "train.py"], 3)
+    launcher.start = lambda slot, **how: object()  # no process: the decision alone
+    holds = {"step": 5, "global_batch": 12, "exact_micro_batch": 2, "held": True}
+    assert launcher.regroup({"0": holds, "2": holds}, lost_at=1.0)
+    plan = json.loads(launcher.store.get(f"{KEY}/generation_1"))
+    assert plan["held"] == 5
+    assert held_by_every_member({"0": holds, "2": {}}, 5) is None  # (its DataLoader worker lost: saved nothing)
+    assert held_by_every_member({"0": holds, "2": {**holds, "held": False}}, 5) is None
+    assert held_by_every_member({"0": holds, "2": {**holds, "step": 4}}, 5) is None
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", LOST_AT_VARIABLE):
+        monkeypatch.setenv(name, "0")  # (restored after the test: take_place sets them)
+    monkeypatch.setenv(SLOT, "2")
+    monkeypatch.setenv(GENERATION, "1")
+    take_place(1, plan)
+    small = tmp_path / "held"
+    small.mkdir()
+    (small / "training_state.json").write_text(json.dumps({"step": 5}))
+    HELD[:] = [HeldCheckpoint(tmp_path / "step_5", {}, small)]
+    checkpoints = Checkpoints(None, tmp_path)
+    try:
+        assert checkpoints.resolve("latest") == tmp_path / "step_5"  # no file of it yet
+    finally:
+        HELD.clear()
+    assert HELD_STEP not in os.environ  # (once)
+
+    def rescued(step: int, writer: int) -> Path:
+        rescue = tmp_path / f".rescue_step_{step}"
+        rescue.mkdir()
+        (rescue / RESCUE_WRITER).write_text(str(writer))
+        return rescue
+
+    dead = subprocess.Popen(["true"])  # (a pid no process has now)
+    dead.wait()
+    rescued(3, dead.pid)  # its writer died mid-write: never renamed
+
+    def written_later(rescue: Path) -> None:
+        time.sleep(0.5)
+        (rescue / RESCUE_WRITER).unlink()
+        complete(rescue, tmp_path / "step_7", json.dumps({"step": 7, "epoch": 0, "samples_in_epoch": 0}), None)
+
+    writer = threading.Thread(target=written_later, args=(rescued(7, os.getpid()),))
+    writer.start()
+    started = time.monotonic()
+    assert checkpoints.resolve("latest") == tmp_path / "step_7"  # after its write, not the last one complete before
+    assert time.monotonic() - started >= 0.4
+    writer.join()
 
 
 @pytest.mark.inprocess
