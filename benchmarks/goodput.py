@@ -58,6 +58,9 @@ VGG16 += ["--dummy-classes", "10", "--epochs", "2", "--checkpointing-steps", "40
 # 3 processes whose gradient is the global batch's alone (GroupNorm, pieces of 16): the survivors of a kill can go
 # on with its share bitwise under `--recovery in-process`
 RESNET20_EXACT = [*RESNET20, "--norm", "group", "--exact-micro-batch", "16"]
+# VGG-16's 138M parameters on 3 processes in pieces of 4: what a survivor's save of the step costs at some size
+VGG16_EXACT = [*VGG16[:-4], "--epochs", "1", "--checkpointing-steps", "1000", "--exact-micro-batch", "4"]
+VGG16_EXACT += ["--dummy-images", "960"]
 FSDP = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}  # what accelerate launch gives an FSDP2 config
 # name -> (processes, extra environment, the command after torchrun's options)
 JOBS: dict[str, tuple[int, dict[str, str], list[str]]] = {
@@ -67,10 +70,13 @@ JOBS: dict[str, tuple[int, dict[str, str], list[str]]] = {
     "resnet20-ddp": (2, {}, RESNET20),
     "resnet20-exact-3": (3, {}, RESNET20_EXACT),
     "vgg16-ddp": (2, {}, VGG16),
+    "vgg16-exact-3": (3, {}, VGG16_EXACT),
 }
 # the step saved for the restart: a survivor's (a rank killed) or every process's (the whole job preempted)
-SAVED = re.compile(r"saved the step it reached for the restart: .*step_(\d+)|preempted by \S+ at step (\d+)")
-DETECTED = re.compile(r"saved the step it reached|lost contact|resumes from the last checkpoint|preempted by")
+SAVED = re.compile(r"(?:saved|writes) the step it reached[^:]*: .*step_(\d+)|preempted by \S+ at step (\d+)")
+DETECTED = re.compile(
+    r"(?:saved|writes) the step it reached|lost contact|resumes from the last checkpoint|preempted by"
+)
 RESUMED = re.compile(r"resumed from \S+: step (\d+)")
 FIRST_STEP = re.compile(r"first step done [\d.]+ s after the loss")  # --recover in-process's survivors (or replacement)
 REQUEUED_RUN = re.compile(r"job \S+ run (\d+): ")  # slurm/train.sbatch's first line of each run

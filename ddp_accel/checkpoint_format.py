@@ -27,7 +27,8 @@ then `files.json` and `training_state.json`, written last by the main process (d
 DeepSpeed, Megatron-LM, XLA and FSDP1 Accelerate's own `save_state` writes its part (through those engines), and
 only synchronously. A survivor of a
 lost peer (ddp_accel.rescue) writes the same list for every rank (`Replica`): the random streams every rank shared
-at the step, the models' buffers as the step left them, and no collective.
+at the step, the models' buffers as the step left them, and no collective. Under in-process recovery each survivor
+also keeps its copy (`hold`), which its next load takes instead of the files (`load_checkpoint(held=...)`).
 """
 
 from __future__ import annotations

@@ -4,16 +4,19 @@ Under torchrun a dead rank ends every worker, and the whole group starts again: 
 (the interpreter, the imports, the model's build). Here the launcher starts the processes itself and owns the store
 they meet at (a TCPStore in the launcher: losing rank 0 loses no store). When a process dies:
 
-1. Its peers' collective fails. Each survivor saves the step it reached, as it does under torchrun
-   (ddp_accel.rescue), tells the launcher (its `saved` key, with the run's global batch), and raises `Regroup` up
-   to run_main: its process, its imports, its forkserver and its page cache stay.
+1. Its peers' collective fails. Each survivor copies the step it reached into memory and keeps it (the models'
+   and optimizers' states; the small files in a folder of its own); the first writes the step's files in the
+   background (ddp_accel.rescue). It tells the launcher (its `saved` key: the step, the run's global batch, that
+   it holds it) and raises `Regroup` up to run_main: its process, its imports, its forkserver and its page cache
+   stay.
 2. The launcher reaps the dead process and, once every survivor has reported, publishes the next generation: who
    its members are and each one's per-process batch. With `--exact-micro-batch M`, and a global batch the survivors
    divide into pieces of M, the survivors go on alone, each with a larger share of the same global batch (the
    gradient is a function of the global batch alone: bitwise the fault-free run's). Otherwise a replacement process
    starts for the lost rank and the group keeps its size (bitwise as the restart under torchrun is).
 3. Each survivor leaves the broken group, forms the new one on a fresh store prefix (`generation_N`), and runs the
-   script's main again, resuming from the step it saved. The members first meet at a count of the launcher's
+   script's main again, resuming from the step it saved: from its own copy, at once, where every member holds it
+   (the plan names the step); else once the step's files are written (a replacement reads them). The members first meet at a count of the launcher's
    store (`meet`): a loss before the group formed makes the launcher give that generation up, and whoever waits
    for it reports again instead of waiting on a dead peer inside torch's rendezvous.
 4. A process alive but cut off (a deadlock, a wait in the kernel) fails no peer's call until their collective

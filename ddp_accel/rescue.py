@@ -10,6 +10,10 @@ collective: the group is broken. It writes into `.rescue_step_N`, which the firs
 made atomically, also on a shared file system), and renames it into place once whole; a survivor killed meanwhile
 (the launcher's grace ends, TORCH_ELASTIC_SHUTDOWN_TIMEOUT) leaves the last complete checkpoint as `latest`.
 
+Under `ddp-accel launch --recover in-process` the survivors go on in their processes: each copies the step into
+memory first (async_save.StagedWrites) and keeps it (checkpoint_format.hold), and the first writes its copy in a
+thread of its own while the next group starts (checkpoint.wait_for_rescues: who needs the files waits for them).
+
 Where no rank holds another's state, the restart goes on from the last checkpoint, said in one line: FSDP (each
 rank holds its shard only), a component whose state is each rank's own (PowerSGD's error feedback), a failure
 inside a gradient accumulation (a part of the step's gradients is each rank's), random streams that were not the

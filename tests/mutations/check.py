@@ -1134,6 +1134,21 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "    if not check_cuda_p2p_ib_support():",
         "    if False:",
     ),
+    "a_held_step_read_back_from_its_files": (
+        "ddp_accel/checkpoint_format.py",
+        "    if held is None:\n        return load_files(",
+        "    if True:\n        return load_files(",
+    ),
+    "survivors_wait_for_the_files_of_a_step_they_hold": (
+        "ddp_accel/recovery.py",
+        "        held = held_by_every_member(reports, step)",
+        "        held = None",
+    ),
+    "a_rescue_in_flight_not_waited_for": (
+        "ddp_accel/checkpoint.py",
+        "            wait_for_rescues(self.root)\n",
+        "",
+    ),
     "the_launcher_reads_no_default_config_file": (
         "ddp_accel/launch.py",
         "    path = file_accelerate_launch_reads(args.config_file, bool(args.cpu))",
