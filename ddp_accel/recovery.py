@@ -16,9 +16,10 @@ they meet at (a TCPStore in the launcher: losing rank 0 loses no store). When a 
    starts for the lost rank and the group keeps its size (bitwise as the restart under torchrun is).
 3. Each survivor leaves the broken group, forms the new one on a fresh store prefix (`generation_N`), and runs the
    script's main again, resuming from the step it saved: from its own copy, at once, where every member holds it
-   (the plan names the step); else once the step's files are written (a replacement reads them). The members first meet at a count of the launcher's
-   store (`meet`): a loss before the group formed makes the launcher give that generation up, and whoever waits
-   for it reports again instead of waiting on a dead peer inside torch's rendezvous.
+   (the plan names the step); else once the step's files are written (a replacement reads them). The members
+   first meet at a count of the launcher's store (`meet`): a loss before the group formed makes the launcher give
+   that generation up, and whoever waits for it reports again instead of waiting on a dead peer inside torch's
+   rendezvous.
 4. A process alive but cut off (a deadlock, a wait in the kernel) fails no peer's call until their collective
    times out (`--timeout-s`): then the peers save and report as above while every process still runs, and the
    launcher ends the one that stays silent (`--stopped-timeout-s`) and recovers from it as from a loss.
