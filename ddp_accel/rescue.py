@@ -25,11 +25,13 @@ rank's too, but process 0's travel in each step's agreement, so any survivor hol
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,7 @@ import torch
 from ddp_accel.agreement import StepAgreement, running_statistics
 from ddp_accel.async_save import StagedWrites
 from ddp_accel.checkpoint import RESCUE_WRITER, complete, step_folder, training_state_json
-from ddp_accel.checkpoint_format import TRAINING_STATE, Contents, Replica, hold, write_checkpoint
+from ddp_accel.checkpoint_format import TRAINING_STATE, Contents, Replica, WriteNow, hold, write_checkpoint
 from ddp_accel.random_streams import RandomStreams
 from ddp_accel.recovery import under_in_process_recovery
 from ddp_accel.state import RunIdentity, TrainState
@@ -118,9 +120,8 @@ def save_what_survived(
     accumulation: int,
 ) -> str:
     """A survivor's checkpoint of the step it reached, when it can be every rank's; returns its line (also when
-    the save itself fails: the lost peer's error is the run's). Every survivor copies the step into memory first;
-    the first writes the copy. Under `--recover in-process` each keeps its copy for its next load (`hold`: the
-    process goes on)."""
+    the save itself fails: the lost peer's error is the run's). Under `--recover in-process` every survivor keeps
+    a copy of the step for its next group (`hold`), and the first writes it in the background."""
     rank = accelerator.process_index
     reason = why_not_rescued(accelerator, contents)
     streams = streams_of(state, agreement)
@@ -141,14 +142,14 @@ def save_what_survived(
     final = step_folder(root, state.step)
     replica = Replica(streams, buffers or {}, accelerator.num_processes)
     training_state = json.dumps(training_state_json(state, identity), indent=2)
-    staged = StagedWrites()  # this survivor's copy of the step
-    in_process = under_in_process_recovery()
-    try:
-        write_checkpoint(accelerator, final, contents, staged, replica=replica, create=False)
-    except Exception as failed:
-        return f"process {rank}: the step it reached was not saved ({failed})"
-    if in_process:  # the process goes on: its next group loads its own copy (else the step's files)
-        with contextlib.suppress(OSError):
+    in_process = under_in_process_recovery()  # the process goes on: it keeps its copy of the step
+    staged = StagedWrites() if in_process else None
+    if staged is not None:
+        try:
+            write_checkpoint(accelerator, final, contents, staged, replica=replica, create=False)
+        except Exception as failed:
+            return f"process {rank}: the step it reached was not saved ({failed})"
+        with contextlib.suppress(OSError):  # (else its next group reads the step's files)
             hold(final, staged, contents.objects, training_state)
     if (final / TRAINING_STATE).is_file():
         return f"process {rank}: the step it reached ({state.step}) is saved already: {final}"
@@ -160,21 +161,26 @@ def save_what_survived(
         return f"process {rank}: another survivor saves step {state.step}"
     except OSError as failed:
         return f"process {rank}: the step it reached was not saved ({failed})"
-    if in_process:
-        write_in_background(staged, rescue, final, training_state, rank)
+    if staged is not None:
+        write_in_background(functools.partial(write_staged, staged, rescue, final), rescue, final, training_state, rank)
         return f"process {rank} writes the step it reached in the background (its group goes on from memory): {final}"
     try:
-        write_rescue(staged, rescue, final, training_state)
+        write = functools.partial(write_checkpoint, accelerator, rescue, contents, WriteNow(), replica=replica)
+        write_rescue(write, rescue, final, training_state)
     except Exception as failed:
         return f"process {rank}: the step it reached was not saved ({failed})"
     return f"process {rank} saved the step it reached for the restart: {final}"
 
 
-def write_rescue(staged: StagedWrites, rescue: Path, final: Path, training_state: str) -> None:
-    """The staged copy of the step into `rescue`, renamed to `final` once whole (removed on a failure)."""
+def write_staged(staged: StagedWrites, into: Path, staged_for: Path) -> None:
+    for write, obj, path in staged.writes:
+        write(obj, into / path.relative_to(staged_for))
+
+
+def write_rescue(write: Callable[[], None], rescue: Path, final: Path, training_state: str) -> None:
+    """The step's files into `rescue` (`write`), renamed to `final` once whole (removed on a failure)."""
     try:
-        for write, obj, path in staged.writes:
-            write(obj, rescue / path.relative_to(final))
+        write()
         (rescue / RESCUE_WRITER).unlink()
         complete(rescue, final, training_state, None)
     except BaseException:
@@ -185,17 +191,17 @@ def write_rescue(staged: StagedWrites, rescue: Path, final: Path, training_state
 WRITES: list[threading.Thread] = []  # the rescues this process writes in the background
 
 
-def write_in_background(staged: StagedWrites, rescue: Path, final: Path, training_state: str, rank: int) -> None:
+def write_in_background(write: Callable[[], None], rescue: Path, final: Path, training_state: str, rank: int) -> None:
     """`write_rescue` in a thread of its own while the process goes on from its copy in memory; whoever needs the
     files waits for them (checkpoint.wait_for_rescues)."""
 
-    def write() -> None:
+    def in_background() -> None:
         try:
-            write_rescue(staged, rescue, final, training_state)
+            write_rescue(write, rescue, final, training_state)
         except Exception as failed:
             say(f"process {rank}: the step it reached was not written ({failed}); its group went on from memory")
 
-    WRITES.append(threading.Thread(target=write, name=f"ddp_accel rescue of {final.name}"))
+    WRITES.append(threading.Thread(target=in_background, name=f"ddp_accel rescue of {final.name}"))
     WRITES[-1].start()
 
 
