@@ -10,10 +10,11 @@ work since the last checkpoint, tau / 2 on average; a failure a survivor's save 
 where every rank holds the whole state: DDP) costs R and that save (a synchronous one, S) instead, no work. Per
 second of useful training the job then spends C / tau + (1 - covered) (tau / 2 + R) / M + covered (R + S) / M
 more; goodput = 1 / (1 + that), at the tau that minimises it. Recovered in process (`ddp-accel launch
---recover in-process`), a covered failure costs that save and the survivors' regroup I instead of R: the
-processes, their imports and their memory stay (measured here: the kill to the next step 0.14x of the
-restart's). Assumptions: failures independent and memoryless, each GPU alike, one failure at a time, no failure
-during a restart; planned interruptions (with grace: a stop saves the step reached) left out.
+--recover in-process`), a covered failure costs the survivors' copy of the step into memory (C: they go on from
+it while it is written in the background) and their regroup I, instead of S and R: the processes, their imports
+and their memory stay (measured here: the kill to the next step 0.14x of the restart's). Assumptions: failures
+independent and memoryless, each GPU alike, one failure at a time, no failure during a restart; planned
+interruptions (with grace: a stop saves the step reached) left out.
 
 Published rate: Meta's Llama 3 405B pre-training, 54 days on 16,384 H100 GPUs: 466 interruptions, 419 of them
 unexpected, about 78% of those hardware (GPUs, their memory, hosts), The Llama 3 Herd of Models, 2024, section 3.3.4.
@@ -74,7 +75,8 @@ def main() -> None:
         "checkpoint-restart": (args.save_s, 0.0, 0.0),
         "async checkpoints": (args.async_stall_s, 0.0, 0.0),
         "just-in-time + async": (args.async_stall_s, args.restart_s + args.save_s, args.covered),
-        "in-process + async": (args.async_stall_s, in_process_s + args.save_s, args.covered),
+        # the survivors copy the step into memory (an asynchronous save's stall) and go on; it is written meanwhile
+        "in-process + async": (args.async_stall_s, in_process_s + args.async_stall_s, args.covered),
     }
     print(
         f"costs: synchronous save {args.save_s:g} s, asynchronous stall {args.async_stall_s:g} s, restart "

@@ -8,7 +8,6 @@ import contextlib
 import functools
 import json
 import math
-import os
 import re
 import shutil
 import sys
@@ -238,20 +237,21 @@ def wait_for_rescues(root: Path, timeout_s: float = 300.0) -> None:
 
 
 def writing_alive(rescue: Path) -> bool:
-    """Whether `rescue` is being written: its writer's pid alive (or not written yet: its folder just made)."""
+    """Whether `rescue` is being written: its writer alive (the process of its pid, started before it named
+    itself), or its writer not named yet (its folder just made)."""
+    import psutil
+
+    writer = rescue / RESCUE_WRITER
     try:
-        pid = int((rescue / RESCUE_WRITER).read_text() or 0)
+        pid, named_at = int(writer.read_text() or 0), writer.stat().st_mtime
     except (OSError, ValueError):  # made and its writer not named yet, or being completed; else long given up
         with contextlib.suppress(OSError):
             return time.time() - rescue.stat().st_mtime < 10
         return False
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).create_time() <= named_at + 1
+    except psutil.Error:  # (no such process: the writer died)
         return False
-    except OSError:  # (another user's process: alive)
-        pass
-    return True
 
 
 def complete(partial: Path, final: Path, training_state: str, limit: int | None) -> None:
