@@ -14,6 +14,7 @@ DDP's all-reduce overlaps the backward.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -25,6 +26,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from ddp_accel.errors import UserError
+from ddp_accel.recovery import given_up, under_in_process_recovery
 
 Tensors = Any  # a tensor, or a tuple, list or dict of them: a batch as a loader gives it
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -91,21 +93,58 @@ def piece_seed(seed: int, step: int, piece: int) -> int:
 
 
 class ProcessChain:
-    """What the ordered sum sends between the processes (torch.distributed's default group)."""
+    """What the ordered sum sends between the processes (torch.distributed's default group). Under in-process
+    recovery (ddp_accel.recovery) every wait watches the launcher's word, and a peer lost ends it at once: gloo does
+    not always tell a process waiting on a peer that the peer is gone (a receive whose sender died mid-message, a
+    broadcast from a peer that left), and it would wait until --timeout-s. A send and a receive are then each a
+    broadcast within the pair's own group (a receive's wait cannot be watched: gloo's completes it only in wait)."""
+
+    def __init__(self) -> None:
+        self.pairs: dict[tuple[int, int], Any] = {}  # (rank, next rank) -> their group, under in-process recovery
 
     def send(self, tensor: torch.Tensor, rank: int) -> None:
-        dist.send(tensor, rank)
+        self.between(dist.get_rank(), rank, tensor)
 
     def receive(self, tensor: torch.Tensor, rank: int) -> None:
-        dist.recv(tensor, rank)
+        self.between(rank, dist.get_rank(), tensor)
+
+    def between(self, sender: int, receiver: int, tensor: torch.Tensor) -> None:
+        if not under_in_process_recovery():
+            dist.send(tensor, receiver) if sender == dist.get_rank() else dist.recv(tensor, sender)
+            return
+        if not self.pairs:  # every process makes every pair's group, in the same order (new_group's rule)
+            world = dist.get_world_size()
+            for first in range(world):
+                pair = (min(first, (first + 1) % world), max(first, (first + 1) % world))
+                if pair not in self.pairs and pair[0] != pair[1]:
+                    self.pairs[pair] = dist.new_group(list(pair))
+        group = self.pairs[(min(sender, receiver), max(sender, receiver))]
+        wait_watching_the_launcher(dist.broadcast(tensor, sender, group=group, async_op=True))
 
     def broadcast(self, tensor: torch.Tensor, rank: int) -> None:
-        dist.broadcast(tensor, rank)
+        wait_watching_the_launcher(dist.broadcast(tensor, rank, async_op=True))
 
     def sum(self, count: int, device: torch.device) -> int:
         total = torch.tensor(count, dtype=torch.int64, device=device)
-        dist.all_reduce(total)
+        wait_watching_the_launcher(dist.all_reduce(total, async_op=True))
         return int(total.item())
+
+
+def wait_watching_the_launcher(work: Any, every_s: float = 0.1) -> None:
+    """`work.wait()`; under in-process recovery, until it completes or the launcher says a peer was lost (its word,
+    read every `every_s`): then a DistNetworkError, the lost peer's error (the survivor saves the step it reached)."""
+    if not under_in_process_recovery():
+        work.wait()
+        return
+    pause, read_at = 0.00005, time.monotonic() + every_s
+    while not work.is_completed():
+        if time.monotonic() >= read_at:
+            if given_up():
+                raise dist.DistNetworkError("a peer was lost (the launcher's word) while this process waited on it")
+            read_at = time.monotonic() + every_s
+        time.sleep(pause)
+        pause = min(pause * 2, 0.002)  # (a long wait costs its process's core little; a short one, little latency)
+    work.wait()
 
 
 class ExactReduction:

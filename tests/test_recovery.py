@@ -553,6 +553,41 @@ def launcher_store(monkeypatch, world: int):
 
 
 @pytest.mark.inprocess
+def test_the_ordered_sum_s_wait_on_a_peer_ends_at_the_launcher_s_word_that_a_peer_was_lost(monkeypatch):
+    # gloo does not always tell a process waiting on a peer that the peer is gone (a receive whose sender died
+    # mid-message waits until --timeout-s): under in-process recovery the ordered sum's waits read the launcher's word
+    import torch.distributed as dist
+
+    from ddp_accel.endings import lost_peers
+    from ddp_accel.exact_reduction import wait_watching_the_launcher
+    from ddp_accel.recovery import KEY
+
+    store = launcher_store(monkeypatch, world=1)
+    monkeypatch.setenv(GENERATION, "3")
+
+    class Work:
+        def __init__(self, completes: bool):
+            self.completes, self.waited = completes, False
+
+        def is_completed(self):
+            return self.completes
+
+        def wait(self):
+            assert self.completes, "waited on a peer that never answers"
+            self.waited = True
+
+    done = Work(completes=True)
+    wait_watching_the_launcher(done)
+    assert done.waited
+    word = threading.Timer(0.3, lambda: store.set(f"{KEY}/abandoned_3", "1"))  # the launcher saw a process die
+    word.start()
+    with pytest.raises(dist.DistNetworkError, match="a peer was lost") as lost:
+        wait_watching_the_launcher(Work(completes=False), every_s=0.05)
+    assert lost_peers(lost.value)  # the survivor's path: it saves the step reached and reports
+    word.join()
+
+
+@pytest.mark.inprocess
 def test_each_generation_forms_its_group_on_keys_no_earlier_generation_wrote(monkeypatch):
     # a group's keys (each rank's gloo address) have the same names in every generation: read from an earlier
     # one, they name a rank that is gone ("Gloo connectFullMesh failed ... Connection refused")
