@@ -566,23 +566,25 @@ def test_the_ordered_sum_s_wait_on_a_peer_ends_at_the_launcher_s_word_that_a_pee
     monkeypatch.setenv(GENERATION, "3")
 
     class Work:
-        def __init__(self, completes: bool):
-            self.completes, self.waited = completes, False
+        """A wait on a peer: done at once, or (a peer gone) only at the timeout, 3 s in."""
+
+        def __init__(self, done: bool):
+            self.done, self.times_out_at, self.waited = done, time.monotonic() + 3, False
 
         def is_completed(self):
-            return self.completes
+            return self.done or time.monotonic() > self.times_out_at
 
         def wait(self):
-            assert self.completes, "waited on a peer that never answers"
+            assert self.done, "waited on a peer that was gone until the timeout"
             self.waited = True
 
-    done = Work(completes=True)
+    done = Work(done=True)
     wait_watching_the_launcher(done)
     assert done.waited
     word = threading.Timer(0.3, lambda: store.set(f"{KEY}/abandoned_3", "1"))  # the launcher saw a process die
     word.start()
     with pytest.raises(dist.DistNetworkError, match="a peer was lost") as lost:
-        wait_watching_the_launcher(Work(completes=False), every_s=0.05)
+        wait_watching_the_launcher(Work(done=False), every_s=0.05)
     assert lost_peers(lost.value)  # the survivor's path: it saves the step reached and reports
     word.join()
 

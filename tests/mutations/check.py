@@ -1149,6 +1149,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            wait_for_rescues(self.root)\n",
         "",
     ),
+    "a_lost_peer_s_wait_left_to_gloo": (
+        "ddp_accel/exact_reduction.py",
+        "            if given_up():",
+        "            if False:",
+    ),
     "the_launcher_reads_no_default_config_file": (
         "ddp_accel/launch.py",
         "    path = file_accelerate_launch_reads(args.config_file, bool(args.cpu))",
