@@ -589,6 +589,37 @@ def test_the_ordered_sum_s_wait_on_a_peer_ends_at_the_launcher_s_word_that_a_pee
     word.join()
 
 
+@pytest.mark.multiprocess
+def test_survivors_of_a_rank_killed_in_the_middle_of_a_message_end_their_wait_at_the_launcher_s_word():
+    # gloo's own wait: rank 2's receive of the total rank 1 was sending, and rank 0's broadcast, until the group's
+    # timeout (20 s); the ordered sum's under in-process recovery: at once once the launcher saw rank 1 die
+    import torch.distributed as dist
+
+    from ddp_accel.recovery import KEY
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), GENERATION: "0"}
+    ranks = [
+        subprocess.Popen(
+            [str(BIN / "python"), str(ROOT / "tests" / "chain_rank.py"), str(rank)],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank in range(3)
+    ]
+    try:
+        assert ranks[1].wait(timeout=120) == -signal.SIGKILL, ranks[1].stdout.read()
+        store.set(f"{KEY}/abandoned_0", "1")  # what the launcher does once it reaped a process
+        said = [ranks[rank].communicate(timeout=60)[0] for rank in (0, 2)]
+    finally:
+        for process in ranks:
+            process.kill()
+    for rank, text in zip((0, 2), said, strict=True):
+        assert f"rank {rank}: DistNetworkError after" in text and "a peer was lost" in text, text[-2000:]
+
+
 @pytest.mark.inprocess
 def test_each_generation_forms_its_group_on_keys_no_earlier_generation_wrote(monkeypatch):
     # a group's keys (each rank's gloo address) have the same names in every generation: read from an earlier
