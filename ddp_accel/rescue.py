@@ -196,9 +196,8 @@ def write_in_background(write: Callable[[], None], rescue: Path, final: Path, tr
     files waits for them (checkpoint.wait_for_rescues)."""
 
     def in_background() -> None:
-        with contextlib.suppress(
-            OSError, AttributeError
-        ):  # (Linux: a thread's own priority) the training's cores first
+        # the lowest priority: the training takes the cores first (Linux: a thread's own)
+        with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             write_rescue(write, rescue, final, training_state)
