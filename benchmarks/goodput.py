@@ -60,7 +60,7 @@ VGG16 += ["--dummy-classes", "10", "--epochs", "2", "--checkpointing-steps", "40
 RESNET20_EXACT = [*RESNET20, "--norm", "group", "--exact-micro-batch", "16"]
 # VGG-16's 138M parameters on 3 processes in pieces of 4: what a survivor's save of the step costs at some size
 VGG16_EXACT = [*VGG16[:-4], "--epochs", "1", "--checkpointing-steps", "1000", "--exact-micro-batch", "4"]
-VGG16_EXACT += ["--dummy-images", "960", "--timeout-s", "60"]  # (a rank lost mid-send: gloo's wait, below)
+VGG16_EXACT += ["--dummy-images", "960", "--timeout-s", "60"]  # (a bound on the waits gloo may not end at a loss)
 FSDP = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}  # what accelerate launch gives an FSDP2 config
 # name -> (processes, extra environment, the command after torchrun's options)
 JOBS: dict[str, tuple[int, dict[str, str], list[str]]] = {
