@@ -450,15 +450,17 @@ def bulk_files(objects: AcceleratorObjects) -> list[str]:
     return models + [numbered(f"{OPTIMIZER_NAME}.bin", index) for index in range(len(objects.optimizers))]
 
 
-def hold(folder: Path, staged: Any, objects: AcceleratorObjects, training_state: str) -> HeldCheckpoint:
-    """Keep the checkpoint `folder` that `staged` (async_save.StagedWrites, its copies staged for `folder`) holds:
-    the bulk in memory, the rest written into a folder of this process's own with `training_state`. The one held
-    before is let go."""
+def hold(
+    folder: Path, staged: Any, staged_in: Path, objects: AcceleratorObjects, training_state: str
+) -> HeldCheckpoint:
+    """Keep the checkpoint `folder` that `staged` (async_save.StagedWrites, its copies staged for the folder
+    `staged_in`) holds: the bulk in memory, the rest written into a folder of this process's own with
+    `training_state`. The one held before is let go."""
     bulk = set(bulk_files(objects))
     small = Path(tempfile.mkdtemp(prefix=f".ddp_accel_held_{folder.name}_"))
     files = {}
     for write, obj, path in staged.writes:
-        name = path.relative_to(folder).as_posix()
+        name = path.relative_to(staged_in).as_posix()
         if name in bulk:
             files[name] = obj
         else:
@@ -490,12 +492,12 @@ def load_held(accelerator: Accelerator, path: Path, objects: AcceleratorObjects,
     memory): the rest (schedulers, loaders' samplers, the gradient scaler, this rank's random streams) by
     Accelerate's own `load_accelerator_state`, as its `load_state` reads them."""
     from accelerate.checkpointing import load_accelerator_state
-    from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME
 
-    for index, model in enumerate(objects.models):
-        model.load_state_dict(files[numbered(SAFE_WEIGHTS_NAME, index)])
-    for index, optimizer in enumerate(objects.optimizers):
-        optimizer.load_state_dict(files[numbered(f"{OPTIMIZER_NAME}.bin", index)])
+    names = iter(bulk_files(objects))  # (the models' first, then the optimizers')
+    for model in objects.models:
+        model.load_state_dict(files[next(names)])
+    for optimizer in objects.optimizers:
+        optimizer.load_state_dict(files[next(names)])
     scaler, index = accelerator.scaler, accelerator.process_index
     override = load_accelerator_state(str(path), [], [], objects.schedulers, objects.dataloaders, index, scaler)
     if "step" in override:

@@ -141,14 +141,20 @@ def meet(timeout_s: float) -> None:
         raise Regroup(None)
 
 
+READERS: dict[tuple[str, str], Any] = {}  # the launcher's store (address, port) -> a client kept for launcher_set
+
+
 def launcher_set(name: str) -> bool:
     """Whether the launcher set its key `name` for this process's generation (False: not set, or the launcher and
-    its store are gone)."""
+    its store are gone). One client kept: the ordered sum's waits read it every 0.1 s."""
     if not under_in_process_recovery():
         return False
+    where = (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
     try:
-        return bool(store_client(5).check([f"{KEY}/{name}_{os.environ[GENERATION]}"]))
+        reader = READERS.get(where) or READERS.setdefault(where, store_client(5))
+        return bool(reader.check([f"{KEY}/{name}_{os.environ[GENERATION]}"]))
     except Exception:
+        READERS.pop(where, None)
         return False
 
 

@@ -142,18 +142,18 @@ def save_what_survived(
     final = step_folder(root, state.step)
     replica = Replica(streams, buffers or {}, accelerator.num_processes)
     training_state = json.dumps(training_state_json(state, identity), indent=2)
+    rescue = root / f".rescue_step_{state.step}"  # (made by the first survivor, below)
     in_process = under_in_process_recovery()  # the process goes on: it keeps its copy of the step
     staged = StagedWrites() if in_process else None
     if staged is not None:
         try:
-            write_checkpoint(accelerator, final, contents, staged, replica=replica, create=False)
+            write_checkpoint(accelerator, rescue, contents, staged, replica=replica, create=False)
         except Exception as failed:
             return f"process {rank}: the step it reached was not saved ({failed})"
         with contextlib.suppress(OSError):  # (else its next group reads the step's files)
-            hold(final, staged, contents.objects, training_state)
+            hold(final, staged, rescue, contents.objects, training_state)
     if (final / TRAINING_STATE).is_file():
         return f"process {rank}: the step it reached ({state.step}) is saved already: {final}"
-    rescue = root / f".rescue_step_{state.step}"
     try:
         rescue.mkdir(parents=True)  # the first survivor's (atomic)
         (rescue / RESCUE_WRITER).write_text(str(os.getpid()))
@@ -162,7 +162,7 @@ def save_what_survived(
     except OSError as failed:
         return f"process {rank}: the step it reached was not saved ({failed})"
     if staged is not None:
-        write_in_background(functools.partial(write_staged, staged, rescue, final), rescue, final, training_state, rank)
+        write_in_background(staged.write_all, rescue, final, training_state, rank)
         return f"process {rank} writes the step it reached in the background (its group goes on from memory): {final}"
     try:
         write = functools.partial(write_checkpoint, accelerator, rescue, contents, WriteNow(), replica=replica)
@@ -170,11 +170,6 @@ def save_what_survived(
     except Exception as failed:
         return f"process {rank}: the step it reached was not saved ({failed})"
     return f"process {rank} saved the step it reached for the restart: {final}"
-
-
-def write_staged(staged: StagedWrites, into: Path, staged_for: Path) -> None:
-    for write, obj, path in staged.writes:
-        write(obj, into / path.relative_to(staged_for))
 
 
 def write_rescue(write: Callable[[], None], rescue: Path, final: Path, training_state: str) -> None:

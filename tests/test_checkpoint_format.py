@@ -138,7 +138,7 @@ def test_a_step_held_by_its_process_loads_from_its_copy_once_whatever_its_folder
     folder = save_checkpoint(accelerator, tmp_path, TrainState(step=1), RunIdentity(), contents=contents)
     staged = StagedWrites()
     write_checkpoint(accelerator, folder, contents, staged, create=False)
-    held = hold(folder, staged, objects, (folder / "training_state.json").read_text())
+    held = hold(folder, staged, folder, objects, (folder / "training_state.json").read_text())
     assert sorted(held.files) == ["model.safetensors", "optimizer.bin"] and held.small.is_dir()
     in_memory = states()
     one_step()  # the folder's files now hold a later state than the one held
@@ -154,7 +154,7 @@ def test_a_step_held_by_its_process_loads_from_its_copy_once_whatever_its_folder
     assert not held.small.exists()  # let go once loaded
     other, staged = tmp_path / "step_9", StagedWrites()
     write_checkpoint(accelerator, other, contents, staged, create=False)
-    held = hold(other, staged, objects, (folder / "training_state.json").read_text())
+    held = hold(other, staged, other, objects, (folder / "training_state.json").read_text())
     assert take_held(folder) is None and not held.small.exists()  # another step's: let go
 
 
