@@ -2,7 +2,8 @@
 (134M parameters: a survivor's copy of the step is 1 GB with the optimizer's) on 3 CPU processes with
 `--exact-micro-batch 4`; slot 1 is SIGKILLed DELAY seconds after the progress bar first shows step K. Prints when
 each line about the loss appeared, in seconds after the kill: the survivors' save, the launcher's plan of the next
-group, its resume, its first step done.
+group, its resume, its first step done; then, once the replacement's imports are done and the survivors hand its
+share back, how long after the launcher's call the whole group resumed and completed its first step.
 
     python benchmarks/recovery_moment.py --trees . ../base --step 6 --delay-s 1.0
 """
@@ -64,10 +65,25 @@ def one_loss(tree: Path, output_dir: Path, step: int, delay_s: float) -> tuple[i
         os.kill(victim, signal.SIGKILL)
         while launcher.poll() is None:
             for line in re.split(r"[\r\n]", log_path.read_text()):
-                if line not in seen and SAID.search(line):
-                    seen[line] = time.time() - killed_at
+                bar = shown.search(line)
+                key = line if SAID.search(line) else f"progress {bar.group(1)}" if bar else None
+                if key is not None and key not in seen:
+                    seen[key] = time.time() - killed_at
             time.sleep(0.02)
     return launcher.returncode, seen
+
+
+def hand_back(seen: dict[str, float]) -> str:
+    """When the replacement's group resumed and completed its first step, after the launcher's call for it."""
+    called = next((at for line, at in seen.items() if "take their share back" in line), None)
+    resumed = [(at, line) for line, at in seen.items() if called is not None and at > called and "resumed from" in line]
+    if not resumed:
+        return "hand-back: not seen"
+    at, line = min(resumed)
+    step = int(re.search(r": step (\d+)", line).group(1))
+    done = [seconds for key, seconds in seen.items() if key.startswith("progress ") and int(key.split()[1]) > step]
+    first = f"{min(done) - called:.2f} s" if done else "not seen"
+    return f"hand-back: resumed {at - called:.2f} s after the call, its first step done {first} after it"
 
 
 def main() -> None:
@@ -82,7 +98,9 @@ def main() -> None:
             code, seen = one_loss(tree, output_dir, args.step, args.delay_s)
             print(f"== {tree} (exit {code})")
             for line, seconds in seen.items():
-                print(f"{seconds:7.2f} s  {line[:140]}")
+                if not line.startswith("progress "):
+                    print(f"{seconds:7.2f} s  {line[:140]}")
+            print(hand_back(seen))
             shutil.rmtree(output_dir, ignore_errors=True)
 
 

@@ -32,6 +32,7 @@ from ddp_accel.checkpoint_format import (
     held_step,
     load_checkpoint,
     read_training_state,
+    share_held,
     take_held,
     write_checkpoint,
 )
@@ -301,7 +302,7 @@ class Checkpoints:
         self.writer: CheckpointWriter | None = None  # --async-checkpoint: saves written in the background
         self.in_flight: tuple[Path, float] | None = None  # the background save: its folder and the step's stall
         self.auto: AutoInterval | None = None  # --checkpointing-steps auto
-        self.from_memory = False  # whether the last load took the bulk of its states from memory (take_held)
+        self.bulk_from: str | None = None  # where the last load took the bulk of its states from, if not files
 
     @classmethod
     def of_run(
@@ -416,21 +417,25 @@ class Checkpoints:
         return self.save_now(state, identity, in_background=False)
 
     def resolve(self, value: str | None) -> Path | None:
-        """`resolve_resume`; under in-process recovery, the step every member of the group holds in memory (its
-        files may still be being written), or else once the rescues in flight are written."""
+        """`resolve_resume`; under in-process recovery, the step the group's survivors hold in memory (its files
+        may still be being written; a replacement is given their copy), or else once the rescues in flight are
+        written."""
         if value == "latest" and recovery.under_in_process_recovery():
-            every_member_holds = recovery.step_every_member_holds()
-            if every_member_holds is not None:
-                if held_step() != every_member_holds:  # (the launcher's plan says every member reported it)
-                    raise RuntimeError(f"step {every_member_holds} is not held by this process")
-                return step_folder(self.root, every_member_holds)
+            survivors_hold = recovery.step_the_survivors_hold()
+            if survivors_hold is not None:
+                path = step_folder(self.root, survivors_hold)
+                share_held(path, survivors_hold)  # (a replacement is given a survivor's copy)
+                if held_step() != survivors_hold:  # (the launcher's plan says every survivor reported it)
+                    raise RuntimeError(f"step {survivors_hold} is not held by this process")
+                return path
             wait_for_rescues(self.root)
             self.listing.refresh()
         return resolve_resume(value, self.root, self.accelerator, self.listing)
 
     def load(self, path: Path, state: TrainState, identity: RunIdentity) -> list[str]:
-        held = take_held(path)  # (a survivor's own copy of the step, under in-process recovery)
-        self.from_memory = held is not None
+        held = take_held(path)  # (a survivor's own copy of the step under in-process recovery, or one given it)
+        given = held is not None and held.given_by is not None
+        self.bulk_from = None if held is None else f"process {held.given_by} (given)" if given else "its memory"
         return load_checkpoint(self.accelerator, path, identity, state, self.contents, self.listing.state, held)
 
     def resume(
@@ -467,7 +472,7 @@ class Checkpoints:
             f"resumed from {path}: step {state.step}, epoch {state.epoch}, skipping {rebase.skip} batches of the "
             f"epoch{scale}"
         )
-        if self.from_memory:  # (each process's own line: which of them read the bulk back)
-            index = accelerator.process_index
-            print(f"process {index}: the models' and optimizers' states from its memory", file=sys.stderr, flush=True)
+        if self.bulk_from:  # (each process's own line: which of them read the bulk back)
+            line = f"process {accelerator.process_index}: the models' and optimizers' states from {self.bulk_from}"
+            print(line, file=sys.stderr, flush=True)
         return path

@@ -28,7 +28,8 @@ DeepSpeed, Megatron-LM, XLA and FSDP1 Accelerate's own `save_state` writes its p
 only synchronously. A survivor of a
 lost peer (ddp_accel.rescue) writes the same list for every rank (`Replica`): the random streams every rank shared
 at the step, the models' buffers as the step left them, and no collective. Under in-process recovery each survivor
-also keeps its copy (`hold`), which its next load takes instead of the files (`load_checkpoint(held=...)`).
+also keeps its copy (`hold`), which its next load takes instead of the files (`load_checkpoint(held=...)`); a
+replacement that joins them is given a survivor's copy over the group (`share_held`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
+from ddp_accel import peer_copy
 from ddp_accel.callback_state import POSITIONAL
 from ddp_accel.errors import UserError
 from ddp_accel.identity import compare_identity
@@ -429,11 +431,13 @@ class HeldCheckpoint:
     group under `--recover in-process`): the models' and optimizers' states in memory by file name (the bulk,
     which the next load takes from here instead of reading it back), and the rest, small, in a folder of this
     process's own (`small`: complete with training_state.json), so that a load needs nothing of `folder`, which
-    another survivor may still be writing."""
+    another survivor may still be writing. `given_by`: the process that gave it to this one (None: its own)."""
 
     folder: Path
+    step: int
     files: dict[str, Any]
     small: Path
+    given_by: int | None = None
 
     def let_go(self) -> None:
         shutil.rmtree(self.small, ignore_errors=True)
@@ -466,15 +470,46 @@ def hold(
         else:
             write(obj, small / name)
     (small / TRAINING_STATE).write_text(training_state)
-    for earlier in HELD:
-        earlier.let_go()
-    HELD[:] = [HeldCheckpoint(folder, files, small)]
-    return HELD[0]
+    return keep(HeldCheckpoint(folder, int(json.loads(training_state)["step"]), files, small))
+
+
+def keep(held: HeldCheckpoint) -> HeldCheckpoint:
+    let_go_held()
+    HELD.append(held)
+    return held
+
+
+def let_go_held() -> None:
+    while HELD:
+        HELD.pop().let_go()
 
 
 def held_step() -> int | None:
     """The step of the checkpoint this process holds, or None."""
-    return int(read_training_state(HELD[0].small)["step"]) if HELD else None
+    return HELD[0].step if HELD else None
+
+
+def share_held(folder: Path, step: int) -> None:
+    """Every process of the group at the same point, where its survivors hold `step` in memory: a process that
+    does not (a replacement) is given the copy of the first that does (ddp_accel.peer_copy), and holds it for
+    `folder` as its own; no file of the step is read."""
+    import torch.distributed as dist
+
+    own = HELD[0] if HELD and HELD[0].step == step else None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    given = peer_copy.share((rank, own.files, contents_of(own.small)) if own else None)
+    if own is None and given is not None:
+        giver, files, small = given
+        its_own = Path(tempfile.mkdtemp(prefix=f".ddp_accel_held_{folder.name}_"))
+        for name, data in small.items():
+            (its_own / name).parent.mkdir(parents=True, exist_ok=True)
+            (its_own / name).write_bytes(data)
+        keep(HeldCheckpoint(folder, step, files, its_own, giver))
+
+
+def contents_of(folder: Path) -> dict[str, bytes]:
+    """Each file under `folder` (its path there) -> its bytes."""
+    return {path.relative_to(folder).as_posix(): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
 
 
 def take_held(folder: Path) -> HeldCheckpoint | None:

@@ -191,7 +191,7 @@ def _lost_at_the_end(rank: int, outcome: Outcome) -> Outcome:
 def _main_through_regroups(main: Callable[..., Any], signals: StopSignals) -> None:
     """main(), run again in this process after each lost peer under `ddp-accel launch --recover in-process`
     (ddp_accel.recovery): the survivor saved the step it reached, and resumes there in the launcher's next group;
-    and after the save the launcher asks for when a replacement joins."""
+    and after the copy or save of the step that the launcher asks for when a replacement joins."""
     while True:
         try:
             main(signals) if inspect.signature(main).parameters else main()
@@ -215,6 +215,7 @@ def _main_through_regroups(main: Callable[..., Any], signals: StopSignals) -> No
                 raise
             facts = None  # every process saved the step reached: its replacement joins there
             _drop_frames(preempted)
+        if recovery.hand_back_asked():  # (its signal called the replacements in: the next main trains on)
             signals.received, signals.phase = None, Phase.STARTUP
         # outside the handler, so that nothing holds the old group's model and loaders while the next one is built
         recovery.rejoin(facts)

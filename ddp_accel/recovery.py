@@ -15,8 +15,9 @@ they meet at (a TCPStore in the launcher: losing rank 0 loses no store). When a 
    gradient is a function of the global batch alone: bitwise the fault-free run's). Otherwise a replacement process
    starts for the lost rank and the group keeps its size (bitwise as the restart under torchrun is).
 3. Each survivor leaves the broken group, forms the new one on a fresh store prefix (`generation_N`), and runs the
-   script's main again, resuming from the step it saved: from its own copy, at once, where every member holds it
-   (the plan names the step); else once the step's files are written (a replacement reads them). The members
+   script's main again, resuming from the step it saved: from its own copy, at once, where every survivor holds
+   it (the plan names the step; a replacement is given a survivor's copy over the group: ddp_accel.peer_copy);
+   else once the step's files are written. The members
    first meet at a count of the launcher's store (`meet`): a loss before the group formed makes the launcher give
    that generation up, and whoever waits for it reports again instead of waiting on a dead peer inside torch's
    rendezvous.
@@ -25,8 +26,9 @@ they meet at (a TCPStore in the launcher: losing rank 0 loses no store). When a 
    launcher ends the one that stays silent (`--stopped-timeout-s`) and recovers from it as from a loss.
 5. Where the survivors went on alone, a replacement starts meanwhile. Once it waits at the group's door (its
    imports done), the launcher asks the survivors to hand its share back: a preemption signal, on which every
-   process saves the step it reached at the same step (ddp_accel.stopping); then all of them, the replacement
-   with them, form the next generation with the first one's per-process batch and resume there.
+   process stops at the same step (ddp_accel.stopping) and keeps its copy of it, process 0 writing it in the
+   background (ddp_accel.rescue; else every process saves it at once, as a preemption's); then all of them, the
+   replacement with them, form the next generation with the first one's per-process batch and resume there.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ SLOT = "DDP_ACCEL_RECOVERY_SLOT"  # the process's place among the launched ones 
 LAUNCHER = "DDP_ACCEL_RECOVERY_LAUNCHER"  # the launcher's pid: a worker ends with it
 LOST_AT = "DDP_ACCEL_RECOVERY_LOST_AT"  # when the launcher saw the loss this generation recovers from
 JOINS = "DDP_ACCEL_RECOVERY_JOINS"  # a replacement: it waits to be called into a generation (the value: its start)
-HELD_STEP = "DDP_ACCEL_RECOVERY_HELD_STEP"  # the step every member of the group holds in memory: no files read
+HELD_STEP = "DDP_ACCEL_RECOVERY_HELD_STEP"  # the step the group's survivors hold in memory: no file of it read
 HAND_BACK_SIGNAL = signal.SIGUSR1  # the survivors save the step they reached together (a preemption's save)
 KEY = "ddp_accel/recovery"
 REPORT_TIMEOUT_S = 300.0  # a survivor that neither reports nor ends by then is ended: the group goes on without it
@@ -243,14 +245,15 @@ def close_the_connections() -> None:
             continue
 
 
-def step_every_member_holds() -> int | None:
-    """The step every member of this process's group holds in memory (the launcher's plan), once: None where a
-    member reads the step's files (a replacement, a process that saved nothing)."""
+def step_the_survivors_hold() -> int | None:
+    """The step every survivor in this process's group holds in memory (the launcher's plan), once: a process that
+    does not hold it (a replacement) is given a survivor's copy. None where a member reads the step's files (a
+    process that saved nothing)."""
     held = os.environ.pop(HELD_STEP, None)
     return int(held) if held is not None else None
 
 
-def held_by_every_member(reports: dict[str, dict[str, Any]], step: int | None) -> int | None:
+def held_by_every_survivor(reports: dict[str, dict[str, Any]], step: int | None) -> int | None:
     """`step`, where every survivor reported that it holds it in memory."""
     holding = [report.get("held") and report.get("step") == step for report in reports.values()]
     return step if step is not None and holding and all(holding) else None
@@ -316,6 +319,7 @@ class Launcher:
         self.joining: dict[str, tuple[subprocess.Popen, int]] = {}
         self.starts = 0
         self.facts: Facts | None = None  # the run's, from the first loss
+        self.held: int | None = None  # the step the current generation's survivors hold (its replacements: given)
         self.lost_steps: list[int] = []
         self.received: list[int] = []
         self.error_code = 0  # a process that ended with an error of its own while the others reported (this loss)
@@ -338,6 +342,7 @@ class Launcher:
             LAUNCHER: str(os.getpid()),
             **({JOINS: str(self.starts)} if joins else {}),
             **({LOST_AT: str(lost_at)} if lost_at else {}),
+            **({HELD_STEP: str(self.held)} if self.held is not None and not joins else {}),
         }
         arguments = resumed_arguments(self.command[1:], None) if resume else self.command[1:]
         # a session of its own, as torch elastic starts its workers: a Ctrl-C reaches it once, from here
@@ -439,7 +444,7 @@ class Launcher:
         self, members: list[str], batch_size: int | None, how: str, lost_at: float = 0, held: int | None = None
     ) -> None:
         self.generation += 1
-        self.members = members
+        self.members, self.held = members, held
         plan = {"members": members, "batch_size": batch_size, "lost_at": lost_at, "held": held}
         self.store.set(f"{KEY}/generation_{self.generation}", json.dumps(plan))
         print(f"ddp-accel launch: generation {self.generation}: {how}", file=sys.stderr, flush=True)
@@ -483,7 +488,7 @@ class Launcher:
         at = f" at step {step}" if step is not None else " from the last checkpoint"
         survivors = sorted(reports, key=self.everyone.index)
         share = self.facts.shares(len(survivors)) if self.facts else None
-        held = held_by_every_member(reports, step)  # (the survivors alone: no one reads the step's files)
+        held = held_by_every_survivor(reports, step)  # (no one reads the step's files: a replacement is given it)
         if none_lost:  # the same processes go on
             self.next_generation(survivors, share, f"the {len(survivors)} processes go on{at}", lost_at, held)
             return True
@@ -498,16 +503,17 @@ class Launcher:
         # the first group's size again, each process with its first batch: replacements now (and any waiting)
         how = f"{len(lost) + len(self.joining)} replacement(s) join the {len(survivors)} survivors{at}"
         batch_size = self.facts.shares(len(self.everyone)) if self.facts else None
-        self.next_generation(list(self.everyone), batch_size, how, lost_at)
+        self.next_generation(list(self.everyone), batch_size, how, lost_at, held)  # (held: given to them)
         for slot in lost:
             self.running[slot] = self.start(slot, resume=True, lost_at=lost_at)
         self.call_the_replacements_in()
         return True
 
     def hand_back(self) -> bool:
-        """The replacements are ready: the survivors save the step they reached together and all of them form the
-        next generation, each process with the first group's per-process batch (the replacements': their own
-        command's). A survivor lost meanwhile is a loss like another."""
+        """The replacements are ready: the survivors stop at the step they reached together (each keeps its copy,
+        which the replacements are given, or all save it) and all of them form the next generation, each process
+        with the first group's per-process batch (the replacements': their own command's). A survivor lost
+        meanwhile is a loss like another."""
         self.store.set(f"{KEY}/hand_back_{self.generation}", "1")
         for process in self.running.values():
             process.send_signal(HAND_BACK_SIGNAL)
@@ -516,9 +522,10 @@ class Launcher:
         if set(reports) != set(survivors):
             return self.regroup(reports, time.time())
         assert self.facts is not None
-        members = list(self.everyone)
+        members, step = list(self.everyone), next(iter(reports.values()), {}).get("step")
         how = f"{len(self.joining)} replacement(s) take their share back"
-        self.next_generation(members, self.facts.shares(len(members)), how)
+        held = held_by_every_survivor(reports, step)  # (each survivor kept its copy: the replacements are given it)
+        self.next_generation(members, self.facts.shares(len(members)), how, held=held)
         self.call_the_replacements_in()
         return True
 

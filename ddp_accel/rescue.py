@@ -40,7 +40,16 @@ import torch
 from ddp_accel.agreement import StepAgreement, running_statistics
 from ddp_accel.async_save import StagedWrites
 from ddp_accel.checkpoint import RESCUE_WRITER, complete, step_folder, training_state_json
-from ddp_accel.checkpoint_format import TRAINING_STATE, Contents, Replica, WriteNow, hold, write_checkpoint
+from ddp_accel.checkpoint_format import (
+    TRAINING_STATE,
+    Contents,
+    Replica,
+    WriteNow,
+    held_step,
+    hold,
+    let_go_held,
+    write_checkpoint,
+)
 from ddp_accel.random_streams import RandomStreams
 from ddp_accel.recovery import under_in_process_recovery
 from ddp_accel.state import RunIdentity, TrainState
@@ -110,6 +119,23 @@ def streams_of(state: TrainState, agreement: StepAgreement) -> RandomStreams | N
     return None
 
 
+def replica_of(accelerator: Any, state: TrainState, contents: Contents, agreement: StepAgreement) -> Replica | str:
+    """What this process's copy of the step `state` reached gives every rank (a `Replica`), or why it cannot."""
+    reason = why_not_rescued(accelerator, contents)
+    streams = streams_of(state, agreement)
+    if reason is None and state.step == 0:
+        reason = "nothing was trained yet"
+    if reason is None and streams is None:
+        reason = f"the ranks' random streams at step {state.step} were not the same"
+    buffers = buffers_of(state, agreement) if reason is None else None
+    if reason is None and agreement.buffers and buffers is None:
+        reason = f"the models' buffers at step {state.step} were not kept"
+    if reason is not None:
+        return reason
+    assert streams is not None
+    return Replica(streams, buffers or {}, accelerator.num_processes)
+
+
 def save_what_survived(
     accelerator: Any,
     root: Path,
@@ -123,40 +149,25 @@ def save_what_survived(
     the save itself fails: the lost peer's error is the run's). Under `--recover in-process` every survivor keeps
     a copy of the step for its next group (`hold`), and the first writes it in the background."""
     rank = accelerator.process_index
-    reason = why_not_rescued(accelerator, contents)
-    streams = streams_of(state, agreement)
-    if reason is None and state.batches_in_epoch % accumulation:
-        reason = "the peer was lost inside a gradient accumulation"
-    if reason is None and state.step == 0:
-        reason = "nothing was trained yet"
-    if reason is None and streams is None:
-        reason = f"the ranks' random streams at step {state.step} were not the same"
-    if reason is None and rank != 0 and ranks_own_buffers(contents):
-        reason = "process 0 was lost, and the models' buffers a checkpoint keeps were its own"
-    buffers = buffers_of(state, agreement) if reason is None else None
-    if reason is None and agreement.buffers and buffers is None:
-        reason = f"the models' buffers at step {state.step} were not kept"
-    if reason is not None:
-        return f"process {rank}: the restart resumes from the last checkpoint ({reason})"
-    assert streams is not None
-    final = step_folder(root, state.step)
-    replica = Replica(streams, buffers or {}, accelerator.num_processes)
-    training_state = json.dumps(training_state_json(state, identity), indent=2)
+    replica = replica_of(accelerator, state, contents, agreement)
+    if isinstance(replica, Replica) and state.batches_in_epoch % accumulation:
+        replica = "the peer was lost inside a gradient accumulation"
+    if isinstance(replica, Replica) and rank != 0 and ranks_own_buffers(contents):
+        replica = "process 0 was lost, and the models' buffers a checkpoint keeps were its own"
+    if isinstance(replica, str):
+        return f"process {rank}: the restart resumes from the last checkpoint ({replica})"
+    final, training_state = step_folder(root, state.step), json.dumps(training_state_json(state, identity), indent=2)
     rescue = root / f".rescue_step_{state.step}"  # (made by the first survivor, below)
-    in_process = under_in_process_recovery()  # the process goes on: it keeps its copy of the step
-    staged = StagedWrites() if in_process else None
-    if staged is not None:
+    staged = None
+    if under_in_process_recovery():  # the process goes on: it keeps its copy of the step
         try:
-            write_checkpoint(accelerator, rescue, contents, staged, replica=replica, create=False)
+            staged = keep_a_copy(accelerator, rescue, final, contents, replica, training_state)
         except Exception as failed:
             return f"process {rank}: the step it reached was not saved ({failed})"
-        with contextlib.suppress(OSError):  # (else its next group reads the step's files)
-            hold(final, staged, rescue, contents.objects, training_state)
     if (final / TRAINING_STATE).is_file():
         return f"process {rank}: the step it reached ({state.step}) is saved already: {final}"
     try:
-        rescue.mkdir(parents=True)  # the first survivor's (atomic)
-        (rescue / RESCUE_WRITER).write_text(str(os.getpid()))
+        claim(rescue)
     except FileExistsError:
         return f"process {rank}: another survivor saves step {state.step}"
     except OSError as failed:
@@ -170,6 +181,51 @@ def save_what_survived(
     except Exception as failed:
         return f"process {rank}: the step it reached was not saved ({failed})"
     return f"process {rank} saved the step it reached for the restart: {final}"
+
+
+def keep_a_copy(
+    accelerator: Any, rescue: Path, final: Path, contents: Contents, replica: Replica, training_state: str
+) -> StagedWrites:
+    """The step's files for every rank (`replica`) copied into memory, staged for `rescue`, and held for the next
+    group (checkpoint_format.hold, unless its small files cannot be written: then the next group reads `final`)."""
+    staged = StagedWrites()
+    write_checkpoint(accelerator, rescue, contents, staged, replica=replica, create=False)
+    with contextlib.suppress(OSError):
+        hold(final, staged, rescue, contents.objects, training_state)
+    return staged
+
+
+def claim(rescue: Path) -> None:
+    """Make `rescue` (atomic: one writer) with the writer's pid in it (checkpoint.wait_for_rescues)."""
+    rescue.mkdir(parents=True)
+    (rescue / RESCUE_WRITER).write_text(str(os.getpid()))
+
+
+def keep_for_the_replacements(
+    accelerator: Any, root: Path, state: TrainState, identity: RunIdentity, contents: Contents, agreement: StepAgreement
+) -> bool:
+    """At a hand-back (`--recover in-process`: the survivors' group whole, at a step's end), instead of a stop's
+    save: every process keeps a copy of the step for the next group, as a survivor of a loss does, and process 0
+    writes it in the background; the replacements are given the copy by a peer. False on every process (they
+    agree) where one could not (the models' buffers each rank's own among them): the step is then saved at once."""
+    replica = replica_of(accelerator, state, contents, agreement)
+    final, rescue = step_folder(root, state.step), root / f".rescue_step_{state.step}"
+    training_state = json.dumps(training_state_json(state, identity), indent=2)
+    staged = None
+    if isinstance(replica, Replica) and not ranks_own_buffers(contents):
+        with contextlib.suppress(Exception):  # (the step is then saved at once, which says a failure)
+            staged = keep_a_copy(accelerator, rescue, final, contents, replica, training_state)
+    kept = staged is not None and held_step() == state.step
+    if accelerator.reduce(torch.tensor(float(not kept), device=accelerator.device), "sum").item():
+        let_go_held()
+        return False
+    assert staged is not None
+    if accelerator.is_main_process and not (final / TRAINING_STATE).is_file():
+        with contextlib.suppress(OSError):  # (a rescue of this step in flight writes it)
+            claim(rescue)
+            write_in_background(staged.write_all, rescue, final, training_state, accelerator.process_index)
+            say(f"process 0 writes step {state.step} in the background (its replacements are given it by a peer)")
+    return True
 
 
 def write_rescue(write: Callable[[], None], rescue: Path, final: Path, training_state: str) -> None:

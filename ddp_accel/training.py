@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from accelerate import Accelerator
@@ -292,9 +292,7 @@ class Trainer(contextlib.AbstractContextManager["Trainer"]):
         self.checkpoints.finish_writes()  # the write in flight (--async-checkpoint) completes first
         if verdict.nonfinite:
             raise UserError(nonfinite_message(verdict.step, self.state, self.folder, self.best_metric))
-        run_end.stop_here(
-            self.accelerator, verdict, self.signals, self.checkpoints, self.state, self.identity, self.folder
-        )
+        stop_here(self, verdict)
 
     # --- the end ---
     def finish(self) -> dict[str, Any]:
@@ -521,12 +519,29 @@ def after_a_crash(run: Trainer, error: Exception) -> None:
         )
         rescue.say(saved)
         if in_process:  # the launcher forms a new group: this process goes on in it
-            step, exact = run.state.step, run.config.communication.exact_micro_batch or 0
-            facts = recovery.Facts(step, run.state.global_batch, exact, held=held_step() == step)
-            raise recovery.Regroup(facts) from error
+            raise recovery.Regroup(regroup_facts(run)) from error
     elif not isinstance(error, UserError):
         rank, step = run.accelerator.process_index, run.state.step
         run.folder.refuse_a_repeated_crash(rank, run.resumed_from, step, error)
+
+
+def stop_here(run: Trainer, verdict: Verdict) -> NoReturn:
+    """A preemption: every process checkpoints the step reached and raises Preempted. A stop the in-process
+    launcher asked for between steps (its replacements join at this step): every process keeps a copy of the step,
+    which the replacements are given, and raises Regroup (where one could not: saved as a preemption's)."""
+    root, contents = run.checkpoints.root, run.checkpoints.contents
+    between_steps = run.signals.phase is Phase.TRAIN  # (an evaluation's stop: saved as it stands)
+    if between_steps and recovery.hand_back_asked():
+        state, identity = run.state, run.identity
+        if rescue.keep_for_the_replacements(run.accelerator, root, state, identity, contents, run.agreement):
+            raise recovery.Regroup(regroup_facts(run))
+    run_end.stop_here(run.accelerator, verdict, run.signals, run.checkpoints, run.state, run.identity, run.folder)
+
+
+def regroup_facts(run: Trainer) -> recovery.Facts:
+    """What this process tells the in-process launcher as it leaves its group (ddp_accel.recovery)."""
+    step, exact = run.state.step, run.config.communication.exact_micro_batch or 0
+    return recovery.Facts(step, run.state.global_batch, exact, held=held_step() == step)
 
 
 def nonfinite_message(step: int, state: TrainState, folder: RunFolder, best_metric: str | None) -> str:

@@ -12,13 +12,16 @@ from torch.utils.data import DataLoader, TensorDataset
 from ddp_accel.async_save import StagedWrites
 from ddp_accel.checkpoint import save_checkpoint
 from ddp_accel.checkpoint_format import (
+    HELD,
     AcceleratorObjects,
     Contents,
     Replica,
     WriteNow,
     held_step,
     hold,
+    let_go_held,
     load_checkpoint,
+    share_held,
     take_held,
     write_checkpoint,
 )
@@ -156,6 +159,36 @@ def test_a_step_held_by_its_process_loads_from_its_copy_once_whatever_its_folder
     write_checkpoint(accelerator, other, contents, staged, create=False)
     held = hold(other, staged, other, objects, (folder / "training_state.json").read_text())
     assert take_held(folder) is None and not held.small.exists()  # another step's: let go
+
+
+def test_a_process_given_a_peer_s_copy_of_the_step_loads_it_as_its_own_and_reads_nothing_of_its_folder(
+    tmp_path, trained, monkeypatch
+):
+    # a replacement joining survivors that hold the step: it is given the first one's copy over the group
+    # (peer_copy.share, proven across processes in test_recovery.py), keeps it as its own (its small files in a
+    # folder of its own) and loads it whatever the step's folder holds meanwhile
+    from ddp_accel import checkpoint_format
+
+    accelerator, objects = trained
+    contents, model, optimizer = Contents(objects), *objects.models, *objects.optimizers
+    folder = save_checkpoint(accelerator, tmp_path, TrainState(step=1), RunIdentity(), contents=contents)
+    staged = StagedWrites()
+    write_checkpoint(accelerator, folder, contents, staged, create=False)
+    survivor_s = hold(folder, staged, folder, objects, (folder / "training_state.json").read_text())
+    given = (2, survivor_s.files, checkpoint_format.contents_of(survivor_s.small))
+    let_go_held()  # (this process, the replacement, holds nothing)
+    weights = [value.clone() for value in model.state_dict().values()]
+    moments = [value.clone() for value in optimizer.state_dict()["state"][0].values()]
+    monkeypatch.setattr(checkpoint_format.peer_copy, "share", lambda held: given if held is None else held)
+    for parameter in model.parameters():
+        parameter.data.add_(1.0)
+    save_checkpoint(accelerator, tmp_path, TrainState(step=1), RunIdentity(), contents=contents)  # other files now
+    share_held(folder, 1)
+    assert held_step() == 1 and HELD[0].given_by == 2 and HELD[0].small != survivor_s.small
+    load_checkpoint(accelerator, folder, RunIdentity(), contents=contents, held=take_held(folder))
+    assert all(torch.equal(now, then) for now, then in zip(model.state_dict().values(), weights, strict=True))
+    now = optimizer.state_dict()["state"][0].values()
+    assert all(torch.equal(now, then) for now, then in zip(now, moments, strict=True))
 
 
 def test_a_survivor_writes_every_rank_s_streams_and_the_buffers_the_step_left(tmp_path, trained):

@@ -8,6 +8,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import (
@@ -70,7 +71,7 @@ def test_a_group_whose_every_member_holds_the_step_resumes_it_at_once_another_on
     # for the rescue in flight (not for one whose writer is dead)
     from ddp_accel.checkpoint import RESCUE_WRITER, Checkpoints, complete
     from ddp_accel.checkpoint_format import HELD, HeldCheckpoint
-    from ddp_accel.recovery import HELD_STEP, KEY, Launcher, held_by_every_member, take_place
+    from ddp_accel.recovery import HELD_STEP, KEY, Launcher, held_by_every_survivor, take_place
 
     launcher = Launcher(["python", "train.py"], 3)
     launcher.start = lambda slot, **how: object()  # no process: the decision alone
@@ -78,9 +79,9 @@ def test_a_group_whose_every_member_holds_the_step_resumes_it_at_once_another_on
     assert launcher.regroup({"0": holds, "2": holds}, lost_at=1.0)
     plan = json.loads(launcher.store.get(f"{KEY}/generation_1"))
     assert plan["held"] == 5
-    assert held_by_every_member({"0": holds, "2": {}}, 5) is None  # (its DataLoader worker lost: saved nothing)
-    assert held_by_every_member({"0": holds, "2": {**holds, "held": False}}, 5) is None
-    assert held_by_every_member({"0": holds, "2": {**holds, "step": 4}}, 5) is None
+    assert held_by_every_survivor({"0": holds, "2": {}}, 5) is None  # (its DataLoader worker lost: saved nothing)
+    assert held_by_every_survivor({"0": holds, "2": {**holds, "held": False}}, 5) is None
+    assert held_by_every_survivor({"0": holds, "2": {**holds, "step": 4}}, 5) is None
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", LOST_AT_VARIABLE):
         monkeypatch.setenv(name, "0")  # (restored after the test: take_place sets them)
     monkeypatch.setenv(SLOT, "2")
@@ -89,7 +90,7 @@ def test_a_group_whose_every_member_holds_the_step_resumes_it_at_once_another_on
     small = tmp_path / "held"
     small.mkdir()
     (small / "training_state.json").write_text(json.dumps({"step": 5}))
-    HELD[:] = [HeldCheckpoint(tmp_path / "step_5", {}, small)]
+    HELD[:] = [HeldCheckpoint(tmp_path / "step_5", 5, {}, small)]
     checkpoints = Checkpoints(None, tmp_path)
     try:
         assert checkpoints.resolve("latest") == tmp_path / "step_5"  # no file of it yet
@@ -118,6 +119,42 @@ def test_a_group_whose_every_member_holds_the_step_resumes_it_at_once_another_on
     assert checkpoints.resolve("latest") == tmp_path / "step_7"  # after its write, not the last one complete before
     assert time.monotonic() - started >= 0.4
     writer.join()
+
+
+@pytest.mark.inprocess
+def test_replacements_are_told_the_step_the_survivors_hold_whether_they_start_at_once_or_join_at_a_hand_back(
+    monkeypatch,
+):
+    # the survivors keep their copy of the step (after a loss, and at a hand-back): the plan names it, and a
+    # replacement, started at once or called in later, is given it by a peer instead of reading its files
+    from ddp_accel import recovery
+
+    class Process:
+        def __init__(self, command, env, **how):
+            self.env, self.pid = env, os.getpid()  # (a pid that runs)
+
+        def send_signal(self, signum):
+            pass
+
+        def poll(self):
+            return None
+
+    monkeypatch.setattr(recovery.subprocess, "Popen", Process)
+    holds = {"step": 5, "global_batch": 12, "exact_micro_batch": 0, "held": True}
+    launcher = recovery.Launcher(["python", "train.py"], 3)
+    assert launcher.regroup({"0": holds, "2": holds}, lost_at=1.0)  # no pieces: a replacement at once
+    assert json.loads(launcher.store.get(f"{recovery.KEY}/generation_1"))["held"] == 5
+    assert launcher.running["1"].env[recovery.HELD_STEP] == "5"
+    launcher = recovery.Launcher(["python", "train.py"], 3)
+    holds["exact_micro_batch"] = 2
+    assert launcher.regroup({"0": holds, "2": holds}, lost_at=1.0)  # the survivors go on, a replacement waits
+    assert recovery.HELD_STEP not in launcher.joining["1"][0].env  # (told once called in: take_place)
+    launcher.running = {"0": Process([], {}), "2": Process([], {})}
+    for slot in ("0", "2"):  # each survivor's report at the hand-back: it kept its copy of step 9
+        launcher.store.set(f"{recovery.KEY}/saved_1/{slot}", json.dumps({**holds, "step": 9}))
+    assert launcher.hand_back()
+    plan = json.loads(launcher.store.get(f"{recovery.KEY}/generation_2"))
+    assert plan["held"] == 9 and plan["members"] == ["0", "1", "2"], plan
 
 
 @pytest.mark.inprocess
@@ -280,7 +317,11 @@ def test_survivors_go_on_with_a_killed_rank_s_share_until_its_replacement_takes_
     assert "generation 1: 2 survivors go on at step" in log and "6 samples each" in log, log[-3000:]
     assert "generation 2: 1 replacement(s) take their share back" in log, log[-3000:]
     assert "generation 1's first step done" in log and "s after the loss" in log, log[-3000:]
-    assert log.count("states from its memory") == 2, log[-3000:]  # each survivor's copy of the step, not read back
+    # each survivor's copy of the step, not read back: after the loss, and at the hand-back, where the replacement
+    # is given a survivor's (no file of that step read: it is written in the background)
+    assert log.count("states from its memory") == 4, log[-3000:]
+    assert log.count("process 0: the models' and optimizers' states from process 1 (given)") == 1, log[-3000:]
+    assert "in the background (its replacements are given it by a peer)" in log, log[-3000:]
     assert log.count("== ddp_accel ==") == 3, log[-3000:]  # the first group's banner, and each new group's
     assert "done: 128 steps" in log and "on 3 process(es)" in log, log[-3000:]
     assert_same_weights(reference, output_dir)
@@ -301,7 +342,8 @@ def test_a_replacement_joins_where_the_survivors_cannot_keep_the_sum_s_order(sta
     assert code == 0, log[-3000:]
     assert "rank 0 ended by SIGKILL" in log and "1 replacement(s) join the 1 survivors" in log, log[-3000:]
     assert "writes the step it reached in the background" in log, log[-3000:]
-    assert log.count("states from its memory") == 1, log[-3000:]  # the survivor's; the replacement reads the files
+    assert log.count("states from its memory") == 1, log[-3000:]  # the survivor's; the replacement, rank 0 again,
+    assert log.count("process 0: the models' and optimizers' states from process 1 (given)") == 1, log[-3000:]  # its
     assert_same_weights(standard_reference, output_dir)
 
 
@@ -617,6 +659,53 @@ def test_survivors_of_a_rank_killed_in_the_middle_of_a_message_end_their_wait_at
         for process in ranks:
             process.kill()
     for rank, text in zip((0, 2), said, strict=True):
+        assert f"rank {rank}: DistNetworkError after" in text and "a peer was lost" in text, text[-2000:]
+
+
+def ranks_of(script: str, mode: str) -> tuple[Any, list[subprocess.Popen]]:
+    """3 processes of `script` (tests/) in `mode`, meeting at a store of this test's, generation 0."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), GENERATION: "0"}
+    command = [str(BIN / "python"), str(ROOT / "tests" / script)]
+    output = {"text": True, "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+    return store, [subprocess.Popen([*command, str(rank), mode], env=env, **output) for rank in range(3)]
+
+
+@pytest.mark.multiprocess
+def test_a_process_without_the_step_is_given_the_first_holder_s_copy_bitwise_whatever_it_holds():
+    # a replacement joining survivors that hold the step: the first holder's copy, every tensor's bytes (bfloat16,
+    # bool, 0-d, empty), a tensor held twice still one, a state dict's metadata, the optimizer's groups and the
+    # small files; the holders keep their own
+    _, ranks = ranks_of("peer_copy_rank.py", "whole")
+    try:
+        said = [process.communicate(timeout=120)[0] for process in ranks]
+    finally:
+        for process in ranks:
+            process.kill()
+    assert [process.returncode for process in ranks] == [0, 0, 0], said
+    expected = (
+        "bitwise True, tied True, OrderedDict {'': {'version': 2}}, groups [{'lr': 0.1, 'betas': (0.9, 0.99), "
+        "'params': [0]}], small {'scheduler.bin': b'\\x00\\x01small'}"
+    )
+    for rank, giver, own in ((0, 0, True), (1, 1, True), (2, 0, False)):
+        assert f"rank {rank}: from {giver}, {expected}; its own {own}" in said[rank], said
+
+
+@pytest.mark.multiprocess
+def test_receivers_of_a_giver_killed_in_the_middle_of_its_copy_end_their_wait_at_the_launcher_s_word():
+    from ddp_accel.recovery import KEY
+
+    store, ranks = ranks_of("peer_copy_rank.py", "giver_lost")
+    try:
+        assert ranks[0].wait(timeout=120) == -signal.SIGKILL, ranks[0].stdout.read()
+        store.set(f"{KEY}/abandoned_0", "1")  # what the launcher does once it reaped a process
+        said = [ranks[rank].communicate(timeout=60)[0] for rank in (1, 2)]
+    finally:
+        for process in ranks:
+            process.kill()
+    for rank, text in zip((1, 2), said, strict=True):
         assert f"rank {rank}: DistNetworkError after" in text and "a peer was lost" in text, text[-2000:]
 
 

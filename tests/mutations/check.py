@@ -1141,13 +1141,43 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "survivors_wait_for_the_files_of_a_step_they_hold": (
         "ddp_accel/recovery.py",
-        "        held = held_by_every_member(reports, step)",
-        "        held = None",
+        "        held = held_by_every_survivor(reports, step)  # (no one reads",
+        "        held = None  # (no one reads",
     ),
     "a_rescue_in_flight_not_waited_for": (
         "ddp_accel/checkpoint.py",
         "            wait_for_rescues(self.root)\n",
         "",
+    ),
+    "replacements_read_the_files_of_the_step_handed_back": (
+        "ddp_accel/recovery.py",
+        "        held = held_by_every_survivor(reports, step)  # (each survivor",
+        "        held = None  # (each survivor",
+    ),
+    "a_replacement_started_at_once_not_told_the_step_held": (
+        "ddp_accel/recovery.py",
+        "            **({HELD_STEP: str(self.held)} if self.held is not None and not joins else {}),\n",
+        "",
+    ),
+    "a_replacement_keeps_nothing_it_was_given": (
+        "ddp_accel/checkpoint_format.py",
+        "    if own is None and given is not None:",
+        "    if False:",
+    ),
+    "a_hand_back_saves_the_step_at_once": (
+        "ddp_accel/training.py",
+        "    if between_steps and recovery.hand_back_asked():",
+        "    if False:",
+    ),
+    "a_giver_s_bytes_waited_on_without_the_launcher_s_word": (
+        "ddp_accel/peer_copy.py",
+        "            wait_watching_the_launcher(dist.broadcast(",
+        "            (lambda work: work.wait())(dist.broadcast(",
+    ),
+    "a_tensor_held_twice_given_twice": (
+        "ddp_accel/peer_copy.py",
+        "        if id(obj) not in seen:",
+        "        if True:",
     ),
     "a_lost_peer_s_wait_left_to_gloo": (
         "ddp_accel/exact_reduction.py",
