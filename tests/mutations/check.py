@@ -708,7 +708,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "a_survivor_saves_buffers_only_process_0_held": (
         "ddp_accel/rescue.py",
-        "    if reason is None and rank != 0 and ranks_own_buffers(contents):\n",
+        "    if isinstance(replica, Replica) and rank != 0 and ranks_own_buffers(contents):\n",
         "    if False:\n",
     ),
     "lomo_searched_for_at_every_step": (
@@ -738,7 +738,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "a_survivor_saves_inside_an_accumulation": (
         "ddp_accel/rescue.py",
-        "    if reason is None and state.batches_in_epoch % accumulation:",
+        "    if isinstance(replica, Replica) and state.batches_in_epoch % accumulation:",
         "    if False:",
     ),
     "async_staging_shares_addresses_across_objects": (
