@@ -2,8 +2,9 @@
 (134M parameters: a survivor's copy of the step is 1 GB with the optimizer's) on 3 CPU processes with
 `--exact-micro-batch 4`; slot 1 is SIGKILLed DELAY seconds after the progress bar first shows step K. Prints when
 each line about the loss appeared, in seconds after the kill: the survivors' save, the launcher's plan of the next
-group, its resume, its first step done; then, once the replacement's imports are done and the survivors hand its
-share back, how long after the launcher's call the whole group resumed and completed its first step.
+group, its resume, its first step done; then, once the replacement's imports are done, the survivors' hand-back:
+the launcher's call, the group's resume (the replacement given the step: `from process N (given)`), its first
+step done.
 
     python benchmarks/recovery_moment.py --trees . ../base --step 6 --delay-s 1.0
 """
@@ -11,6 +12,7 @@ share back, how long after the launcher's call the whole group resumed and compl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -20,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -27,7 +30,8 @@ JOB = ["scripts/imagenet.py", "--dummy", "-a", "vgg16", "--image-size", "32", "-
 JOB += ["--dummy-classes", "10", "--dummy-images", "960", "--epochs", "1", "--max-steps", "14"]
 JOB += ["--checkpointing-steps", "1000", "--exact-micro-batch", "4", "--timeout-s", "60"]
 SAID = re.compile(
-    r"first step done|writes the step|saved the step|saved already|another survivor|from its memory|generation \d"
+    r"first step done|writes the step|writes step|saved the step|saved already|another survivor|from its memory|given\)"
+    r"|generation \d"
     r"|resumed from|error"
 )
 
@@ -43,6 +47,18 @@ def slot_1(output_dir: Path) -> int | None:
         if b"DDP_ACCEL_RECOVERY_SLOT=1\0" in environ and b"imagenet.py" in cmdline:
             return pid
     return None
+
+
+CALLED = "(the launcher signals the survivors to hand the replacement its share back)"
+
+
+def launchers_store(pid: int) -> Any:
+    """A client of the launcher's store (its address in the process's environment): the key it sets as it asks
+    for the hand-back, the moment neither version prints."""
+    import torch.distributed as dist
+
+    environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+    return dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), is_master=False)
 
 
 def one_loss(tree: Path, output_dir: Path, step: int, delay_s: float) -> tuple[int, dict[str, float]]:
@@ -61,29 +77,18 @@ def one_loss(tree: Path, output_dir: Path, step: int, delay_s: float) -> tuple[i
         victim = slot_1(output_dir)
         if victim is None:
             raise SystemExit(f"{tree}: no process of slot 1 to kill; see {log_path}")
+        store = launchers_store(victim)
         killed_at = time.time()
         os.kill(victim, signal.SIGKILL)
         while launcher.poll() is None:
             for line in re.split(r"[\r\n]", log_path.read_text()):
-                bar = shown.search(line)
-                key = line if SAID.search(line) else f"progress {bar.group(1)}" if bar else None
-                if key is not None and key not in seen:
-                    seen[key] = time.time() - killed_at
+                if line not in seen and SAID.search(line):
+                    seen[line] = time.time() - killed_at
+            with contextlib.suppress(Exception):  # (the launcher's store gone at its end)
+                if CALLED not in seen and store.check(["ddp_accel/recovery/hand_back_1"]):
+                    seen[CALLED] = time.time() - killed_at
             time.sleep(0.02)
     return launcher.returncode, seen
-
-
-def hand_back(seen: dict[str, float]) -> str:
-    """When the replacement's group resumed and completed its first step, after the launcher's call for it."""
-    called = next((at for line, at in seen.items() if "take their share back" in line), None)
-    resumed = [(at, line) for line, at in seen.items() if called is not None and at > called and "resumed from" in line]
-    if not resumed:
-        return "hand-back: not seen"
-    at, line = min(resumed)
-    step = int(re.search(r": step (\d+)", line).group(1))
-    done = [seconds for key, seconds in seen.items() if key.startswith("progress ") and int(key.split()[1]) > step]
-    first = f"{min(done) - called:.2f} s" if done else "not seen"
-    return f"hand-back: resumed {at - called:.2f} s after the call, its first step done {first} after it"
 
 
 def main() -> None:
@@ -98,9 +103,7 @@ def main() -> None:
             code, seen = one_loss(tree, output_dir, args.step, args.delay_s)
             print(f"== {tree} (exit {code})")
             for line, seconds in seen.items():
-                if not line.startswith("progress "):
-                    print(f"{seconds:7.2f} s  {line[:140]}")
-            print(hand_back(seen))
+                print(f"{seconds:7.2f} s  {line[:140]}")
             shutil.rmtree(output_dir, ignore_errors=True)
 
 

@@ -50,6 +50,7 @@ GENERATION = "DDP_ACCEL_RECOVERY_GENERATION"  # the group this process belongs t
 SLOT = "DDP_ACCEL_RECOVERY_SLOT"  # the process's place among the launched ones (its rank at generation 0)
 LAUNCHER = "DDP_ACCEL_RECOVERY_LAUNCHER"  # the launcher's pid: a worker ends with it
 LOST_AT = "DDP_ACCEL_RECOVERY_LOST_AT"  # when the launcher saw the loss this generation recovers from
+CALLED_AT = "DDP_ACCEL_RECOVERY_CALLED_AT"  # when the launcher called this generation's replacements in (hand_back)
 JOINS = "DDP_ACCEL_RECOVERY_JOINS"  # a replacement: it waits to be called into a generation (the value: its start)
 HELD_STEP = "DDP_ACCEL_RECOVERY_HELD_STEP"  # the step the group's survivors hold in memory: no file of it read
 HAND_BACK_SIGNAL = signal.SIGUSR1  # the survivors save the step they reached together (a preemption's save)
@@ -190,15 +191,14 @@ def say_completed() -> None:
 
 
 def say_the_first_step() -> None:
-    """At a recovered generation's first completed step, process 0 says how long after the loss it came."""
-    lost_at = os.environ.pop(LOST_AT, None)
-    if lost_at is not None and os.environ.get("RANK") == "0":
-        generation = os.environ[GENERATION]
-        print(
-            f"ddp-accel: generation {generation}'s first step done {time.time() - float(lost_at):.2f} s after the loss",
-            file=sys.stderr,
-            flush=True,
-        )
+    """At a recovered generation's first completed step, process 0 says how long after the loss (or after the
+    launcher's call for its replacements) it came."""
+    for variable, what in ((LOST_AT, "the loss"), (CALLED_AT, "the call for its replacements")):
+        at = os.environ.pop(variable, None)
+        if at is not None and os.environ.get("RANK") == "0":
+            seconds, generation = time.time() - float(at), os.environ[GENERATION]
+            line = f"ddp-accel: generation {generation}'s first step done {seconds:.2f} s after {what}"
+            print(line, file=sys.stderr, flush=True)
 
 
 def take_place(generation: int, plan: dict[str, Any]) -> None:
@@ -206,6 +206,8 @@ def take_place(generation: int, plan: dict[str, Any]) -> None:
     rank = members.index(os.environ[SLOT])
     if plan.get("lost_at"):
         os.environ[LOST_AT] = str(plan["lost_at"])
+    if plan.get("called_at"):
+        os.environ[CALLED_AT] = str(plan["called_at"])
     os.environ.pop(HELD_STEP, None)
     if plan.get("held") is not None:
         os.environ[HELD_STEP] = str(plan["held"])
@@ -441,11 +443,13 @@ class Launcher:
                 del self.stopped_since[slot]
 
     def next_generation(
-        self, members: list[str], batch_size: int | None, how: str, lost_at: float = 0, held: int | None = None
+        self, members: list[str], batch_size: int | None, how: str, held: int | None = None, **moments: float
     ) -> None:
+        """The next generation's plan, for its members (`moments`: lost_at, called_at: when its first step is timed
+        from)."""
         self.generation += 1
         self.members, self.held = members, held
-        plan = {"members": members, "batch_size": batch_size, "lost_at": lost_at, "held": held}
+        plan = {"members": members, "batch_size": batch_size, "held": held, **moments}
         self.store.set(f"{KEY}/generation_{self.generation}", json.dumps(plan))
         print(f"ddp-accel launch: generation {self.generation}: {how}", file=sys.stderr, flush=True)
 
@@ -490,31 +494,31 @@ class Launcher:
         share = self.facts.shares(len(survivors)) if self.facts else None
         held = held_by_every_survivor(reports, step)  # (no one reads the step's files: a replacement is given it)
         if none_lost:  # the same processes go on
-            self.next_generation(survivors, share, f"the {len(survivors)} processes go on{at}", lost_at, held)
+            self.next_generation(survivors, share, f"the {len(survivors)} processes go on{at}", held, lost_at=lost_at)
             return True
         if share is not None:
             replaced = len(survivors) < self.min_processes
             how = f"{len(survivors)} survivors go on{at}, {share} samples each"
             how += "" if replaced else f" to the end (--min-processes {self.min_processes}: no replacement)"
-            self.next_generation(survivors, share, how, lost_at, held)
+            self.next_generation(survivors, share, how, held, lost_at=lost_at)
             for slot in lost if replaced else []:  # called in once its imports are done: hand_back
                 self.joining[slot] = (self.start(slot, resume=True, joins=True), self.starts)
             return True
         # the first group's size again, each process with its first batch: replacements now (and any waiting)
         how = f"{len(lost) + len(self.joining)} replacement(s) join the {len(survivors)} survivors{at}"
         batch_size = self.facts.shares(len(self.everyone)) if self.facts else None
-        self.next_generation(list(self.everyone), batch_size, how, lost_at, held)  # (held: given to them)
+        self.next_generation(list(self.everyone), batch_size, how, held, lost_at=lost_at)  # (held: given to them)
         for slot in lost:
             self.running[slot] = self.start(slot, resume=True, lost_at=lost_at)
         self.call_the_replacements_in()
         return True
 
     def hand_back(self) -> bool:
-        """The replacements are ready: the survivors stop at the step they reached together (each keeps its copy,
-        which the replacements are given, or all save it) and all of them form the next generation, each process
-        with the first group's per-process batch (the replacements': their own command's). A survivor lost
-        meanwhile is a loss like another."""
+        """The replacements are ready: the survivors stop together at a step (each keeps its copy, which the
+        replacements are given, or all save it) and all of them form the next generation, each process with the
+        first group's per-process batch (the replacements': their command's). A survivor lost meanwhile is a loss."""
         self.store.set(f"{KEY}/hand_back_{self.generation}", "1")
+        called_at = time.time()  # (its first step is timed from here: the survivors' stop and copy included)
         for process in self.running.values():
             process.send_signal(HAND_BACK_SIGNAL)
         survivors = list(self.running)
@@ -525,7 +529,7 @@ class Launcher:
         members, step = list(self.everyone), next(iter(reports.values()), {}).get("step")
         how = f"{len(self.joining)} replacement(s) take their share back"
         held = held_by_every_survivor(reports, step)  # (each survivor kept its copy: the replacements are given it)
-        self.next_generation(members, self.facts.shares(len(members)), how, held=held)
+        self.next_generation(members, self.facts.shares(len(members)), how, held, called_at=called_at)
         self.call_the_replacements_in()
         return True
 

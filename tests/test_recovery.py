@@ -317,6 +317,7 @@ def test_survivors_go_on_with_a_killed_rank_s_share_until_its_replacement_takes_
     assert "generation 1: 2 survivors go on at step" in log and "6 samples each" in log, log[-3000:]
     assert "generation 2: 1 replacement(s) take their share back" in log, log[-3000:]
     assert "generation 1's first step done" in log and "s after the loss" in log, log[-3000:]
+    assert "generation 2's first step done" in log and "s after the call for its replacements" in log, log[-3000:]
     # each survivor's copy of the step, not read back: after the loss, and at the hand-back, where the replacement
     # is given a survivor's (no file of that step read: it is written in the background)
     assert log.count("states from its memory") == 4, log[-3000:]

@@ -1240,8 +1240,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "survivors_keep_their_old_per_process_batch": (
         "ddp_accel/recovery.py",
-        "            self.next_generation(survivors, share, how, lost_at, held)",
-        "            self.next_generation(survivors, None, how, lost_at, held)",
+        "            self.next_generation(survivors, share, how, held, lost_at=lost_at)",
+        "            self.next_generation(survivors, None, how, held, lost_at=lost_at)",
     ),
 }
 
