@@ -13,6 +13,8 @@ made atomically, also on a shared file system), and renames it into place once w
 Under `ddp-accel launch --recover in-process` the survivors go on in their processes: each copies the step into
 memory first (async_save.StagedWrites) and keeps it (checkpoint_format.hold), and the first writes its copy in a
 thread of its own while the next group starts (checkpoint.wait_for_rescues: who needs the files waits for them).
+At a hand-back (the launcher calls the replacements in) every process keeps its copy the same way, instead of a
+stop's save (`keep_for_the_replacements`): the replacements are given one (ddp_accel.peer_copy).
 
 Where no rank holds another's state, the restart goes on from the last checkpoint, said in one line: FSDP (each
 rank holds its shard only), a component whose state is each rank's own (PowerSGD's error feedback), a failure
