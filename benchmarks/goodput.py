@@ -73,7 +73,11 @@ JOBS: dict[str, tuple[int, dict[str, str], list[str]]] = {
     "vgg16-exact-3": (3, {}, VGG16_EXACT),
 }
 # the step saved for the restart: a survivor's (a rank killed) or every process's (the whole job preempted)
-SAVED = re.compile(r"(?:saved|writes) the step it reached[^:]*: .*step_(\d+)|preempted by \S+ at step (\d+)")
+# the step a survivor saved (or found saved already: a periodic checkpoint of that very step), or a stop's
+SAVED = re.compile(
+    r"(?:saved|writes) the step it reached[^:]*: .*step_(\d+)|preempted by \S+ at step (\d+)"
+    r"|the step it reached \((\d+)\) is saved already"
+)
 DETECTED = re.compile(
     r"(?:saved|writes) the step it reached|lost contact|resumes from the last checkpoint|preempted by"
 )
@@ -222,7 +226,7 @@ def read_events(failures: list[Failure], log: Log) -> None:
             if DETECTED.search(line):
                 failure.events.setdefault("detected", after)
             if (match := SAVED.search(line)) is not None:
-                failure.rescued_step = int(match.group(1) or match.group(2))
+                failure.rescued_step = int(next(step for step in match.groups() if step))
             if REQUEUED_RUN.search(line):
                 failure.events.setdefault("requeued", after)
             if line.startswith("== "):
