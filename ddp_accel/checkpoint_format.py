@@ -377,7 +377,7 @@ def load_checkpoint(
         return load_files(accelerator, path, identity, state, contents, read)
     assert contents is not None, "a held checkpoint loads into a run's contents"
     try:  # its small files from its own folder: `path` may still be being written
-        return load_files(accelerator, held.small, identity, state, contents, None, held.files)
+        return load_files(accelerator, held.small, identity, state, contents, None, held)
     finally:
         held.let_go()
 
@@ -389,13 +389,13 @@ def load_files(
     state: TrainState | None,
     contents: Contents | None,
     read: Reader | None,
-    bulk: dict[str, Any] | None = None,
+    held: HeldCheckpoint | None = None,
 ) -> list[str]:
-    """`load_checkpoint` of the files at `path`, the models' and optimizers' states from `bulk` where given."""
+    """`load_checkpoint` of the files at `path`, the models' and optimizers' states from `held` where given."""
     saved, warning = check_checkpoint(accelerator, path, identity, read)
     try:
-        if bulk is not None and contents is not None:
-            load_held(accelerator, path, contents.objects, bulk)
+        if held is not None and contents is not None:
+            load_held(accelerator, path, contents.objects, held)
         else:
             load_accelerate_state(accelerator, path)
         if contents is not None and sharded_optimizer_left_unloaded(accelerator):
@@ -431,13 +431,15 @@ class HeldCheckpoint:
     group under `--recover in-process`): the models' and optimizers' states in memory by file name (the bulk,
     which the next load takes from here instead of reading it back), and the rest, small, in a folder of this
     process's own (`small`: complete with training_state.json), so that a load needs nothing of `folder`, which
-    another survivor may still be writing. `given_by`: the process that gave it to this one (None: its own)."""
+    another survivor may still be writing. `given_by`: the process that gave it to this one (None: its own);
+    `written_meanwhile`: this process writes the same objects in the background (ddp_accel.rescue)."""
 
     folder: Path
     step: int
     files: dict[str, Any]
     small: Path
     given_by: int | None = None
+    written_meanwhile: bool = False
 
     def let_go(self) -> None:
         shutil.rmtree(self.small, ignore_errors=True)
@@ -522,17 +524,20 @@ def take_held(folder: Path) -> HeldCheckpoint | None:
     return held
 
 
-def load_held(accelerator: Accelerator, path: Path, objects: AcceleratorObjects, files: dict[str, Any]) -> None:
-    """Accelerate's load of the checkpoint at `path`, but the models' and optimizers' states from `files` (held in
+def load_held(accelerator: Accelerator, path: Path, objects: AcceleratorObjects, held: HeldCheckpoint) -> None:
+    """Accelerate's load of the checkpoint at `path`, but the models' and optimizers' states from `held` (in
     memory): the rest (schedulers, loaders' samplers, the gradient scaler, this rank's random streams) by
     Accelerate's own `load_accelerator_state`, as its `load_state` reads them."""
     from accelerate.checkpointing import load_accelerator_state
 
     names = iter(bulk_files(objects))  # (the models' first, then the optimizers')
     for model in objects.models:
-        model.load_state_dict(files[next(names)])
+        model.load_state_dict(held.files[next(names)])
     for optimizer in objects.optimizers:
-        optimizer.load_state_dict(files[next(names)])
+        # an optimizer trains on the very tensors it loads (torch does not copy them): copies, where those are
+        # still being written in the background
+        state = held.files[next(names)]
+        optimizer.load_state_dict(peer_copy.cloned(state) if held.written_meanwhile else state)
     scaler, index = accelerator.scaler, accelerator.process_index
     override = load_accelerator_state(str(path), [], [], objects.schedulers, objects.dataloaders, index, scaler)
     if "step" in override:

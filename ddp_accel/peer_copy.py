@@ -31,7 +31,7 @@ def take_apart(obj: Any, tensors: list[torch.Tensor], seen: dict[int, int]) -> A
     if isinstance(obj, torch.Tensor):
         if id(obj) not in seen:
             seen[id(obj)] = len(tensors)
-            tensors.append(obj.detach().contiguous())
+            tensors.append(obj.detach().resolve_conj().resolve_neg().contiguous())
         return Slot(seen[id(obj)])
     if isinstance(obj, dict):
         apart = copy.copy(obj)  # (its own type and attributes kept: a state dict's _metadata)
@@ -39,8 +39,7 @@ def take_apart(obj: Any, tensors: list[torch.Tensor], seen: dict[int, int]) -> A
             apart[key] = take_apart(value, tensors, seen)
         return apart
     if isinstance(obj, list | tuple):
-        parts = [take_apart(value, tensors, seen) for value in obj]
-        return parts if isinstance(obj, list) else type(obj)(parts) if type(obj) is tuple else type(obj)(*parts)
+        return rebuilt(obj, [take_apart(value, tensors, seen) for value in obj])
     return obj
 
 
@@ -54,9 +53,22 @@ def put_together(obj: Any, tensors: list[torch.Tensor]) -> Any:
             whole[key] = put_together(value, tensors)
         return whole
     if isinstance(obj, list | tuple):
-        parts = [put_together(value, tensors) for value in obj]
-        return parts if isinstance(obj, list) else type(obj)(parts) if type(obj) is tuple else type(obj)(*parts)
+        return rebuilt(obj, [put_together(value, tensors) for value in obj])
     return obj
+
+
+def rebuilt(obj: list[Any] | tuple[Any, ...], parts: list[Any]) -> Any:
+    """A list or tuple like `obj` of `parts` (a named tuple's fields as its arguments)."""
+    if isinstance(obj, list):
+        return parts
+    return type(obj)(*parts) if hasattr(type(obj), "_fields") else type(obj)(parts)
+
+
+def cloned(obj: Any) -> Any:
+    """`obj` with each tensor copied (a tensor held twice: one copy)."""
+    tensors: list[torch.Tensor] = []
+    structure = take_apart(obj, tensors, {})
+    return put_together(structure, [tensor.clone() for tensor in tensors])
 
 
 def share(held: Any) -> Any:
@@ -71,7 +83,7 @@ def share(held: Any) -> Any:
         return held
     giver = holds.index(True)
     ranks = [giver, *(rank for rank, has in enumerate(holds) if not has)]
-    group = dist.new_group(ranks)  # (every process of the group makes it)
+    group = dist.new_group(ranks, backend="gloo")  # (every process of the group makes it; the copies are on the CPU)
     if not isinstance(group, dist.ProcessGroup):  # (a process outside it)
         return held
     tensors: list[torch.Tensor] = []

@@ -204,6 +204,8 @@ def say_the_first_step() -> None:
 def take_place(generation: int, plan: dict[str, Any]) -> None:
     members: list[str] = plan["members"]
     rank = members.index(os.environ[SLOT])
+    for earlier in (LOST_AT, CALLED_AT):  # (an earlier generation's, whose first step never came)
+        os.environ.pop(earlier, None)
     if plan.get("lost_at"):
         os.environ[LOST_AT] = str(plan["lost_at"])
     if plan.get("called_at"):

@@ -45,6 +45,7 @@ from ddp_accel.checkpoint import RESCUE_WRITER, complete, step_folder, training_
 from ddp_accel.checkpoint_format import (
     TRAINING_STATE,
     Contents,
+    HeldCheckpoint,
     Replica,
     WriteNow,
     held_step,
@@ -160,10 +161,10 @@ def save_what_survived(
         return f"process {rank}: the restart resumes from the last checkpoint ({replica})"
     final, training_state = step_folder(root, state.step), json.dumps(training_state_json(state, identity), indent=2)
     rescue = root / f".rescue_step_{state.step}"  # (made by the first survivor, below)
-    staged = None
+    staged, held = None, None
     if under_in_process_recovery():  # the process goes on: it keeps its copy of the step
         try:
-            staged = keep_a_copy(accelerator, rescue, final, contents, replica, training_state)
+            staged, held = keep_a_copy(accelerator, rescue, final, contents, replica, training_state)
         except Exception as failed:
             return f"process {rank}: the step it reached was not saved ({failed})"
     if (final / TRAINING_STATE).is_file():
@@ -175,7 +176,7 @@ def save_what_survived(
     except OSError as failed:
         return f"process {rank}: the step it reached was not saved ({failed})"
     if staged is not None:
-        write_in_background(staged.write_all, rescue, final, training_state, rank)
+        write_in_background(staged.write_all, rescue, final, training_state, rank, held)
         return f"process {rank} writes the step it reached in the background (its group goes on from memory): {final}"
     try:
         write = functools.partial(write_checkpoint, accelerator, rescue, contents, WriteNow(), replica=replica)
@@ -187,14 +188,15 @@ def save_what_survived(
 
 def keep_a_copy(
     accelerator: Any, rescue: Path, final: Path, contents: Contents, replica: Replica, training_state: str
-) -> StagedWrites:
+) -> tuple[StagedWrites, HeldCheckpoint | None]:
     """The step's files for every rank (`replica`) copied into memory, staged for `rescue`, and held for the next
     group (checkpoint_format.hold, unless its small files cannot be written: then the next group reads `final`)."""
     staged = StagedWrites()
     write_checkpoint(accelerator, rescue, contents, staged, replica=replica, create=False)
-    with contextlib.suppress(OSError):
-        hold(final, staged, rescue, contents.objects, training_state)
-    return staged
+    try:
+        return staged, hold(final, staged, rescue, contents.objects, training_state)
+    except OSError:
+        return staged, None
 
 
 def claim(rescue: Path) -> None:
@@ -213,10 +215,10 @@ def keep_for_the_replacements(
     replica = replica_of(accelerator, state, contents, agreement)
     final, rescue = step_folder(root, state.step), root / f".rescue_step_{state.step}"
     training_state = json.dumps(training_state_json(state, identity), indent=2)
-    staged = None
+    staged, held = None, None
     if isinstance(replica, Replica) and not ranks_own_buffers(contents):
         with contextlib.suppress(Exception):  # (the step is then saved at once, which says a failure)
-            staged = keep_a_copy(accelerator, rescue, final, contents, replica, training_state)
+            staged, held = keep_a_copy(accelerator, rescue, final, contents, replica, training_state)
     kept = staged is not None and held_step() == state.step
     if accelerator.reduce(torch.tensor(float(not kept), device=accelerator.device), "sum").item():
         let_go_held()
@@ -225,7 +227,7 @@ def keep_for_the_replacements(
     if accelerator.is_main_process and not (final / TRAINING_STATE).is_file():
         with contextlib.suppress(OSError):  # (a rescue of this step in flight writes it)
             claim(rescue)
-            write_in_background(staged.write_all, rescue, final, training_state, accelerator.process_index)
+            write_in_background(staged.write_all, rescue, final, training_state, 0, held)
             say(f"process 0 writes step {state.step} in the background (its replacements are given it by a peer)")
     return True
 
@@ -244,9 +246,13 @@ def write_rescue(write: Callable[[], None], rescue: Path, final: Path, training_
 WRITES: list[threading.Thread] = []  # the rescues this process writes in the background
 
 
-def write_in_background(write: Callable[[], None], rescue: Path, final: Path, training_state: str, rank: int) -> None:
-    """`write_rescue` in a thread of its own while the process goes on from its copy in memory; whoever needs the
-    files waits for them (checkpoint.wait_for_rescues)."""
+def write_in_background(
+    write: Callable[[], None], rescue: Path, final: Path, training_state: str, rank: int, held: HeldCheckpoint | None
+) -> None:
+    """`write_rescue` in a thread of its own while the process goes on from its copy in memory (`held`: its next
+    load copies what it would train on); whoever needs the files waits for them (checkpoint.wait_for_rescues)."""
+    if held is not None:
+        held.written_meanwhile = True
 
     def in_background() -> None:
         # the lowest priority: the training takes the cores first (Linux: a thread's own)

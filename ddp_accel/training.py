@@ -529,13 +529,26 @@ def stop_here(run: Trainer, verdict: Verdict) -> NoReturn:
     """A preemption: every process checkpoints the step reached and raises Preempted. A stop the in-process
     launcher asked for between steps (its replacements join at this step): every process keeps a copy of the step,
     which the replacements are given, and raises Regroup (where one could not: saved as a preemption's)."""
-    root, contents = run.checkpoints.root, run.checkpoints.contents
-    between_steps = run.signals.phase is Phase.TRAIN  # (an evaluation's stop: saved as it stands)
-    if between_steps and recovery.hand_back_asked():
-        state, identity = run.state, run.identity
+    if hand_back_agreed(run):
+        root, contents, state, identity = run.checkpoints.root, run.checkpoints.contents, run.state, run.identity
         if rescue.keep_for_the_replacements(run.accelerator, root, state, identity, contents, run.agreement):
+            deadline = time.monotonic() + 1.0  # the signal may still be on its way here: not into the next main
+            while run.signals.received is None and time.monotonic() < deadline:
+                time.sleep(0.01)
             raise recovery.Regroup(regroup_facts(run))
     run_end.stop_here(run.accelerator, verdict, run.signals, run.checkpoints, run.state, run.identity, run.folder)
+
+
+def hand_back_agreed(run: Trainer) -> bool:
+    """Whether every process stops between steps for the in-process launcher's hand-back (each reads the launcher's
+    word alone: they agree, so that all of them take the same path)."""
+    if not recovery.under_in_process_recovery():
+        return False
+    asked = run.signals.phase is Phase.TRAIN and recovery.hand_back_asked()  # (an evaluation's stop: as it stands)
+    accelerator = run.accelerator
+    return accelerator.reduce(torch.tensor(float(asked), device=accelerator.device), "sum").item() == (
+        accelerator.num_processes
+    )
 
 
 def regroup_facts(run: Trainer) -> recovery.Facts:

@@ -3,6 +3,7 @@ byte for byte, written at once, staged for the background writer, or by a surviv
 registered once is written by every save and read by the loader."""
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -159,6 +160,37 @@ def test_a_step_held_by_its_process_loads_from_its_copy_once_whatever_its_folder
     write_checkpoint(accelerator, other, contents, staged, create=False)
     held = hold(other, staged, other, objects, (folder / "training_state.json").read_text())
     assert take_held(folder) is None and not held.small.exists()  # another step's: let go
+
+
+def test_a_held_step_this_process_also_writes_in_the_background_loads_copies_of_the_optimizer_s_state(
+    tmp_path, trained
+):
+    # an optimizer trains on the very tensors it loads (torch copies none of them on the same device): where the
+    # held objects are also being written in the background (the writing survivor), the next group's steps must
+    # not reach the files being written
+    accelerator, objects = trained
+    contents, model, optimizer = Contents(objects), *objects.models, *objects.optimizers
+    folder = save_checkpoint(accelerator, tmp_path, TrainState(step=1), RunIdentity(), contents=contents)
+    staged = StagedWrites()
+    write_checkpoint(accelerator, folder, contents, staged, create=False)
+    from ddp_accel.checkpoint import RESCUE_WRITER
+    from ddp_accel.rescue import finish_writes, write_in_background
+
+    held = hold(folder, staged, folder, objects, (folder / "training_state.json").read_text())
+    rescue, written = tmp_path / ".rescue_step_1", threading.Event()
+    rescue.mkdir()
+    (rescue / RESCUE_WRITER).write_text(str(os.getpid()))
+    (tmp_path / "elsewhere").mkdir()
+    write_in_background(written.wait, rescue, tmp_path / "elsewhere" / "step_1", "{}", 0, held)  # (in flight)
+    being_written = held.files["optimizer.bin"]["state"][0]
+    as_held = {name: value.clone() for name, value in being_written.items()}
+    load_checkpoint(accelerator, folder, RunIdentity(), contents=contents, held=take_held(folder))
+    accelerator.backward(model(torch.arange(7)).logsumexp(-1).mean())
+    optimizer.step()  # (AdamW: its moments and step count updated in place)
+    written.set()
+    finish_writes()
+    assert not torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], as_held["exp_avg"])
+    assert all(torch.equal(being_written[name], value) for name, value in as_held.items()), sorted(as_held)
 
 
 def test_a_process_given_a_peer_s_copy_of_the_step_loads_it_as_its_own_and_reads_nothing_of_its_folder(

@@ -1179,6 +1179,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "        if id(obj) not in seen:",
         "        if True:",
     ),
+    "an_optimizer_trains_on_the_copy_being_written": (
+        "ddp_accel/checkpoint_format.py",
+        "        optimizer.load_state_dict(peer_copy.cloned(state) if held.written_meanwhile else state)",
+        "        optimizer.load_state_dict(state)",
+    ),
+    "a_background_write_s_copy_not_marked": (
+        "ddp_accel/rescue.py",
+        "        held.written_meanwhile = True",
+        "        pass",
+    ),
     "a_lost_peer_s_wait_left_to_gloo": (
         "ddp_accel/exact_reduction.py",
         "            if given_up():",
