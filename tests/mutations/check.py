@@ -1166,7 +1166,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "a_hand_back_saves_the_step_at_once": (
         "ddp_accel/training.py",
-        "    if between_steps and recovery.hand_back_asked():",
+        "    if hand_back_agreed(run):",
         "    if False:",
     ),
     "a_giver_s_bytes_waited_on_without_the_launcher_s_word": (
