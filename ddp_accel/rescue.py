@@ -48,7 +48,6 @@ from ddp_accel.checkpoint_format import (
     HeldCheckpoint,
     Replica,
     WriteNow,
-    held_step,
     hold,
     let_go_held,
     write_checkpoint,
@@ -219,7 +218,7 @@ def keep_for_the_replacements(
     if isinstance(replica, Replica) and not ranks_own_buffers(contents):
         with contextlib.suppress(Exception):  # (the step is then saved at once, which says a failure)
             staged, held = keep_a_copy(accelerator, rescue, final, contents, replica, training_state)
-    kept = staged is not None and held_step() == state.step
+    kept = held is not None  # (its small files written too: a copy it can load)
     if accelerator.reduce(torch.tensor(float(not kept), device=accelerator.device), "sum").item():
         let_go_held()
         return False

@@ -16,6 +16,7 @@ from ddp_accel.checkpoint_format import (
     HELD,
     AcceleratorObjects,
     Contents,
+    HeldCheckpoint,
     Replica,
     WriteNow,
     held_step,
@@ -121,6 +122,14 @@ def test_a_component_registered_once_is_written_by_every_save_and_read_by_the_lo
     assert loaded.components[0].value == 41 and "counter at 41" in notes
 
 
+def saved_and_held(accelerator, root: Path, contents: Contents) -> tuple[Path, HeldCheckpoint]:
+    """Step 1 saved under `root`, and held as a survivor holds the step it reached (its copy staged, then held)."""
+    folder = save_checkpoint(accelerator, root, TrainState(step=1), RunIdentity(), contents=contents)
+    staged = StagedWrites()
+    write_checkpoint(accelerator, folder, contents, staged, create=False)
+    return folder, hold(folder, staged, folder, contents.objects, (folder / "training_state.json").read_text())
+
+
 def test_a_step_held_by_its_process_loads_from_its_copy_once_whatever_its_folder_holds(tmp_path, trained):
     # a survivor under --recover in-process keeps its copy of the step it saved (the bulk in memory, the small
     # files in a folder of its own): its next group's load reads nothing of the step's folder, which another
@@ -139,10 +148,7 @@ def test_a_step_held_by_its_process_loads_from_its_copy_once_whatever_its_folder
         schedule = torch.tensor(scheduler.state_dict()["last_epoch"])
         return [value.clone() for value in model.state_dict().values()] + optimizer_state + [schedule]
 
-    folder = save_checkpoint(accelerator, tmp_path, TrainState(step=1), RunIdentity(), contents=contents)
-    staged = StagedWrites()
-    write_checkpoint(accelerator, folder, contents, staged, create=False)
-    held = hold(folder, staged, folder, objects, (folder / "training_state.json").read_text())
+    folder, held = saved_and_held(accelerator, tmp_path, contents)
     assert sorted(held.files) == ["model.safetensors", "optimizer.bin"] and held.small.is_dir()
     in_memory = states()
     one_step()  # the folder's files now hold a later state than the one held
@@ -170,13 +176,10 @@ def test_a_held_step_this_process_also_writes_in_the_background_loads_copies_of_
     # not reach the files being written
     accelerator, objects = trained
     contents, model, optimizer = Contents(objects), *objects.models, *objects.optimizers
-    folder = save_checkpoint(accelerator, tmp_path, TrainState(step=1), RunIdentity(), contents=contents)
-    staged = StagedWrites()
-    write_checkpoint(accelerator, folder, contents, staged, create=False)
     from ddp_accel.checkpoint import RESCUE_WRITER
     from ddp_accel.rescue import finish_writes, write_in_background
 
-    held = hold(folder, staged, folder, objects, (folder / "training_state.json").read_text())
+    folder, held = saved_and_held(accelerator, tmp_path, contents)
     rescue, written = tmp_path / ".rescue_step_1", threading.Event()
     rescue.mkdir()
     (rescue / RESCUE_WRITER).write_text(str(os.getpid()))
@@ -203,10 +206,7 @@ def test_a_process_given_a_peer_s_copy_of_the_step_loads_it_as_its_own_and_reads
 
     accelerator, objects = trained
     contents, model, optimizer = Contents(objects), *objects.models, *objects.optimizers
-    folder = save_checkpoint(accelerator, tmp_path, TrainState(step=1), RunIdentity(), contents=contents)
-    staged = StagedWrites()
-    write_checkpoint(accelerator, folder, contents, staged, create=False)
-    survivor_s = hold(folder, staged, folder, objects, (folder / "training_state.json").read_text())
+    folder, survivor_s = saved_and_held(accelerator, tmp_path, contents)
     given = (2, survivor_s.files, checkpoint_format.contents_of(survivor_s.small))
     let_go_held()  # (this process, the replacement, holds nothing)
     weights = [value.clone() for value in model.state_dict().values()]

@@ -636,30 +636,8 @@ def test_the_ordered_sum_s_wait_on_a_peer_ends_at_the_launcher_s_word_that_a_pee
 def test_survivors_of_a_rank_killed_in_the_middle_of_a_message_end_their_wait_at_the_launcher_s_word():
     # gloo's own wait: rank 2's receive of the total rank 1 was sending, and rank 0's broadcast, until the group's
     # timeout (20 s); the ordered sum's under in-process recovery: at once once the launcher saw rank 1 die
-    import torch.distributed as dist
-
-    from ddp_accel.recovery import KEY
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), GENERATION: "0"}
-    ranks = [
-        subprocess.Popen(
-            [str(BIN / "python"), str(ROOT / "tests" / "chain_rank.py"), str(rank)],
-            env=env,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for rank in range(3)
-    ]
-    try:
-        assert ranks[1].wait(timeout=120) == -signal.SIGKILL, ranks[1].stdout.read()
-        store.set(f"{KEY}/abandoned_0", "1")  # what the launcher does once it reaped a process
-        said = [ranks[rank].communicate(timeout=60)[0] for rank in (0, 2)]
-    finally:
-        for process in ranks:
-            process.kill()
-    for rank, text in zip((0, 2), said, strict=True):
+    said = said_after_the_launcher_s_word(*ranks_of("chain_rank.py", "chain"), killed=1)
+    for rank, text in said.items():
         assert f"rank {rank}: DistNetworkError after" in text and "a peer was lost" in text, text[-2000:]
 
 
@@ -672,6 +650,20 @@ def ranks_of(script: str, mode: str) -> tuple[Any, list[subprocess.Popen]]:
     command = [str(BIN / "python"), str(ROOT / "tests" / script)]
     output = {"text": True, "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
     return store, [subprocess.Popen([*command, str(rank), mode], env=env, **output) for rank in range(3)]
+
+
+def said_after_the_launcher_s_word(store: Any, ranks: list[subprocess.Popen], killed: int) -> dict[int, str]:
+    """Once rank `killed` died (its SIGKILL, in its script), the launcher's word that a peer was lost; then what
+    each other rank said."""
+    from ddp_accel.recovery import KEY
+
+    try:
+        assert ranks[killed].wait(timeout=120) == -signal.SIGKILL, ranks[killed].stdout.read()
+        store.set(f"{KEY}/abandoned_0", "1")  # what the launcher does once it reaped a process
+        return {rank: process.communicate(timeout=60)[0] for rank, process in enumerate(ranks) if rank != killed}
+    finally:
+        for process in ranks:
+            process.kill()
 
 
 @pytest.mark.multiprocess
@@ -696,17 +688,8 @@ def test_a_process_without_the_step_is_given_the_first_holder_s_copy_bitwise_wha
 
 @pytest.mark.multiprocess
 def test_receivers_of_a_giver_killed_in_the_middle_of_its_copy_end_their_wait_at_the_launcher_s_word():
-    from ddp_accel.recovery import KEY
-
-    store, ranks = ranks_of("peer_copy_rank.py", "giver_lost")
-    try:
-        assert ranks[0].wait(timeout=120) == -signal.SIGKILL, ranks[0].stdout.read()
-        store.set(f"{KEY}/abandoned_0", "1")  # what the launcher does once it reaped a process
-        said = [ranks[rank].communicate(timeout=60)[0] for rank in (1, 2)]
-    finally:
-        for process in ranks:
-            process.kill()
-    for rank, text in zip((1, 2), said, strict=True):
+    said = said_after_the_launcher_s_word(*ranks_of("peer_copy_rank.py", "giver_lost"), killed=0)
+    for rank, text in said.items():
         assert f"rank {rank}: DistNetworkError after" in text and "a peer was lost" in text, text[-2000:]
 
 
