@@ -1,8 +1,15 @@
 """The same task through ddp_accel.fit (Accelerate): compare with overhead_plain.py.
 
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml benchmarks/overhead_accel.py
-Prints one JSON line: {"loop": "ddp_accel", "samples_per_s": ...}.
+Prints one JSON line: {"loop": "ddp_accel", "samples_per_s": ...}. It begins as scripts/template.py does (the
+signals and the garbage collector during the imports), as a script of ours would.
 """
+
+# as scripts/template.py: the preemption signals handled and the cyclic collector paused during the imports below
+if __name__ == "__main__":
+    from ddp_accel.startup import stop_during_imports
+
+    stop_during_imports(default_output_dir="outputs/bench_overhead")
 
 import json
 import time
