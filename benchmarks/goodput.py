@@ -168,8 +168,9 @@ def run_job(
     `torchrun --max_restarts` (recovery "restart"), or `ddp-accel launch --recover in-process`."""
     processes, env_extra, command = JOBS[job]
     command = [*command, *extra]
-    if recovery == "in-process":
+    if recovery.startswith("in-process"):
         argv = [str(BIN / "ddp-accel"), "launch", "--recover", "in-process", "--num_processes", str(processes)]
+        argv += ["--spares", "1"] if recovery == "in-process-spare" else []
     else:
         argv = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(processes), "--max_restarts", "100"]
         argv += ["--monitor_interval", "0.1"]
@@ -189,7 +190,7 @@ def run_job(
             if committed(output_dir):  # a kill while the processes exit after the commit is no failure
                 next_kill = float("inf")
             if time.time() >= next_kill:
-                ranks = workers(agent, command[0])
+                ranks = [pid for pid in workers(agent, command[0]) if pid not in spares(log)]
                 if len(ranks) == processes and not regrouping(log):  # not while the group forms again
                     done = checkpoints(output_dir)
                     os.kill(rng.choice(ranks), signal.SIGKILL)
@@ -206,6 +207,17 @@ def run_job(
         raise SystemExit(f"{job}: exit {agent.returncode}; see {log_path}")
     read_events(failures, log)
     return finished(output_dir, started, wall_s, failures)
+
+
+SPARE_READY = re.compile(r"a spare is ready \(pid (\d+)\)")
+SPARE_TAKEN = re.compile(r"a spare \(pid (\d+), its imports done\) takes the place")
+
+
+def spares(log: Log) -> set[int]:
+    """Under --spares: the processes waiting as spares, not ranks (one not yet said ready counts as a process too:
+    no kill until it is)."""
+    text = "\n".join(line for _, line in log.lines)
+    return {int(pid) for pid in SPARE_READY.findall(text)} - {int(pid) for pid in SPARE_TAKEN.findall(text)}
 
 
 def regrouping(log: Log) -> bool:
@@ -457,10 +469,10 @@ def main() -> None:
     parser.add_argument(
         "--recovery",
         nargs="+",
-        choices=["restart", "in-process"],
+        choices=["restart", "in-process", "in-process-spare"],
         default=["restart"],
         help="rank-kill's recovery, each its own rows: torchrun's restart, or ddp-accel launch --recover in-process "
-        "(the survivors keep their processes)",
+        "(the survivors keep their processes; in-process-spare: with --spares 1, a replacement imported ahead)",
     )
     parser.add_argument("--results", type=Path, default=HERE / "results" / "goodput.md")
     args = parser.parse_args()

@@ -265,23 +265,36 @@ def main(argv: list[str]) -> int:
         "once its peers' collective timed out on it (a deadlock: --timeout-s), is ended and recovered from as lost "
         "(default 30)",
     )
+    parser.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="--recover in-process: this many processes besides the group's import and wait; a lost process is "
+        "replaced by one of them at once, and another starts in its place (default 0: a replacement starts after "
+        "the loss)",
+    )
     args, accelerate_args = parser.parse_known_args(argv)
     if not accelerate_args:
         parser.error("give accelerate launch's arguments and the training script")
-    if args.recover != "in-process" and (args.min_processes is not None or args.stopped_timeout_s is not None):
-        parser.error("--min-processes and --stopped-timeout-s shape --recover in-process: give it")
+    if args.recover != "in-process" and (args.min_processes, args.stopped_timeout_s, args.spares) != (None, None, 0):
+        parser.error("--min-processes, --stopped-timeout-s and --spares shape --recover in-process: give it")
+    if args.spares < 0:
+        parser.error("--spares: give 0 or more")
     if args.stopped_timeout_s is not None and args.stopped_timeout_s >= recovery.REPORT_TIMEOUT_S / 2:
         parser.error(
             f"--stopped-timeout-s: give less than {recovery.REPORT_TIMEOUT_S / 2:g} s (the survivors wait "
             f"{recovery.REPORT_TIMEOUT_S:g} s for their next group)"
         )
     if args.recover == "in-process":
-        return launch_recovering_in_process(accelerate_args, args.min_processes, args.stopped_timeout_s)
+        return launch_recovering_in_process(accelerate_args, args.min_processes, args.stopped_timeout_s, args.spares)
     return launch(accelerate_args, args.join_timeout_s, args.wait_report_s)
 
 
 def launch_recovering_in_process(
-    accelerate_args: list[str], min_processes: int | None = None, stopped_timeout_s: float | None = None
+    accelerate_args: list[str],
+    min_processes: int | None = None,
+    stopped_timeout_s: float | None = None,
+    spares: int = 0,
 ) -> int:
     """The processes started here, around a store of this launcher's (ddp_accel.recovery)."""
     from ddp_accel.accelerate_config import process_variables
@@ -313,7 +326,7 @@ def launch_recovering_in_process(
     if setup["use_cpu"]:
         env["ACCELERATE_USE_CPU"] = "true"  # (what accelerate launch passes its processes)
     script_command = [setup["script"], *setup["script_args"]]
-    return recovery.launch(script_command, processes, env, min_processes, stopped_timeout_s)
+    return recovery.launch(script_command, processes, env, min_processes, stopped_timeout_s, spares)
 
 
 def launch(accelerate_args: list[str], join_timeout_s: float = 600.0, wait_report_s: float = 10.0) -> int:

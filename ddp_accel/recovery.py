@@ -29,6 +29,9 @@ they meet at (a TCPStore in the launcher: losing rank 0 loses no store). When a 
    process stops at the same step (ddp_accel.stopping) and keeps its copy of it, process 0 writing it in the
    background (ddp_accel.rescue; else every process saves it at once, as a preemption's); then all of them, the
    replacement with them, form the next generation with the first one's per-process batch and resume there.
+6. With `--spares N` the launcher starts N processes besides the group's, which import and wait to be called. A
+   replacement is then a spare whose imports are done, called in at once (the lost process's slot, and its GPU)
+   instead of a process started after the loss; another spare starts in its place.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +57,8 @@ LOST_AT = "DDP_ACCEL_RECOVERY_LOST_AT"  # when the launcher saw the loss this ge
 CALLED_AT = "DDP_ACCEL_RECOVERY_CALLED_AT"  # when the launcher called this generation's replacements in (hand_back)
 JOINS = "DDP_ACCEL_RECOVERY_JOINS"  # a replacement: it waits to be called into a generation (the value: its start)
 HELD_STEP = "DDP_ACCEL_RECOVERY_HELD_STEP"  # the step the group's survivors hold in memory: no file of it read
+SPARE = "spare"  # a spare's slot until it is called into a lost process's
+SPARE_WAIT_S = 7 * 24 * 3600.0  # a spare waits as long as the run may last (it ends when the launcher's store does)
 HAND_BACK_SIGNAL = signal.SIGUSR1  # the survivors stop together at a step for their replacements (a preemption's)
 KEY = "ddp_accel/recovery"
 REPORT_TIMEOUT_S = 300.0  # a survivor that neither reports nor ends by then is ended: the group goes on without it
@@ -172,14 +178,24 @@ def hand_back_asked() -> bool:
 
 
 def wait_to_be_called(timeout_s: float) -> None:
-    """A replacement, its imports done: say so, and wait until the launcher calls it into a generation (its
-    place in it: the launch variables)."""
+    """A replacement, or a spare, its imports done: say so, and wait until the launcher calls it into a generation
+    (its place in it: the launch variables; a spare's slot and GPU: the lost process's)."""
+    from ddp_accel.errors import UserError
+
+    timeout_s = SPARE_WAIT_S if os.environ[SLOT] == SPARE else timeout_s
     store, start = store_client(timeout_s), os.environ[JOINS]
     store.set(f"{KEY}/ready/{start}", "1")
-    generation = int(
+    call = json.loads(
         waited(store, f"{KEY}/called/{start}", timeout_s, f"this replacement was not called within {timeout_s:g} s")
     )
-    take_place(generation, json.loads(store.get(f"{KEY}/generation_{generation}")))
+    if call["device"] is not None:
+        import torch
+
+        if torch.cuda.is_initialized():  # CUDA reads the variable once, at its start
+            raise UserError("a spare's script used CUDA before Run(config): it cannot take the lost process's GPU")
+        os.environ["CUDA_VISIBLE_DEVICES"] = call["device"]
+    os.environ[SLOT] = call["slot"]
+    take_place(call["generation"], json.loads(store.get(f"{KEY}/generation_{call['generation']}")))
     del os.environ[JOINS]
 
 
@@ -295,6 +311,43 @@ def resumed_arguments(arguments: list[str], batch_size: int | None) -> list[str]
     return [*resumed, "--batch-size", str(batch_size)] if batch_size else resumed
 
 
+class Spares:
+    """`count` processes started ahead of any loss, each waiting to be called once its imports are done: a loss that
+    needs a replacement takes a ready one (`take`), and `fill` starts another in its place."""
+
+    def __init__(self, count: int, start: Callable[[], tuple[subprocess.Popen, int]], store: Any):
+        self.count, self.start, self.store = count, start, store
+        self.waiting: list[tuple[subprocess.Popen, int]] = []  # (process, its start's number: its keys)
+        self.ready: set[int] = set()  # the starts of those whose imports are done (said once)
+
+    def fill(self) -> None:
+        self.waiting = [spare for spare in self.waiting if spare[0].poll() is None]  # (one ended meanwhile)
+        while len(self.waiting) < self.count:
+            self.waiting.append(self.start())
+
+    def say_the_ready(self) -> None:
+        for process, start in self.waiting:
+            if start not in self.ready and self.store.check([f"{KEY}/ready/{start}"]):
+                self.ready.add(start)
+                print(f"ddp-accel launch: a spare is ready (pid {process.pid})", file=sys.stderr, flush=True)
+
+    def take(self, slot: str) -> tuple[subprocess.Popen, int] | None:
+        """A spare whose imports are done, for `slot`, no longer a spare (None: none is ready)."""
+        self.say_the_ready()
+        for spare in self.waiting:
+            if spare[0].poll() is None and spare[1] in self.ready:
+                self.waiting.remove(spare)
+                line = (
+                    f"ddp-accel launch: a spare (pid {spare[0].pid}, its imports done) takes the place of slot {slot}"
+                )
+                print(line, file=sys.stderr, flush=True)
+                return spare
+        return None
+
+    def processes(self) -> list[subprocess.Popen]:
+        return [process for process, _ in self.waiting]
+
+
 class Launcher:
     """Starts `processes` processes of `command` on this machine around a store of its own, and forms a new group
     after each loss (the module's docstring). Returns the command's exit status from `run`."""
@@ -306,6 +359,7 @@ class Launcher:
         report_timeout_s: float = REPORT_TIMEOUT_S,
         min_processes: int | None = None,
         stopped_timeout_s: float | None = None,
+        spares: int = 0,
     ):
         import torch.distributed as dist
 
@@ -327,11 +381,15 @@ class Launcher:
         self.lost_steps: list[int] = []
         self.received: list[int] = []
         self.error_code = 0  # a process that ended with an error of its own while the others reported (this loss)
+        self.spares = Spares(spares, lambda: (self.start(None, resume=True, joins=True), self.starts), self.store)
 
-    def start(self, slot: str, *, resume: bool = False, joins: bool = False, lost_at: float = 0) -> subprocess.Popen:
-        """A process for `slot`: its place in the current group (a replacement that joins: in the first group's)."""
+    def start(
+        self, slot: str | None, *, resume: bool = False, joins: bool = False, lost_at: float = 0
+    ) -> subprocess.Popen:
+        """A process for `slot`: its place in the current group (a replacement that joins: in the first group's; a
+        spare, None: none until its call)."""
         members = self.everyone if joins else self.members
-        rank, world = members.index(slot), len(members)
+        rank, world = (members.index(slot), len(members)) if slot is not None else (0, len(self.everyone))
         self.starts += 1
         env = {
             **os.environ,
@@ -340,9 +398,9 @@ class Launcher:
             **launch_variables(rank, world),
             # its slot's GPU alone: a survivor keeps its device whatever rank it takes later, a replacement takes the
             # lost one's (Accelerate picks LOCAL_RANK modulo the devices it sees)
-            **({"CUDA_VISIBLE_DEVICES": self.devices[int(slot)]} if self.devices else {}),
+            **({"CUDA_VISIBLE_DEVICES": self.devices[int(slot)]} if self.devices and slot is not None else {}),
             GENERATION: str(self.generation),
-            SLOT: slot,
+            SLOT: slot or SPARE,
             LAUNCHER: str(os.getpid()),
             **({JOINS: str(self.starts)} if joins else {}),
             **({LOST_AT: str(lost_at)} if lost_at else {}),
@@ -357,6 +415,7 @@ class Launcher:
         try:
             for slot in self.members:
                 self.running[slot] = self.start(slot)
+            self.spares.fill()
             return self.watch()
         finally:
             for signum, handler in previous.items():
@@ -365,12 +424,12 @@ class Launcher:
 
     def on_signal(self, signum: int, frame: Any) -> None:
         self.received.append(signum)
-        for process in [*self.running.values(), *(process for process, _ in self.joining.values())]:
+        for process in [*self.running.values(), *self.waiting()]:
             process.send_signal(signum)  # a preemption or Ctrl-C: every process saves and ends
 
     def watch(self) -> int:
         while self.running:
-            self.end_the_stopped()
+            end_the_stopped(self.running, self.members, self.stopped_since, self.stopped_timeout_s)
             ended = [slot for slot, process in self.running.items() if process.poll() is not None]
             for slot in sorted(ended, key=lambda slot: self.running[slot].returncode >= 0):  # deaths first: the
                 if slot not in self.running:  # others' errors may be theirs (taken by the death's recovery)
@@ -391,6 +450,7 @@ class Launcher:
                     self.end_all()
                     return self.error_code or 1
                 continue
+            self.spares.say_the_ready()
             ready = [slot for slot, (_, start) in self.joining.items() if self.store.check([f"{KEY}/ready/{start}"])]
             if self.joining and len(ready) == len(self.joining) and self.running and not self.received:
                 if not self.hand_back():
@@ -405,7 +465,7 @@ class Launcher:
         timeout) is ended."""
         started, reports, silent_s = time.monotonic(), {}, silent_s or self.report_timeout_s
         while not self.received:
-            self.end_the_stopped()
+            end_the_stopped(self.running, self.members, self.stopped_since, self.stopped_timeout_s)
             for slot, process in list(self.running.items()):
                 key = f"{KEY}/saved_{self.generation}/{slot}"
                 if slot not in reports and self.store.check([key]):
@@ -423,26 +483,6 @@ class Launcher:
                 return reports
             time.sleep(0.02)
         return {}  # stopped meanwhile: no new group
-
-    def end_the_stopped(self) -> None:
-        """A process stopped past the bound (SIGSTOP, a stuck driver) is alive but cut off: its peers wait for it
-        in a collective. It is ended, and its end recovered from as a loss (a debugger's stop is left alone)."""
-        now = time.monotonic()
-        for slot, process in self.running.items():
-            if process_state(process.pid) != "T":
-                self.stopped_since.pop(slot, None)
-                continue
-            stopped_s = now - self.stopped_since.setdefault(slot, now)
-            if stopped_s > self.stopped_timeout_s:
-                rank = self.members.index(slot) if slot in self.members else slot
-                print(
-                    f"ddp-accel launch: rank {rank} stopped for {stopped_s:.0f} s (SIGSTOP, a stuck driver): ended, "
-                    "and recovered from as lost",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                process.kill()
-                del self.stopped_since[slot]
 
     def next_generation(
         self, members: list[str], batch_size: int | None, how: str, held: int | None = None, **moments: float
@@ -504,15 +544,21 @@ class Launcher:
             how += "" if replaced else f" to the end (--min-processes {self.min_processes}: no replacement)"
             self.next_generation(survivors, share, how, held, lost_at=lost_at)
             for slot in lost if replaced else []:  # called in once its imports are done: hand_back
-                self.joining[slot] = (self.start(slot, resume=True, joins=True), self.starts)
+                self.joining[slot] = self.spares.take(slot) or (self.start(slot, resume=True, joins=True), self.starts)
+            self.spares.fill()
             return True
         # the first group's size again, each process with its first batch: replacements now (and any waiting)
         how = f"{len(lost) + len(self.joining)} replacement(s) join the {len(survivors)} survivors{at}"
         batch_size = self.facts.shares(len(self.everyone)) if self.facts else None
         self.next_generation(list(self.everyone), batch_size, how, held, lost_at=lost_at)  # (held: given to them)
         for slot in lost:
-            self.running[slot] = self.start(slot, resume=True, lost_at=lost_at)
+            spare = self.spares.take(slot)  # (its imports done: no process started after the loss)
+            if spare is None:
+                self.running[slot] = self.start(slot, resume=True, lost_at=lost_at)
+            else:
+                self.joining[slot] = spare
         self.call_the_replacements_in()
+        self.spares.fill()
         return True
 
     def hand_back(self) -> bool:
@@ -537,14 +583,21 @@ class Launcher:
 
     def call_the_replacements_in(self) -> None:
         for slot, (process, start) in self.joining.items():
-            self.store.set(f"{KEY}/called/{start}", str(self.generation))
+            device = self.devices[int(slot)] if self.devices else None
+            call = {"generation": self.generation, "slot": slot, "device": device}
+            self.store.set(f"{KEY}/called/{start}", json.dumps(call))
             self.running[slot] = process
         self.joining.clear()
 
+    def waiting(self) -> list[subprocess.Popen]:
+        """The processes not in a group: replacements waiting for their call, and spares."""
+        return [*(process for process, _ in self.joining.values()), *self.spares.processes()]
+
     def end_all(self) -> None:
-        end_processes(list(self.running.values()), [process for process, _ in self.joining.values()])
+        end_processes(list(self.running.values()), self.waiting())
         self.running.clear()
         self.joining.clear()
+        self.spares.waiting.clear()
 
 
 def end_processes(running: list[subprocess.Popen], waiting: list[subprocess.Popen]) -> None:
@@ -588,14 +641,41 @@ def launch(
     env: dict[str, str] | None = None,
     min_processes: int | None = None,
     stopped_timeout_s: float | None = None,
+    spares: int = 0,
 ) -> int:
     """`ddp-accel launch --recover in-process`: `script_command` (the script and its arguments) on `processes`
     processes of this machine, with `env` added to their environment (accelerate launch's settings); survivors that
     number `min_processes` (default: all) and keep the global batch finish the run without replacements; a process
-    stopped for `stopped_timeout_s` (default STOPPED_TIMEOUT_S) is ended and recovered from as lost."""
+    stopped for `stopped_timeout_s` (default STOPPED_TIMEOUT_S) is ended and recovered from as lost; `spares`
+    processes wait, imported, to replace a lost one at once."""
     os.environ.update(env or {})
     command = [sys.executable, *script_command]
-    return Launcher(command, processes, min_processes=min_processes, stopped_timeout_s=stopped_timeout_s).run()
+    options = {"min_processes": min_processes, "stopped_timeout_s": stopped_timeout_s, "spares": spares}
+    return Launcher(command, processes, **options).run()
+
+
+def end_the_stopped(
+    running: dict[str, subprocess.Popen], members: list[str], stopped_since: dict[str, float], bound_s: float
+) -> None:
+    """A process stopped past `bound_s` (SIGSTOP, a stuck driver) is alive but cut off: its peers wait for it in a
+    collective. It is ended, and its end recovered from as a loss (a debugger's stop is left alone);
+    `stopped_since`: when each stopped process was first seen stopped."""
+    now = time.monotonic()
+    for slot, process in running.items():
+        if process_state(process.pid) != "T":
+            stopped_since.pop(slot, None)
+            continue
+        stopped_s = now - stopped_since.setdefault(slot, now)
+        if stopped_s > bound_s:
+            rank = members.index(slot) if slot in members else slot
+            print(
+                f"ddp-accel launch: rank {rank} stopped for {stopped_s:.0f} s (SIGSTOP, a stuck driver): ended, "
+                "and recovered from as lost",
+                file=sys.stderr,
+                flush=True,
+            )
+            process.kill()
+            del stopped_since[slot]
 
 
 def end_the_silent(process: subprocess.Popen, who: str) -> None:

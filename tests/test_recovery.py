@@ -356,6 +356,38 @@ def loader_workers_of_slot(slot: int) -> list[int]:
 
 
 @pytest.mark.multiprocess
+def test_a_spare_whose_imports_are_done_takes_a_lost_rank_s_place_at_once_and_another_starts_bitwise(
+    standard_reference, tmp_path
+):
+    output_dir = tmp_path / "spared"
+    launcher = recovering_launch(
+        output_dir,
+        2,
+        *STANDARD_PROBE_ARGS,
+        "--step-ms",
+        "40",
+        "--checkpointing-steps",
+        "1000",
+        options=("--spares", "1"),
+    )
+    log_file = output_dir.with_suffix(".log")
+    wait_for(lambda: "a spare is ready (pid" in log_file.read_text(), alive=launcher, what="the spare's imports")
+    spare = probes_of_slot("spare")[0]
+    assert f"a spare is ready (pid {spare})" in log_file.read_text()
+    kill_slot_after_some_steps(launcher, output_dir, slot=1)
+    wait_for(lambda: "takes the place of slot 1" in log_file.read_text(), alive=launcher, what="the spare's call")
+    os.kill(spare, 0)  # the spare is slot 1 now (no process started after the loss), and another spare waits
+    assert wait_for(lambda: [pid for pid in probes_of_slot("spare") if pid != spare], alive=launcher, what="a spare")
+    code, log = finish(launcher, output_dir)
+    assert code == 0, log[-3000:]
+    assert f"a spare (pid {spare}, its imports done) takes the place of slot 1" in log, log[-3000:]
+    assert "1 replacement(s) join the 1 survivors" in log and "generation 1's first step done" in log, log[-3000:]
+    assert log.count("process 1: the models' and optimizers' states from process 0 (given)") == 1, log[-3000:]
+    assert_same_weights(standard_reference, output_dir)
+    assert not probes_of_slot("spare") and not any(probes_of_slot(slot) for slot in range(2))  # nothing left
+
+
+@pytest.mark.multiprocess
 def test_a_killed_dataloader_worker_costs_its_group_a_regroup_at_the_step_reached_bitwise(standard_reference, tmp_path):
     # the OOM killer's usual victim: the process whose worker it was saves the step reached and leaves the group;
     # the same processes go on in the next one, with new workers (no process replaced, no job ended)
@@ -519,7 +551,12 @@ def test_in_process_recovery_refuses_more_than_one_machine_or_an_engine_with_gro
     assert "--min-processes 4 is more than the 3 processes launched" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--min-processes", "2", "--num_processes", "3", PROBE])
-    assert "--min-processes and --stopped-timeout-s shape --recover in-process: give it" in capsys.readouterr().err
+    assert "--min-processes, --stopped-timeout-s and --spares shape --recover in-process: give it" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        main(["--spares", "1", "--num_processes", "3", PROBE])
+    assert "--spares shape --recover in-process: give it" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # the survivors would stop waiting for their next group first
         main(["--recover", "in-process", "--stopped-timeout-s", "200", "--num_processes", "3", PROBE])
     assert "--stopped-timeout-s: give less than 150 s" in capsys.readouterr().err

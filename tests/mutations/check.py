@@ -1074,8 +1074,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "a_stopped_process_holds_its_peers_until_the_watchdog": (
         "ddp_accel/recovery.py",
-        '            if process_state(process.pid) != "T":',
-        "            if True:",
+        '        if process_state(process.pid) != "T":',
+        "        if True:",
     ),
     "a_survivor_leaves_its_peers_waiting_on_its_connections": (
         "ddp_accel/recovery.py",
