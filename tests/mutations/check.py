@@ -1253,6 +1253,16 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            self.next_generation(survivors, share, how, held, lost_at=lost_at)",
         "            self.next_generation(survivors, None, how, held, lost_at=lost_at)",
     ),
+    "a_spare_never_takes_a_place": (
+        "ddp_accel/recovery.py",
+        "            if spare[0].poll() is None and spare[1] in self.ready:",
+        "            if False:",
+    ),
+    "a_spare_called_without_its_slot": (
+        "ddp_accel/recovery.py",
+        '    os.environ[SLOT] = call["slot"]\n',
+        "",
+    ),
 }
 
 
