@@ -650,8 +650,10 @@ def launch(
     processes wait, imported, to replace a lost one at once."""
     os.environ.update(env or {})
     command = [sys.executable, *script_command]
-    options = {"min_processes": min_processes, "stopped_timeout_s": stopped_timeout_s, "spares": spares}
-    return Launcher(command, processes, **options).run()
+    launcher = Launcher(
+        command, processes, min_processes=min_processes, stopped_timeout_s=stopped_timeout_s, spares=spares
+    )
+    return launcher.run()
 
 
 def end_the_stopped(
