@@ -633,6 +633,42 @@ def launcher_store(monkeypatch, world: int):
 
 
 @pytest.mark.inprocess
+def test_a_spare_called_in_takes_the_lost_slot_its_rank_and_its_gpu_unless_its_script_used_cuda(monkeypatch):
+    import torch
+
+    from ddp_accel import recovery
+    from ddp_accel.errors import UserError
+
+    store = launcher_store(monkeypatch, 3)
+    for name in (
+        GENERATION,
+        recovery.HELD_STEP,
+        recovery.LOST_AT,
+        recovery.CALLED_AT,
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+    ):
+        monkeypatch.setenv(name, "")  # what the call sets, unset again after the test
+        monkeypatch.delenv(name)
+    store.set(f"{recovery.KEY}/generation_2", json.dumps({"members": ["0", "2", "1"], "batch_size": 4, "held": 7}))
+    call = json.dumps({"generation": 2, "slot": "1", "device": "3"})
+    for start, cuda_used in ((5, True), (6, False)):
+        for name, value in ((SLOT, recovery.SPARE), (recovery.JOINS, str(start)), ("CUDA_VISIBLE_DEVICES", "")):
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda used=cuda_used: used)
+        store.set(f"{recovery.KEY}/called/{start}", call)
+        if cuda_used:
+            with pytest.raises(UserError, match="used CUDA before Run"):
+                recovery.wait_to_be_called(5)
+            continue
+        recovery.wait_to_be_called(5)
+        assert store.check([f"{recovery.KEY}/ready/{start}"])  # it said its imports were done
+        assert (os.environ[SLOT], os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("1", "2", "3")
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "3" and os.environ[GENERATION] == "2"
+        assert os.environ[recovery.HELD_STEP] == "7" and recovery.JOINS not in os.environ
+
+
+@pytest.mark.inprocess
 def test_the_ordered_sum_s_wait_on_a_peer_ends_at_the_launcher_s_word_that_a_peer_was_lost(monkeypatch):
     # gloo does not always tell a process waiting on a peer that the peer is gone (a receive whose sender died
     # mid-message waits until --timeout-s): under in-process recovery the ordered sum's waits read the launcher's word
