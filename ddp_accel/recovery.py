@@ -29,9 +29,10 @@ they meet at (a TCPStore in the launcher: losing rank 0 loses no store). When a 
    process stops at the same step (ddp_accel.stopping) and keeps its copy of it, process 0 writing it in the
    background (ddp_accel.rescue; else every process saves it at once, as a preemption's); then all of them, the
    replacement with them, form the next generation with the first one's per-process batch and resume there.
-6. With `--spares N` the launcher starts N processes besides the group's, which import and wait to be called. A
-   replacement is then a spare whose imports are done, called in at once (the lost process's slot, and its GPU)
-   instead of a process started after the loss; another spare starts in its place.
+6. With `--spares N` the launcher starts N processes besides the group's (on GPUs, each with a GPU of its own),
+   which import and wait to be called. A replacement is then a spare whose imports are done, called in at once into
+   the lost process's slot instead of a process started after the loss; another spare starts in its place (on the
+   lost process's GPU).
 """
 
 from __future__ import annotations
@@ -179,21 +180,13 @@ def hand_back_asked() -> bool:
 
 def wait_to_be_called(timeout_s: float) -> None:
     """A replacement, or a spare, its imports done: say so, and wait until the launcher calls it into a generation
-    (its place in it: the launch variables; a spare's slot and GPU: the lost process's)."""
-    from ddp_accel.errors import UserError
-
+    (its place in it: the launch variables; a spare's slot: the lost process's)."""
     timeout_s = SPARE_WAIT_S if os.environ[SLOT] == SPARE else timeout_s
     store, start = store_client(timeout_s), os.environ[JOINS]
     store.set(f"{KEY}/ready/{start}", "1")
     call = json.loads(
         waited(store, f"{KEY}/called/{start}", timeout_s, f"this replacement was not called within {timeout_s:g} s")
     )
-    if call["device"] is not None:
-        import torch
-
-        if torch.cuda.is_initialized():  # CUDA reads the variable once, at its start
-            raise UserError("a spare's script used CUDA before Run(config): it cannot take the lost process's GPU")
-        os.environ["CUDA_VISIBLE_DEVICES"] = call["device"]
     os.environ[SLOT] = call["slot"]
     take_place(call["generation"], json.loads(store.get(f"{KEY}/generation_{call['generation']}")))
     del os.environ[JOINS]
@@ -313,39 +306,43 @@ def resumed_arguments(arguments: list[str], batch_size: int | None) -> list[str]
 
 class Spares:
     """`count` processes started ahead of any loss, each waiting to be called once its imports are done: a loss that
-    needs a replacement takes a ready one (`take`), and `fill` starts another in its place."""
+    needs a replacement takes a ready one (`take`), and `fill` starts another in its place. Each spare has a slot of
+    its own past the group's (`first_slot` on), with that slot's GPU from its start (CUDA reads its visible devices
+    once): the spare that takes a lost slot swaps GPUs with it, and its successor starts on the lost one's."""
 
-    def __init__(self, count: int, start: Callable[[], tuple[subprocess.Popen, int]], store: Any):
-        self.count, self.start, self.store = count, start, store
-        self.waiting: list[tuple[subprocess.Popen, int]] = []  # (process, its start's number: its keys)
+    def __init__(self, count: int, start: Callable[[str], tuple[subprocess.Popen, int]], store: Any, first_slot: int):
+        self.start, self.store = start, store
+        self.slots = [str(first_slot + index) for index in range(count)]
+        self.waiting: dict[str, tuple[subprocess.Popen, int]] = {}  # slot -> (process, its start's number: its keys)
         self.ready: set[int] = set()  # the starts of those whose imports are done (said once)
 
     def fill(self) -> None:
-        self.waiting = [spare for spare in self.waiting if spare[0].poll() is None]  # (one ended meanwhile)
-        while len(self.waiting) < self.count:
-            self.waiting.append(self.start())
+        for slot in self.slots:
+            if slot not in self.waiting or self.waiting[slot][0].poll() is not None:  # (one ended meanwhile)
+                self.waiting[slot] = self.start(slot)
 
     def say_the_ready(self) -> None:
-        for process, start in self.waiting:
+        for process, start in self.waiting.values():
             if start not in self.ready and self.store.check([f"{KEY}/ready/{start}"]):
                 self.ready.add(start)
                 print(f"ddp-accel launch: a spare is ready (pid {process.pid})", file=sys.stderr, flush=True)
 
-    def take(self, slot: str) -> tuple[subprocess.Popen, int] | None:
-        """A spare whose imports are done, for `slot`, no longer a spare (None: none is ready)."""
+    def take(self, slot: str, devices: list[str] | None) -> tuple[subprocess.Popen, int] | None:
+        """A spare whose imports are done, for `slot`, no longer a spare (None: none is ready); `devices`, each slot's
+        GPU, then gives `slot` the spare's."""
         self.say_the_ready()
-        for spare in self.waiting:
-            if spare[0].poll() is None and spare[1] in self.ready:
-                self.waiting.remove(spare)
-                line = (
-                    f"ddp-accel launch: a spare (pid {spare[0].pid}, its imports done) takes the place of slot {slot}"
-                )
+        for own, (process, start) in self.waiting.items():
+            if process.poll() is None and start in self.ready:
+                del self.waiting[own]
+                if devices is not None:  # (the lost process is gone: its GPU is the next spare's)
+                    devices[int(slot)], devices[int(own)] = devices[int(own)], devices[int(slot)]
+                line = f"ddp-accel launch: a spare (pid {process.pid}, its imports done) takes the place of slot {slot}"
                 print(line, file=sys.stderr, flush=True)
-                return spare
+                return process, start
         return None
 
     def processes(self) -> list[subprocess.Popen]:
-        return [process for process, _ in self.waiting]
+        return [process for process, _ in self.waiting.values()]
 
 
 class Launcher:
@@ -367,7 +364,8 @@ class Launcher:
         self.min_processes = min_processes or processes  # fewer survivors than this: replacements
         self.stopped_timeout_s = stopped_timeout_s or STOPPED_TIMEOUT_S
         self.stopped_since: dict[str, float] = {}
-        self.devices = slot_devices(processes)  # each slot's GPU (None: a CPU run, or fewer GPUs than processes)
+        # each slot's GPU, the spares' past the group's (None: a CPU run, or fewer GPUs than slots)
+        self.devices = slot_devices(processes + spares)
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.generation = 0
         self.everyone = [str(slot) for slot in range(processes)]  # the first group's, in rank order
@@ -381,15 +379,14 @@ class Launcher:
         self.lost_steps: list[int] = []
         self.received: list[int] = []
         self.error_code = 0  # a process that ended with an error of its own while the others reported (this loss)
-        self.spares = Spares(spares, lambda: (self.start(None, resume=True, joins=True), self.starts), self.store)
+        spare = lambda slot: (self.start(slot, resume=True, joins=True), self.starts)  # noqa: E731 (its start's number)
+        self.spares = Spares(spares, spare, self.store, processes)
 
-    def start(
-        self, slot: str | None, *, resume: bool = False, joins: bool = False, lost_at: float = 0
-    ) -> subprocess.Popen:
+    def start(self, slot: str, *, resume: bool = False, joins: bool = False, lost_at: float = 0) -> subprocess.Popen:
         """A process for `slot`: its place in the current group (a replacement that joins: in the first group's; a
-        spare, None: none until its call)."""
+        spare, a slot past the group's: none until its call)."""
         members = self.everyone if joins else self.members
-        rank, world = (members.index(slot), len(members)) if slot is not None else (0, len(self.everyone))
+        rank, world = (members.index(slot), len(members)) if slot in members else (0, len(self.everyone))
         self.starts += 1
         env = {
             **os.environ,
@@ -398,9 +395,9 @@ class Launcher:
             **launch_variables(rank, world),
             # its slot's GPU alone: a survivor keeps its device whatever rank it takes later, a replacement takes the
             # lost one's (Accelerate picks LOCAL_RANK modulo the devices it sees)
-            **({"CUDA_VISIBLE_DEVICES": self.devices[int(slot)]} if self.devices and slot is not None else {}),
+            **({"CUDA_VISIBLE_DEVICES": self.devices[int(slot)]} if self.devices else {}),
             GENERATION: str(self.generation),
-            SLOT: slot or SPARE,
+            SLOT: slot if slot in self.everyone else SPARE,
             LAUNCHER: str(os.getpid()),
             **({JOINS: str(self.starts)} if joins else {}),
             **({LOST_AT: str(lost_at)} if lost_at else {}),
@@ -544,7 +541,10 @@ class Launcher:
             how += "" if replaced else f" to the end (--min-processes {self.min_processes}: no replacement)"
             self.next_generation(survivors, share, how, held, lost_at=lost_at)
             for slot in lost if replaced else []:  # called in once its imports are done: hand_back
-                self.joining[slot] = self.spares.take(slot) or (self.start(slot, resume=True, joins=True), self.starts)
+                self.joining[slot] = self.spares.take(slot, self.devices) or (
+                    self.start(slot, resume=True, joins=True),
+                    self.starts,
+                )
             self.spares.fill()
             return True
         # the first group's size again, each process with its first batch: replacements now (and any waiting)
@@ -552,7 +552,7 @@ class Launcher:
         batch_size = self.facts.shares(len(self.everyone)) if self.facts else None
         self.next_generation(list(self.everyone), batch_size, how, held, lost_at=lost_at)  # (held: given to them)
         for slot in lost:
-            spare = self.spares.take(slot)  # (its imports done: no process started after the loss)
+            spare = self.spares.take(slot, self.devices)  # (its imports done: no process started after the loss)
             if spare is None:
                 self.running[slot] = self.start(slot, resume=True, lost_at=lost_at)
             else:
@@ -583,21 +583,18 @@ class Launcher:
 
     def call_the_replacements_in(self) -> None:
         for slot, (process, start) in self.joining.items():
-            device = self.devices[int(slot)] if self.devices else None
-            call = {"generation": self.generation, "slot": slot, "device": device}
+            call = {"generation": self.generation, "slot": slot}
             self.store.set(f"{KEY}/called/{start}", json.dumps(call))
             self.running[slot] = process
         self.joining.clear()
 
-    def waiting(self) -> list[subprocess.Popen]:
-        """The processes not in a group: replacements waiting for their call, and spares."""
+    def waiting(self) -> list[subprocess.Popen]:  # (not in a group: replacements waiting for their call, spares)
         return [*(process for process, _ in self.joining.values()), *self.spares.processes()]
 
     def end_all(self) -> None:
         end_processes(list(self.running.values()), self.waiting())
         self.running.clear()
         self.joining.clear()
-        self.spares.waiting.clear()
 
 
 def end_processes(running: list[subprocess.Popen], waiting: list[subprocess.Popen]) -> None:
@@ -649,6 +646,10 @@ def launch(
     stopped for `stopped_timeout_s` (default STOPPED_TIMEOUT_S) is ended and recovered from as lost; `spares`
     processes wait, imported, to replace a lost one at once."""
     os.environ.update(env or {})
+    if spares and slot_devices(processes + spares) is None and slot_devices(processes) is not None:
+        wanted = f"{processes + spares} GPUs for {processes} processes and {spares} spare(s)"
+        print(f"error: --spares: a spare needs a GPU of its own from its start: {wanted}", file=sys.stderr, flush=True)
+        return 2
     command = [sys.executable, *script_command]
     launcher = Launcher(
         command, processes, min_processes=min_processes, stopped_timeout_s=stopped_timeout_s, spares=spares

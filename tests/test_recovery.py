@@ -633,11 +633,8 @@ def launcher_store(monkeypatch, world: int):
 
 
 @pytest.mark.inprocess
-def test_a_spare_called_in_takes_the_lost_slot_its_rank_and_its_gpu_unless_its_script_used_cuda(monkeypatch):
-    import torch
-
+def test_a_spare_called_in_takes_the_lost_slot_and_its_rank(monkeypatch):
     from ddp_accel import recovery
-    from ddp_accel.errors import UserError
 
     store = launcher_store(monkeypatch, 3)
     for name in (
@@ -651,21 +648,64 @@ def test_a_spare_called_in_takes_the_lost_slot_its_rank_and_its_gpu_unless_its_s
         monkeypatch.setenv(name, "")  # what the call sets, unset again after the test
         monkeypatch.delenv(name)
     store.set(f"{recovery.KEY}/generation_2", json.dumps({"members": ["0", "2", "1"], "batch_size": 4, "held": 7}))
-    call = json.dumps({"generation": 2, "slot": "1", "device": "3"})
-    for start, cuda_used in ((5, True), (6, False)):
-        for name, value in ((SLOT, recovery.SPARE), (recovery.JOINS, str(start)), ("CUDA_VISIBLE_DEVICES", "")):
-            monkeypatch.setenv(name, value)
-        monkeypatch.setattr(torch.cuda, "is_initialized", lambda used=cuda_used: used)
-        store.set(f"{recovery.KEY}/called/{start}", call)
-        if cuda_used:
-            with pytest.raises(UserError, match="used CUDA before Run"):
-                recovery.wait_to_be_called(5)
-            continue
-        recovery.wait_to_be_called(5)
-        assert store.check([f"{recovery.KEY}/ready/{start}"])  # it said its imports were done
-        assert (os.environ[SLOT], os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("1", "2", "3")
-        assert os.environ["CUDA_VISIBLE_DEVICES"] == "3" and os.environ[GENERATION] == "2"
-        assert os.environ[recovery.HELD_STEP] == "7" and recovery.JOINS not in os.environ
+    monkeypatch.setenv(SLOT, recovery.SPARE)
+    monkeypatch.setenv(recovery.JOINS, "5")
+    store.set(f"{recovery.KEY}/called/5", json.dumps({"generation": 2, "slot": "1"}))
+    recovery.wait_to_be_called(5)
+    assert store.check([f"{recovery.KEY}/ready/5"])  # it said its imports were done
+    assert (os.environ[SLOT], os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ[GENERATION]) == (
+        "1",
+        "2",
+        "3",
+        "2",
+    )
+    assert os.environ[recovery.HELD_STEP] == "7" and recovery.JOINS not in os.environ
+
+
+class Running:
+    """A started process that runs until the test ends."""
+
+    def __init__(self, command, env, **how):
+        self.env, self.pid, self.returncode = env, 4242, None
+
+    def poll(self):
+        return None
+
+
+@pytest.mark.inprocess
+def test_a_spare_keeps_its_own_gpu_in_the_lost_slot_and_the_next_spare_starts_on_the_lost_one_s(monkeypatch, capsys):
+    import torch
+
+    from ddp_accel import recovery
+
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    started: list[Running] = []
+    monkeypatch.setattr(
+        recovery.subprocess, "Popen", lambda *args, **how: started.append(Running(*args, **how)) or started[-1]
+    )
+    launcher = recovery.Launcher(["python", "train.py"], 2, spares=1)
+    for slot in launcher.members:
+        launcher.running[slot] = launcher.start(slot)
+    launcher.spares.fill()
+    assert [(process.env[SLOT], process.env["CUDA_VISIBLE_DEVICES"]) for process in started] == [
+        ("0", "3"),
+        ("1", "5"),
+        (recovery.SPARE, "7"),
+    ]
+    launcher.store.set(f"{recovery.KEY}/ready/{started[2].env[recovery.JOINS]}", "1")  # its imports done
+    facts = {"step": 5, "global_batch": 8, "exact_micro_batch": 0}
+    assert launcher.regroup({"0": facts}, lost_at=1.0)  # slot 1 lost: the spare takes it, another starts
+    assert launcher.running["1"] is started[2] and launcher.devices == ["3", "7", "5"]
+    assert (started[3].env[SLOT], started[3].env["CUDA_VISIBLE_DEVICES"]) == (recovery.SPARE, "5")
+    call = json.loads(launcher.store.get(f"{recovery.KEY}/called/{started[2].env[recovery.JOINS]}"))
+    assert call == {"generation": 1, "slot": "1"}
+    assert "a spare (pid 4242, its imports done) takes the place of slot 1" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a GPU for each process, none for a spare
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert recovery.launch(["train.py"], 2, spares=1) == 2
+    assert "a spare needs a GPU of its own from its start: 3 GPUs for 2 processes" in capsys.readouterr().err
 
 
 @pytest.mark.inprocess
