@@ -1255,8 +1255,13 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "a_spare_never_takes_a_place": (
         "ddp_accel/recovery.py",
-        "            if spare[0].poll() is None and spare[1] in self.ready:",
+        "            if process.poll() is None and start in self.ready:",
         "            if False:",
+    ),
+    "a_spare_in_a_lost_slot_takes_the_lost_process_s_gpu": (
+        "ddp_accel/recovery.py",
+        "                    devices[int(slot)], devices[int(own)] = devices[int(own)], devices[int(slot)]",
+        "                    pass",
     ),
     "a_spare_called_without_its_slot": (
         "ddp_accel/recovery.py",
