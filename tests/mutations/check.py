@@ -1221,7 +1221,7 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "a_survivor_moves_to_its_new_rank_s_gpu": (
         "ddp_accel/recovery.py",
-        "        self.devices = slot_devices(processes)",
+        "        self.devices = slot_devices(processes + spares)",
         "        self.devices = None",
     ),
     "datasets_installed_with_the_core": (
