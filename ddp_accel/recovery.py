@@ -59,7 +59,6 @@ CALLED_AT = "DDP_ACCEL_RECOVERY_CALLED_AT"  # when the launcher called this gene
 JOINS = "DDP_ACCEL_RECOVERY_JOINS"  # a replacement: it waits to be called into a generation (the value: its start)
 HELD_STEP = "DDP_ACCEL_RECOVERY_HELD_STEP"  # the step the group's survivors hold in memory: no file of it read
 SPARE = "spare"  # a spare's slot until it is called into a lost process's
-SPARE_WAIT_S = 7 * 24 * 3600.0  # a spare waits as long as the run may last (it ends when the launcher's store does)
 HAND_BACK_SIGNAL = signal.SIGUSR1  # the survivors stop together at a step for their replacements (a preemption's)
 KEY = "ddp_accel/recovery"
 REPORT_TIMEOUT_S = 300.0  # a survivor that neither reports nor ends by then is ended: the group goes on without it
@@ -181,15 +180,28 @@ def hand_back_asked() -> bool:
 def wait_to_be_called(timeout_s: float) -> None:
     """A replacement, or a spare, its imports done: say so, and wait until the launcher calls it into a generation
     (its place in it: the launch variables; a spare's slot: the lost process's)."""
-    timeout_s = SPARE_WAIT_S if os.environ[SLOT] == SPARE else timeout_s
+    if os.getppid() != int(os.environ[LAUNCHER]):  # (its launcher gone: nobody to call it)
+        raise SystemExit(0)
     store, start = store_client(timeout_s), os.environ[JOINS]
     store.set(f"{KEY}/ready/{start}", "1")
+    if os.environ[SLOT] == SPARE:
+        wait_as_a_spare(store, f"{KEY}/called/{start}")
     call = json.loads(
         waited(store, f"{KEY}/called/{start}", timeout_s, f"this replacement was not called within {timeout_s:g} s")
     )
     os.environ[SLOT] = call["slot"]
     take_place(call["generation"], json.loads(store.get(f"{KEY}/generation_{call['generation']}")))
     del os.environ[JOINS]
+
+
+def wait_as_a_spare(store: Any, key: str) -> None:
+    """A spare waits for its call as long as its launcher lives, and ends quietly with it (nothing to save)."""
+    while True:
+        with contextlib.suppress(Exception):  # (a second without the call, or the store gone with the launcher)
+            store.wait([key], datetime.timedelta(seconds=1))
+            return
+        if os.getppid() != int(os.environ[LAUNCHER]):
+            raise SystemExit(0)
 
 
 def say_completed() -> None:
@@ -327,6 +339,11 @@ class Spares:
                 self.ready.add(start)
                 print(f"ddp-accel launch: a spare is ready (pid {process.pid})", file=sys.stderr, flush=True)
 
+    def ready_for(self, lost: int) -> bool:
+        """Whether ready spares can replace `lost` processes at once."""
+        self.say_the_ready()
+        return sum(process.poll() is None and start in self.ready for process, start in self.waiting.values()) >= lost
+
     def take(self, slot: str, devices: list[str] | None) -> tuple[subprocess.Popen, int] | None:
         """A spare whose imports are done, for `slot`, no longer a spare (None: none is ready); `devices`, each slot's
         GPU, then gives `slot` the spare's."""
@@ -421,8 +438,9 @@ class Launcher:
 
     def on_signal(self, signum: int, frame: Any) -> None:
         self.received.append(signum)
-        for process in [*self.running.values(), *self.waiting()]:
+        for process in [*self.running.values(), *(process for process, _ in self.joining.values())]:
             process.send_signal(signum)  # a preemption or Ctrl-C: every process saves and ends
+        end_processes([], self.spares.processes())  # (nothing to save: a stop's marker is the group's to write)
 
     def watch(self) -> int:
         while self.running:
@@ -535,17 +553,13 @@ class Launcher:
         if none_lost:  # the same processes go on
             self.next_generation(survivors, share, f"the {len(survivors)} processes go on{at}", held, lost_at=lost_at)
             return True
-        if share is not None:
-            replaced = len(survivors) < self.min_processes
+        replaced = len(survivors) < self.min_processes
+        if share is not None and not (replaced and self.spares.ready_for(len(lost))):  # (ready spares: join now)
             how = f"{len(survivors)} survivors go on{at}, {share} samples each"
             how += "" if replaced else f" to the end (--min-processes {self.min_processes}: no replacement)"
             self.next_generation(survivors, share, how, held, lost_at=lost_at)
             for slot in lost if replaced else []:  # called in once its imports are done: hand_back
-                self.joining[slot] = self.spares.take(slot, self.devices) or (
-                    self.start(slot, resume=True, joins=True),
-                    self.starts,
-                )
-            self.spares.fill()
+                self.joining[slot] = (self.start(slot, resume=True, joins=True), self.starts)
             return True
         # the first group's size again, each process with its first batch: replacements now (and any waiting)
         how = f"{len(lost) + len(self.joining)} replacement(s) join the {len(survivors)} survivors{at}"
@@ -588,11 +602,8 @@ class Launcher:
             self.running[slot] = process
         self.joining.clear()
 
-    def waiting(self) -> list[subprocess.Popen]:  # (not in a group: replacements waiting for their call, spares)
-        return [*(process for process, _ in self.joining.values()), *self.spares.processes()]
-
     def end_all(self) -> None:
-        end_processes(list(self.running.values()), self.waiting())
+        end_processes(list(self.running.values()), [*(p for p, _ in self.joining.values()), *self.spares.processes()])
         self.running.clear()
         self.joining.clear()
 
@@ -600,8 +611,9 @@ class Launcher:
 def end_processes(running: list[subprocess.Popen], waiting: list[subprocess.Popen]) -> None:
     """The group's processes asked to end (a stop: they save the step reached), those waiting to be called in
     killed (nothing to save, and deaf to a signal in the store's wait); each waited for."""
-    for process in waiting:
-        process.kill()
+    for process in waiting:  # (each leads a session of its own: its forkserver, started early, ends with it)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
     for process in running:
         if process.poll() is None:
             process.terminate()

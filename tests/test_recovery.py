@@ -650,6 +650,7 @@ def test_a_spare_called_in_takes_the_lost_slot_and_its_rank(monkeypatch):
     store.set(f"{recovery.KEY}/generation_2", json.dumps({"members": ["0", "2", "1"], "batch_size": 4, "held": 7}))
     monkeypatch.setenv(SLOT, recovery.SPARE)
     monkeypatch.setenv(recovery.JOINS, "5")
+    monkeypatch.setenv(recovery.LAUNCHER, str(os.getppid()))  # (this process plays the launcher's child)
     store.set(f"{recovery.KEY}/called/5", json.dumps({"generation": 2, "slot": "1"}))
     recovery.wait_to_be_called(5)
     assert store.check([f"{recovery.KEY}/ready/5"])  # it said its imports were done
@@ -702,6 +703,14 @@ def test_a_spare_keeps_its_own_gpu_in_the_lost_slot_and_the_next_spare_starts_on
     call = json.loads(launcher.store.get(f"{recovery.KEY}/called/{started[2].env[recovery.JOINS]}"))
     assert call == {"generation": 1, "slot": "1"}
     assert "a spare (pid 4242, its imports done) takes the place of slot 1" in capsys.readouterr().err
+    # with pieces the survivors divide, a ready spare joins at once too (the group keeps its size: no hand-back)
+    exact = recovery.Launcher(["python", "train.py"], 2, spares=1)
+    exact.running = {slot: exact.start(slot) for slot in exact.members}
+    exact.spares.fill()
+    exact.store.set(f"{recovery.KEY}/ready/{started[-1].env[recovery.JOINS]}", "1")
+    assert exact.regroup({"1": {"step": 9, "global_batch": 8, "exact_micro_batch": 2}}, lost_at=2.0)
+    assert exact.running["0"].env[SLOT] == recovery.SPARE and not exact.joining
+    assert "generation 1: 1 replacement(s) join the 1 survivors at step 9" in capsys.readouterr().err
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a GPU for each process, none for a spare
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     assert recovery.launch(["train.py"], 2, spares=1) == 2

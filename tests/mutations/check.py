@@ -1258,6 +1258,11 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
         "            if process.poll() is None and start in self.ready:",
         "            if False:",
     ),
+    "a_ready_spare_waits_for_a_hand_back": (
+        "ddp_accel/recovery.py",
+        "        if share is not None and not (replaced and self.spares.ready_for(len(lost))):",
+        "        if share is not None:",
+    ),
     "a_spare_in_a_lost_slot_takes_the_lost_process_s_gpu": (
         "ddp_accel/recovery.py",
         "                    devices[int(slot)], devices[int(own)] = devices[int(own)], devices[int(slot)]",
