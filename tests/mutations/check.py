@@ -1069,8 +1069,8 @@ MUTATIONS: dict[str, tuple[str, str, str]] = {
     ),
     "min_processes_survivors_replaced_anyway": (
         "ddp_accel/recovery.py",
-        "            replaced = len(survivors) < self.min_processes",
-        "            replaced = True",
+        "        replaced = len(survivors) < self.min_processes",
+        "        replaced = True",
     ),
     "a_stopped_process_holds_its_peers_until_the_watchdog": (
         "ddp_accel/recovery.py",
